@@ -1,0 +1,1 @@
+"""Benchmarks: `bench serve` (an OpenAI-compatible server over HTTP), `throughput`, `latency`."""

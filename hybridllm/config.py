@@ -1,0 +1,109 @@
+"""Frozen engine configuration, validated once at construction (no torch import)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SUPPORTED_DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model to run: where it lives, its HF config, and the compute dtype."""
+
+    model: str  # path to an HF folder or a .gguf file
+    hf_config: Any  # transformers.PretrainedConfig (read-only by convention)
+    dtype: str  # resolved: "float32" | "bfloat16" | "float16"
+    max_model_len: int
+    architecture: str
+    tokenizer: str | None = None  # path; defaults to the model's own tokenizer
+    eos_token_ids: tuple[int, ...] = ()  # generation config's end-of-sequence ids, primary first
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        c = self.hf_config
+        return getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        c = self.hf_config
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block size and the memory budget the number of blocks comes from."""
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None  # CPU budget; None: a fraction of free RAM
+    num_gpu_blocks_override: int | None = None  # tests: force a tiny pool (preemption)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(
+                f"num_blocks override must be >= 1, got {self.num_gpu_blocks_override}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """One token budget per step; chunked prefill splits prompts larger than what is left."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+            )
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where the single worker runs (the heterogeneous plan generalises this)."""
+
+    device: str = "cpu"  # resolved: "cpu" | "cuda"
+    cpu_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be resolved to 'cpu' or 'cuda', got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device_config: DeviceConfig
+    seed: int = 0

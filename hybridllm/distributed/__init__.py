@@ -1,0 +1,1 @@
+"""Inter-process communication: shared-memory message queues and device communicators."""

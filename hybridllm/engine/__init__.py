@@ -1,0 +1,1 @@
+"""Engine core: request state, paged KV block manager, scheduler, LLMEngine (no torch import)."""

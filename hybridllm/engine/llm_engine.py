@@ -1,0 +1,199 @@
+"""LLMEngine: tokenizer -> scheduler -> executor -> output processor; add / step / abort."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from hybridllm.config import EngineConfig
+from hybridllm.engine.output_processor import OutputProcessor
+from hybridllm.engine.request import Request, RequestStatus
+from hybridllm.engine.scheduler import Scheduler
+from hybridllm.engine_args import EngineArgs
+from hybridllm.outputs import RequestOutput
+from hybridllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of blocks in use
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    worker_busy_seconds: dict[str, float] = field(default_factory=dict)
+
+
+class LLMEngine:
+    """Synchronous engine core. Not thread-safe: one thread calls add/abort/step/embed."""
+
+    def __init__(self, config: EngineConfig, show_progress: bool = False):
+        # Deferred: executors import torch; the engine package itself stays torch-free.
+        from hybridllm.executor.executor import create_executor
+        from hybridllm.loader import open_model_source
+
+        self.config = config
+        self.model_config = config.model_config
+        self.tokenizer = open_model_source(
+            config.model_config.tokenizer or config.model_config.model
+        ).load_tokenizer()
+        self.executor = create_executor(config, show_progress=show_progress)
+        try:
+            self.num_blocks = self.executor.initialize()
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_blocks)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._pending_outputs: list[RequestOutput] = []  # aborted requests, reported next step
+        self._closed = False
+        logger.info(
+            "engine ready: %s (%s) on %s, %d KV blocks of %d tokens",
+            config.model_config.model,
+            config.model_config.dtype,
+            config.device_config.device,
+            self.num_blocks,
+            config.cache_config.block_size,
+        )
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, show_progress: bool = False) -> LLMEngine:
+        return cls(args.create_engine_config(), show_progress=show_progress)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; raises ValueError (and queues nothing) when it cannot run."""
+        if self.output_processor.has(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        self._check_prompt(token_ids)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        children = [(request_id, params)]
+        if params.n > 1:
+            children = [(f"{request_id}#{i}", params.clone_for_sample(i)) for i in range(params.n)]
+        self.output_processor.add(request_id, text, token_ids, children, arrival)
+        eos = self.model_config.eos_token_ids
+        for child_id, child_params in children:
+            if len(eos) > 1 and not child_params.ignore_eos:
+                # Every end-of-sequence id of the generation config stops the request.
+                extra = [t for t in eos[1:] if t not in child_params.stop_token_ids]
+                child_params = dataclasses.replace(
+                    child_params, stop_token_ids=child_params.stop_token_ids + extra
+                )
+            self.scheduler.add_request(
+                Request(child_id, token_ids, child_params, eos[0] if eos else None, arrival)
+            )
+
+    def _tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(
+            f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
+        )
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        limit = self.model_config.max_model_len
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) >= limit:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, but the model's context is "
+                f"max_model_len={limit} tokens (prompt plus at least one generated token)"
+            )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for request_id in request_ids:
+            children = self.output_processor.child_ids(request_id)
+            if not children:
+                continue
+            self.scheduler.abort_requests(children)
+            state = self.output_processor.abort(request_id)
+            self._pending_outputs.append(self.output_processor.make_output(state))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._pending_outputs) or self.scheduler.has_unfinished_requests()
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
+            # Requests finished by the scheduler without running (e.g. larger than the pool).
+            updated = self.scheduler.update_from_output(scheduler_output, None)
+            return outputs + self._process(updated, {}, {})
+        runner_output = self.executor.execute_model(scheduler_output)
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        logprobs = dict(zip(runner_output.req_ids, runner_output.logprobs))
+        return outputs + self._process(updated, logprobs, runner_output.prompt_logprobs)
+
+    def _process(self, updated: list[Request], logprobs, prompt_logprobs) -> list[RequestOutput]:
+        for child_id, entries in prompt_logprobs.items():
+            self.output_processor.add_prompt_logprobs(child_id, entries)
+        touched, stopped = self.output_processor.process(updated, logprobs, time.monotonic())
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return [self.output_processor.make_output(state) for state in touched]
+
+    # ---- other work ---------------------------------------------------------------------------
+
+    def embed(
+        self, prompts: list[list[int]], pooling: str = "last", normalize: bool = True
+    ) -> list[list[float]]:
+        for token_ids in prompts:
+            self._check_prompt(token_ids)
+        return self.executor.collective_rpc("embed", (prompts, pooling, normalize))[-1]
+
+    def get_stats(self) -> EngineStats:
+        bm = self.scheduler.block_manager
+        busy = self.executor.collective_rpc("get_busy_seconds")
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=bm.usage,
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=self.num_blocks,
+            num_preemptions=getattr(self.scheduler, "num_preemptions", 0),
+            worker_busy_seconds={f"worker{i}": s for i, s in enumerate(busy)},
+        )
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.executor.shutdown()

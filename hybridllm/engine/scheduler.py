@@ -1,0 +1,329 @@
+"""Continuous-batching scheduler: one token budget per step, chunked prefill, preemption."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from hybridllm.config import CacheConfig, SchedulerConfig
+from hybridllm.engine.block_manager import BlockManager
+from hybridllm.engine.request import Request, RequestStatus
+from hybridllm.engine.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+
+class Scheduler:
+    """Decides each step which requests compute how many tokens (vLLM v1 style).
+
+    There are no prefill/decode phases: every request's `num_computed_tokens` catches
+    up with its `num_tokens`. Running requests go first, in arrival order, then waiting
+    ones FCFS. Invariant: `running` is in arrival order and every waiting request arrived
+    after every running one (admission never skips the queue head, and preemption takes
+    the latest arrival and puts it back at the head), so the latest arrival is running[-1].
+    """
+
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.block_manager = BlockManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        # A request can grow while the pool can hold all but its next sampled token.
+        self.max_len = min(scheduler_config.max_model_len, self.block_manager.capacity_tokens + 1)
+
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._num_tokens_sent: dict[str, int] = {}  # tokens the workers hold, per running req
+        self._in_flight: set[str] = set()  # scheduled, waiting for update_from_output
+        self._deferred_free: dict[str, Request] = {}  # finished while in flight
+        self._finished_req_ids: set[str] = set()  # for the next SchedulerOutput
+        self._finished_unreported: list[Request] = []  # finished without running (errors)
+
+        # Counters for metrics.
+        self.num_preemptions = 0
+        self.prefix_cache_queried_tokens = 0
+        self.prefix_cache_hit_tokens = 0
+
+    # ----- requests in and out -----
+    def add_request(self, request: Request) -> None:
+        """Queue a request; one that can never run is finished at once with FINISHED_ERROR."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already scheduled")
+        error = self._admission_error(request)
+        if error is not None:
+            request.status = RequestStatus.FINISHED_ERROR
+            request.error = error
+            self._finished_unreported.append(request)
+            return
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _admission_error(self, request: Request) -> str | None:
+        num_prompt = request.num_prompt_tokens
+        if num_prompt > self.scheduler_config.max_model_len:
+            return (
+                f"prompt has {num_prompt} tokens, more than max_model_len "
+                f"({self.scheduler_config.max_model_len})"
+            )
+        num_blocks = self.block_manager.num_blocks_for(num_prompt)
+        if num_blocks > self.block_manager.num_blocks:
+            return (
+                f"prompt has {num_prompt} tokens and needs {num_blocks} KV cache blocks, "
+                f"but the whole cache has {self.block_manager.num_blocks} blocks of "
+                f"{self.block_manager.block_size} tokens"
+            )
+        return None
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> None:
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(
+        self,
+        request_ids: str | Iterable[str],
+        status: RequestStatus,
+        stop_reason: int | str | None = None,
+    ) -> None:
+        """End requests early (abort, or a stop string seen by the engine); unknown ids are ignored."""
+        if not status.is_finished:
+            raise ValueError(f"finish_requests needs a FINISHED_* status, got {status.name}")
+        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+        requests = [self.requests[i] for i in ids if i in self.requests]
+        if not requests:
+            return
+        was_waiting = any(r.status != RequestStatus.RUNNING for r in requests)
+        for request in requests:
+            if stop_reason is not None:
+                request.stop_reason = stop_reason
+            self._finish(request, status)
+        # One O(queue) rebuild per call rather than one list removal per request.
+        if was_waiting:
+            self.waiting = deque(r for r in self.waiting if not r.is_finished())
+        self.running = [r for r in self.running if not r.is_finished()]
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        req_id = request.request_id
+        del self.requests[req_id]
+        self._num_tokens_sent.pop(req_id, None)
+        if req_id in self._in_flight:
+            # Workers may still be writing its KV this step: free once the step reports back.
+            self._deferred_free[req_id] = request
+        else:
+            self.block_manager.free(request)
+        self._finished_req_ids.add(req_id)
+
+    # ----- stats -----
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while requests run or wait, or finished ones still await update_from_output."""
+        return bool(self.requests) or bool(self._finished_unreported)
+
+    # ----- one step -----
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts, allocating their KV blocks.
+
+        Requests already scheduled and not yet reported back (`update_from_output`) are
+        skipped, so no tokens are ever scheduled twice even with several steps in flight.
+        """
+        config = self.scheduler_config
+        budget = config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        cached_reqs: list[CachedRequestData] = []
+        new_reqs: list[NewRequestData] = []
+        preempted = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if request.request_id in self._in_flight or num_new <= 0:
+                index += 1
+                continue
+            if num_new > budget and not config.enable_chunked_prefill:
+                index += 1  # a whole prompt or nothing; a later, shorter one may fit
+                continue
+            num_new = min(num_new, budget)
+            new_block_ids = self.block_manager.allocate_slots(request, num_new)
+            while new_block_ids is None:
+                victim = self._latest_preemptable()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+                new_block_ids = self.block_manager.allocate_slots(request, num_new)
+            if new_block_ids is None:
+                break  # it preempted itself: all requests after it are in flight
+            cached_reqs.append(self._cached_request_data(request, new_block_ids))
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            index += 1
+
+        # Admitting new work in a step that had to preempt would only thrash.
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            computed_blocks, num_hit = self.block_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if num_new > budget and not config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            new_block_ids = self.block_manager.allocate_slots(request, num_new, computed_blocks)
+            if new_block_ids is None:
+                break  # FCFS: no later request jumps the queue head
+            self.waiting.popleft()
+            self._admit(request, num_hit)
+            new_reqs.append(self._new_request_data(request))
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        self._in_flight.update(num_scheduled)
+        finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=config.max_num_batched_tokens - budget,
+            finished_req_ids=finished_req_ids,
+        )
+
+    def _admit(self, request: Request, num_hit: int) -> None:
+        if request.status == RequestStatus.WAITING:  # first time, not a resume
+            request.num_cached_tokens = num_hit
+        if self.cache_config.enable_prefix_caching:
+            self.prefix_cache_queried_tokens += request.num_tokens
+            self.prefix_cache_hit_tokens += num_hit
+        request.num_computed_tokens = num_hit
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def _latest_preemptable(self) -> Request:
+        # The caller is running and not in flight, so this always finds one.
+        for request in reversed(self.running):
+            if request.request_id not in self._in_flight:
+                return request
+        raise AssertionError("no preemptable running request")
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-style preemption: drop its KV, keep its tokens, requeue it at the head."""
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._num_tokens_sent.pop(request.request_id, None)
+        self._finished_req_ids.add(request.request_id)  # workers drop their copy
+        self.waiting.appendleft(request)
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        self._num_tokens_sent[request.request_id] = request.num_tokens
+        return NewRequestData(
+            req_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            output_token_ids=list(request.output_token_ids),
+            sampling_params=request.sampling_params,
+            block_ids=self.block_manager.get_block_ids(request.request_id),
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    def _cached_request_data(self, request: Request, new_block_ids: list[int]) -> CachedRequestData:
+        num_sent = self._num_tokens_sent[request.request_id]
+        self._num_tokens_sent[request.request_id] = request.num_tokens
+        return CachedRequestData(
+            req_id=request.request_id,
+            new_token_ids=request.all_token_ids[num_sent:],  # O(tokens sampled since)
+            new_block_ids=new_block_ids,
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    # ----- results of one step -----
+    def update_from_output(
+        self,
+        scheduler_output: SchedulerOutput,
+        model_runner_output: ModelRunnerOutput | None = None,
+    ) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, and apply stop checks.
+
+        Returns the requests that got a new token (finished ones with their final
+        status), plus any request finished without running (FINISHED_ERROR at
+        admission): call it for every step, empty ones too (`model_runner_output`
+        may be None when nothing was scheduled).
+        """
+        updated, self._finished_unreported = self._finished_unreported, []
+        if model_runner_output is None:
+            model_runner_output = ModelRunnerOutput()
+        sampled = dict(
+            zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True)
+        )
+        any_finished = False
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            self._in_flight.discard(req_id)
+            finished_in_flight = self._deferred_free.pop(req_id, None)
+            if finished_in_flight is not None:
+                self.block_manager.free(finished_in_flight)
+                continue
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += num_tokens
+            self.block_manager.cache_computed_blocks(request)
+            token_id = sampled.get(req_id)
+            if request.num_computed_tokens < request.num_tokens:
+                if token_id is not None:
+                    raise RuntimeError(
+                        f"model runner sampled for request {req_id!r} mid-prefill "
+                        f"({request.num_computed_tokens}/{request.num_tokens} tokens computed)"
+                    )
+                continue
+            if token_id is None:
+                raise RuntimeError(
+                    f"request {req_id!r} computed all {request.num_tokens} tokens "
+                    "but the model runner output has no sampled token for it"
+                )
+            request.append_output_token_ids(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self._finish(request, status)
+                any_finished = True
+            updated.append(request)
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished()]
+        return updated
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        # Stop tokens count only once min_tokens are out; they win over a length cap
+        # reached by the same token (the model did choose to stop).
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

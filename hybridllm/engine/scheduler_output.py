@@ -1,0 +1,71 @@
+"""What the scheduler tells the workers each step, and what the last stage sends back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request a worker has no state for: first scheduled, or resumed after preemption."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty only when resumed after preemption (recompute)
+    sampling_params: SamplingParams
+    block_ids: list[int]  # the whole block table
+    num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
+
+
+@dataclass
+class CachedRequestData:
+    """A request the workers already hold; only what changed since it was last scheduled."""
+
+    req_id: str
+    new_token_ids: list[int]  # tokens appended since last scheduled (sampled by the last stage)
+    new_block_ids: list[int]  # blocks appended to its block table
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: which requests run and how many tokens each computes.
+
+    Workers keep per-request state (token ids, block table) between steps; requests in
+    `finished_req_ids` (finished, aborted or preempted since the last step) are dropped.
+    A request samples a token this step iff, after it, its computed tokens reach its
+    total known tokens (prompt + output).
+    """
+
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class Logprobs:
+    """Top-k logprobs at one position: the chosen token first, then the top ones."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]  # rank of each token in the full distribution (1 = most likely)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens of the requests that finished their prefill or decoded this step."""
+
+    req_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprobs | None] = field(default_factory=list)  # parallel to req_ids
+    # prompt logprobs computed this step: req_id -> one entry per prompt position computed
+    # (position i holds the logprob of prompt token i+1; None for the first prompt token)
+    prompt_logprobs: dict[str, list[Logprobs | None]] = field(default_factory=dict)

@@ -1,0 +1,1 @@
+"""Entry points: the `LLM` class, the OpenAI-compatible server and the CLI."""

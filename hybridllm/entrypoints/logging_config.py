@@ -1,0 +1,24 @@
+"""Logging setup for the CLI and server: level from a flag or HYBRIDLLM_LOGGING_LEVEL."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def resolve_log_level(flag: str | None, default: str = "info") -> str:
+    """The flag wins, then the environment, then `default`."""
+    level = (flag or os.environ.get("HYBRIDLLM_LOGGING_LEVEL") or default).lower()
+    if level not in LOG_LEVELS:
+        raise ValueError(f"log level must be one of {LOG_LEVELS}, got {level!r}")
+    return level
+
+
+def configure_logging(flag: str | None = None, default: str = "info") -> str:
+    """Route every logger (ours and uvicorn's) through one stderr handler; returns the level."""
+    level = resolve_log_level(flag, default)
+    logging.basicConfig(format=LOG_FORMAT, level=level.upper(), force=True)
+    return level

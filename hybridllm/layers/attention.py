@@ -1,0 +1,60 @@
+"""Paged attention layer: writes this step's K/V to the cache and attends over it.
+
+The backend is chosen by device type: CUDA (Triton decode when available) or plain torch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridllm.layers.paged_attention_cpu import TorchPagedAttention
+from hybridllm.layers.prepared_attention import PreparedAttention
+
+
+def get_attention_backend(device: torch.device) -> TorchPagedAttention:
+    """The paged-attention implementation for `device` (a stateless object)."""
+    if device.type == "cuda":
+        # imported lazily: the CUDA module probes for triton at import time
+        from hybridllm.layers.paged_attention_cuda import CudaPagedAttention
+
+        return CudaPagedAttention()
+    return TorchPagedAttention()
+
+
+class PagedAttention(nn.Module):
+    """Multi-head attention over the paged KV cache; holds no weights."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+    ):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.sliding_window = sliding_window
+        self.backend = get_attention_backend(torch.device(device))
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        prep: PreparedAttention,
+    ) -> torch.Tensor:
+        """query [n, H, D], key/value [n, kvh, D] -> [n, H * D]."""
+        return self.backend.forward(
+            query, key, value, kv_cache, prep, self.scale, self.sliding_window
+        )

@@ -1,0 +1,97 @@
+"""Linear layer built without init cost; several HF projections may be stacked into one matmul."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def cpu_bf16_packing_supported() -> bool:
+    """Whether oneDNN can run bf16 linears from prepacked weights on this CPU."""
+    try:
+        return (
+            torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        )
+    except (AttributeError, RuntimeError):  # builds without these private ops
+        return False
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of `weight` [out, in] in oneDNN's blocked layout, for `packed_linear` only.
+
+    The result keeps the shape and dtype but not the meaning of a plain tensor.
+    """
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+
+def packed_linear(
+    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    # bf16 on CPU: about twice F.linear's speed for decode-sized inputs (memory-bound GEMV)
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+class Linear(nn.Module):
+    """`y = x @ W.T + b` where W stacks `output_sizes` row blocks (e.g. q, k, v -> qkv).
+
+    Weights start as `torch.empty`; `load_shard` copies one HF projection into its rows.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: Sequence[int] | int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        sizes = (output_sizes,) if isinstance(output_sizes, int) else tuple(output_sizes)
+        self.in_features = in_features
+        self.output_sizes = sizes
+        self.out_features = sum(sizes)
+        self.offsets = tuple(sum(sizes[:i]) for i in range(len(sizes)))
+        self.weight = nn.Parameter(
+            torch.empty(self.out_features, in_features, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+        self.bias = (
+            nn.Parameter(
+                torch.empty(self.out_features, dtype=dtype, device=device), requires_grad=False
+            )
+            if bias
+            else None
+        )
+        self.packed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return packed_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def pack_for_cpu(self) -> None:
+        """Switch to oneDNN's prepacked bf16 layout (after loading; no loads afterwards)."""
+        if not self.packed:
+            self.weight = nn.Parameter(pack_linear_weight(self.weight), requires_grad=False)
+            self.packed = True
+
+    def load_shard(self, kind: str, shard: int, loaded: torch.Tensor, name: str = "") -> None:
+        """Copy (with dtype conversion) one projection's `weight` or `bias` into its rows."""
+        what = name or f"{kind} shard {shard}"
+        if self.packed:
+            raise ValueError(f"cannot load {what} into a packed Linear: load before packing")
+        target = self.weight if kind == "weight" else self.bias
+        if target is None:
+            raise ValueError(f"{what}: this Linear has no {kind}")
+        start, size = self.offsets[shard], self.output_sizes[shard]
+        rows = target[start : start + size]
+        if loaded.shape != rows.shape:
+            raise ValueError(
+                f"weight {what}: expected shape {tuple(rows.shape)}, got {tuple(loaded.shape)}"
+            )
+        rows.copy_(loaded)

@@ -1,0 +1,141 @@
+"""Paged attention in plain torch: the CPU backend, and the CUDA backend's fallback.
+
+Keys and values live in a per-layer cache [2, num_blocks, block_size, num_kv_heads, head_dim].
+Decode rows gather their blocks into one padded batch and run a single SDPA call in which
+the query heads of one KV head act as that head's "query length" (GQA without repeating K/V).
+Prefill rows run SDPA per sequence over their context, causal with the prefix offset.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybridllm.layers.prepared_attention import PrefillSequence, PreparedAttention
+
+
+def write_kv_cache(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter this step's key/value [num_tokens, kv_heads, head_dim] into their cache slots."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_blocks * block_size, kvh, D]
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)
+
+
+class TorchPagedAttention:
+    """Stateless gather + SDPA implementation; one instance may serve every layer."""
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        prep: PreparedAttention,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """query [n, H, D], key/value [n, kvh, D] (this step's) -> output [n, H * D]."""
+        num_tokens, num_heads, head_dim = query.shape
+        if kv_cache is not None and kv_cache.numel():
+            write_kv_cache(kv_cache, key, value, prep.slot_mapping)
+        elif prep.reads_cache:
+            raise ValueError("decode rows and cached prefixes need a KV cache, got none")
+        num_decodes = prep.num_decodes
+        if num_decodes == num_tokens and num_decodes:
+            out = self.decode(query, kv_cache, prep, scale, sliding_window)
+            return out.reshape(num_tokens, num_heads * head_dim)
+        if num_decodes == 0 and len(prep.prefills) == 1:
+            out = self.prefill(
+                query, key, value, kv_cache, prep, prep.prefills[0], scale, sliding_window
+            )
+            return out.reshape(num_tokens, num_heads * head_dim)
+        out = query.new_empty(num_tokens, num_heads, head_dim)
+        if num_decodes:
+            out[:num_decodes] = self.decode(
+                query[:num_decodes], kv_cache, prep, scale, sliding_window
+            )
+        for seq in prep.prefills:
+            out[seq.query_start : seq.query_end] = self.prefill(
+                query, key, value, kv_cache, prep, seq, scale, sliding_window
+            )
+        return out.view(num_tokens, num_heads * head_dim)
+
+    def decode(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        prep: PreparedAttention,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """query [B, H, D] of single-token rows -> [B, H, D]."""
+        batch, num_heads, head_dim = query.shape
+        num_kv_heads = kv_cache.shape[3]
+        padded_len = prep.decode_padded_len
+        gathered = kv_cache.index_select(1, prep.decode_block_ids)  # [2, B * nb, bs, kvh, D]
+        kv = gathered.view(2, batch, padded_len, num_kv_heads, head_dim)
+        mask = None
+        if batch == 1:
+            # one row: slice to its exact (windowed) context instead of masking
+            end = prep.decode_seq_lens_cpu[0]
+            start = 0 if sliding_window is None else max(0, end - sliding_window)
+            kv = kv[:, :, start:end]
+        else:
+            mask = prep.decode_mask(sliding_window)  # [B, 1, 1, L]
+        key = kv[0].transpose(1, 2)  # [B, kvh, L, D]
+        value = kv[1].transpose(1, 2)
+        # [B, kvh, group, D]: the group's query heads play the role of query positions
+        grouped = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scale)
+        return out.reshape(batch, num_heads, head_dim)
+
+    def prefill(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        prep: PreparedAttention,
+        seq: PrefillSequence,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """Attention of one sequence's chunk over its context -> [query_len, H, D]."""
+        rows = slice(seq.query_start, seq.query_end)
+        q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+        if seq.block_ids is None:
+            k = key[rows].transpose(0, 1).unsqueeze(0)  # [1, kvh, q_len, D]
+            v = value[rows].transpose(0, 1).unsqueeze(0)
+        else:
+            k, v = self.gather_context(kv_cache, seq)
+        mask = prep.prefill_mask(seq, sliding_window)
+        out = self.sdpa(q, k, v, mask, scale)  # [1, H, q_len, D]
+        return out[0].transpose(0, 1)
+
+    @staticmethod
+    def gather_context(
+        kv_cache: torch.Tensor, seq: PrefillSequence
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sequence's keys and values from the cache, each [1, kvh, context_len, D]."""
+        num_kv_heads, head_dim = kv_cache.shape[-2:]
+        gathered = kv_cache.index_select(1, seq.block_ids)  # [2, nb, bs, kvh, D]
+        kv = gathered.view(2, -1, num_kv_heads, head_dim)[:, : seq.context_len]
+        return kv[0].transpose(0, 1).unsqueeze(0), kv[1].transpose(0, 1).unsqueeze(0)
+
+    @staticmethod
+    def sdpa(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
+        """q [1, H, q_len, D], k/v [1, kvh, ctx, D]; mask None means causal over equal lengths."""
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )

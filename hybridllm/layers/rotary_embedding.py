@@ -1,0 +1,116 @@
+"""Rotary position embedding (RoPE, rotate-half layout) with default, linear and llama3 scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_INITIAL_CACHE_POSITIONS = 4096  # grown on demand: a 128k-position table would cost 64+ MB
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The RoPE settings of an HF config, as one dict with `rope_theta` and `rope_type`.
+
+    transformers 5 keeps them in `rope_parameters`; 4.x in `rope_theta` + `rope_scaling`.
+    """
+    params: dict[str, Any] = {}
+    params.update(getattr(hf_config, "rope_scaling", None) or {})
+    params.update(getattr(hf_config, "rope_parameters", None) or {})
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
+    params["rope_type"] = params.get("rope_type", params.get("type")) or "default"
+    return params
+
+
+def compute_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] (fp32), scaled as `params["rope_type"]` says."""
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor != 1 is not supported: {params}")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (float(params["rope_theta"]) ** exponents)
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        return _llama3_scale(inv_freq, params)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1: divide low frequencies by `factor`, keep high ones, blend in between."""
+    factor = float(params["factor"])
+    low_factor = float(params["low_freq_factor"])
+    high_factor = float(params["high_freq_factor"])
+    old_context = float(params["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    # smooth in (0, 1) for wavelengths between old_context/high_factor and old_context/low_factor
+    smooth = (old_context / wavelen - low_factor) / (high_factor - low_factor)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > old_context / low_factor, inv_freq / factor, inv_freq)
+    is_medium = (wavelen >= old_context / high_factor) & (wavelen <= old_context / low_factor)
+    return torch.where(is_medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds a [max_positions, 2, head_dim] table of (cos, signed sin) in the model dtype.
+
+    `forward(positions, max_seq_len)` gathers it once per model step; `apply_rotary_`
+    then rotates q and k of every layer in place with three kernels.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        params: dict[str, Any],
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.register_buffer(
+            "inv_freq", compute_inv_freq(head_dim, params).to(device), persistent=False
+        )
+        self.register_buffer(
+            "cos_sin_cache", self._build(_INITIAL_CACHE_POSITIONS), persistent=False
+        )
+
+    def _build(self, num_positions: int) -> torch.Tensor:
+        positions = torch.arange(num_positions, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = torch.outer(positions, self.inv_freq)  # [P, D/2], fp32 as in HF
+        cos, sin = freqs.cos(), freqs.sin()
+        # signed sin [-sin, sin] turns rotate_half(x) * sin into swap_halves(x) * signed_sin
+        cos_full = torch.cat((cos, cos), dim=-1)
+        sin_signed = torch.cat((-sin, sin), dim=-1)
+        return torch.stack((cos_full, sin_signed), dim=1).to(self.dtype)  # [P, 2, D]
+
+    def ensure_capacity(self, num_positions: int) -> None:
+        """Grow the table to cover positions < num_positions (host-side check, no sync)."""
+        if num_positions > self.cos_sin_cache.shape[0]:
+            size = max(num_positions, 2 * self.cos_sin_cache.shape[0])
+            self.cos_sin_cache = self._build(size)
+
+    def forward(
+        self, positions: torch.Tensor, max_seq_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for each token, each [num_tokens, 1, head_dim]."""
+        self.ensure_capacity(max_seq_len)
+        cos_sin = self.cos_sin_cache.index_select(0, positions)  # [n, 2, D]
+        return cos_sin[:, 0:1], cos_sin[:, 1:2]
+
+
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
+    """Rotate x [num_tokens, num_heads, head_dim] (may be a strided view) in place.
+
+    Same math as HF's `x * cos + rotate_half(x) * sin` (neox / rotate-half layout).
+    """
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # [n, h, D]
+    x.mul_(cos).addcmul_(swapped, sin_signed)

@@ -1,0 +1,174 @@
+"""On-disk cache of GGUF files converted to Hugging Face folders, keyed by the file's identity.
+
+An entry is a complete HF folder (config.json, model.safetensors, tokenizer files) plus a
+manifest.json listing each file's size and checksum. Entries are built in a temporary folder
+and renamed into place, so a crash never leaves a half entry; a lock file keeps two processes
+from converting the same file at once. On lookup the manifest is checked against the folder: a
+corrupted entry, or one for an older version of the same file, is deleted with a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+CACHE_DIR_ENV = "HYBRIDLLM_CACHE_DIR"
+# Bump when the conversion changes (names, layout, dtypes): old entries then stop matching.
+CACHE_FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+_STALE_TMP_SECONDS = 3600  # a temp folder this old belongs to a crashed build
+
+
+def cache_root() -> str:
+    """`$HYBRIDLLM_CACHE_DIR`, else `~/.cache/hybridllm`."""
+    return os.environ.get(CACHE_DIR_ENV) or os.path.join(
+        os.path.expanduser("~"), ".cache", "hybridllm"
+    )
+
+
+def _sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _sha256_safetensors_header(path: str) -> str:
+    # The 8-byte length and the JSON header: names, dtypes, shapes and offsets of every tensor.
+    # Hashing the tensor data itself would cost a full read of the file on every load.
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            return ""
+        (header_len,) = struct.unpack("<Q", prefix)
+        return hashlib.sha256(prefix + f.read(min(header_len, 1 << 30))).hexdigest()
+
+
+def _file_checksum(path: str) -> str:
+    return _sha256_safetensors_header(path) if path.endswith(".safetensors") else _sha256_file(path)
+
+
+class GGUFConversionCache:
+    """The cache entry for one GGUF file: where it is, whether it is valid, how to build it."""
+
+    def __init__(self, gguf_path: str, root: str | None = None):
+        self.source_path = os.path.abspath(gguf_path)
+        st = os.stat(self.source_path)
+        self.source = {"path": self.source_path, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        self.root = os.path.join(root or cache_root(), "gguf")
+        path_key = hashlib.sha256(self.source_path.encode()).hexdigest()[:12]
+        identity = json.dumps([self.source, CACHE_FORMAT_VERSION]).encode()
+        stem = os.path.splitext(os.path.basename(self.source_path))[0][:48]
+        # <path key>-<identity key>-<name>: entries for older versions of a file share the prefix.
+        self._prefix = f"{path_key}-"
+        self.entry_dir = os.path.join(
+            self.root, f"{path_key}-{hashlib.sha256(identity).hexdigest()[:12]}-{stem}"
+        )
+
+    # ---- lookup ---------------------------------------------------------------------------------
+
+    def lookup(self) -> str | None:
+        """The entry folder if it exists and checks out; a bad entry is deleted (warning)."""
+        if not os.path.isdir(self.entry_dir):
+            return None
+        problem = self._verify()
+        if problem is None:
+            return self.entry_dir
+        logger.warning(
+            "GGUF cache entry %s is invalid (%s); rebuilding it", self.entry_dir, problem
+        )
+        shutil.rmtree(self.entry_dir, ignore_errors=True)
+        return None
+
+    def _verify(self) -> str | None:
+        try:
+            with open(os.path.join(self.entry_dir, MANIFEST_FILE), encoding="utf-8") as f:
+                manifest = json.load(f)
+        except (OSError, ValueError) as e:
+            return f"unreadable manifest: {e}"
+        if not isinstance(manifest, dict) or manifest.get("format_version") != CACHE_FORMAT_VERSION:
+            return "format version differs"
+        if manifest.get("source") != self.source:
+            return "made from a different source file"
+        files = manifest.get("files")
+        if not isinstance(files, dict) or not files:
+            return "manifest lists no files"
+        for name, expected in files.items():
+            path = os.path.join(self.entry_dir, name)
+            try:
+                size = os.path.getsize(path)
+            except OSError:
+                return f"{name} is missing"
+            if size != expected.get("size"):
+                return f"{name} has {size} bytes, manifest says {expected.get('size')}"
+            if _file_checksum(path) != expected.get("sha256"):
+                return f"{name} checksum differs"
+        return None
+
+    # ---- build ----------------------------------------------------------------------------------
+
+    def build(self, write_entry: Callable[[str], None]) -> str:
+        """Fill a new entry with `write_entry(folder)`, then publish it atomically; returns it."""
+        os.makedirs(self.root, exist_ok=True)
+        with self._lock():
+            found = self.lookup()  # another process may have built it while we waited
+            if found is not None:
+                return found
+            self._remove_stale_entries()
+            tmp_dir = tempfile.mkdtemp(prefix=f".tmp-{self._prefix}", dir=self.root)
+            try:
+                write_entry(tmp_dir)
+                self._write_manifest(tmp_dir)
+                os.chmod(tmp_dir, 0o755)  # mkdtemp made it private; the entry is plain data
+                os.rename(tmp_dir, self.entry_dir)
+            except BaseException:
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+                raise
+        return self.entry_dir
+
+    def _write_manifest(self, folder: str) -> None:
+        files = {}
+        for name in sorted(os.listdir(folder)):
+            path = os.path.join(folder, name)
+            files[name] = {"size": os.path.getsize(path), "sha256": _file_checksum(path)}
+        manifest: dict[str, Any] = {
+            "format_version": CACHE_FORMAT_VERSION,
+            "source": self.source,
+            "files": files,
+        }
+        with open(os.path.join(folder, MANIFEST_FILE), "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1)
+
+    def _remove_stale_entries(self) -> None:
+        now = time.time()
+        for name in os.listdir(self.root):
+            path = os.path.join(self.root, name)
+            if name.startswith(self._prefix) and path != self.entry_dir and os.path.isdir(path):
+                logger.warning(
+                    "GGUF cache entry %s is stale (source file changed); deleting it", path
+                )
+                shutil.rmtree(path, ignore_errors=True)
+            elif name.startswith(".tmp-") and now - os.path.getmtime(path) > _STALE_TMP_SECONDS:
+                shutil.rmtree(path, ignore_errors=True)  # left by a crashed build
+
+    @contextlib.contextmanager
+    def _lock(self) -> Iterator[None]:
+        with open(os.path.join(self.root, f"{self._prefix}lock"), "a") as lock_file:
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock_file, fcntl.LOCK_UN)

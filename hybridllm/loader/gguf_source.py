@@ -1,0 +1,187 @@
+"""A single .gguf file, dequantized once into a cached HF folder and read lazily from there."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from hybridllm.loader.gguf_cache import GGUFConversionCache
+from hybridllm.loader.gguf_dequant import decoded_dtype, dequantize
+from hybridllm.loader.gguf_file import GGUFFile
+from hybridllm.loader.gguf_mapping import (
+    GGUFArch,
+    generation_config_from_metadata,
+    hf_config_kwargs,
+    hf_tensor_name,
+    rope_row_order,
+)
+from hybridllm.loader.hf_folder import GENERATION_CONFIG_FILE, SAFETENSORS_FILE, HFFolderSource
+from hybridllm.loader.model_source import ModelLoadError, ModelSource, WeightFilter, own_all
+from hybridllm.loader.safetensors_writer import write_safetensors
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+logger = logging.getLogger(__name__)
+
+
+class GGUFSource(ModelSource):
+    """A GGUF checkpoint seen through Hugging Face names, config and tokenizer.
+
+    The first use of the weights or tokenizer converts the whole file into a cache entry (an HF
+    folder of float32 safetensors, see `GGUFConversionCache`); every later open, in any process,
+    reads that entry lazily, tensor by tensor. With `use_cache=False`, or when the cache folder
+    cannot be written, tensors are dequantized straight from the GGUF file on each read.
+    """
+
+    def __init__(self, path: str, cache_dir: str | None = None, use_cache: bool = True):
+        self.path = os.path.abspath(path)
+        if not os.path.isfile(self.path):
+            raise FileNotFoundError(f"GGUF file not found: {self.path}")
+        self._cache = GGUFConversionCache(self.path, cache_dir) if use_cache else None
+        self._gguf: GGUFFile | None = None
+        self._entry: HFFolderSource | None = None
+        entry_dir = self._cache.lookup() if self._cache is not None else None
+        if entry_dir is not None:
+            self._entry = HFFolderSource(entry_dir)
+            self.hf_config = self._entry.hf_config
+            self.generation_config = self._entry.generation_config
+            self.arch = None  # only the direct (uncached) reads need it
+        else:
+            self._init_from_gguf()
+
+    @property
+    def is_cached(self) -> bool:
+        """Whether reads come from a converted cache entry rather than the GGUF file."""
+        return self._entry is not None
+
+    def _init_from_gguf(self) -> None:
+        from transformers import AutoConfig
+
+        self._gguf = GGUFFile(self.path)
+        arch, kwargs = hf_config_kwargs(self._gguf.metadata, set(self._gguf.tensors), self.path)
+        self.arch: GGUFArch | None = arch
+        self.hf_config = AutoConfig.for_model(arch.model_type, **kwargs)
+        self.generation_config = generation_config_from_metadata(self._gguf.metadata)
+
+    # ---- cache ----------------------------------------------------------------------------------
+
+    def _ensure_entry(self) -> HFFolderSource | None:
+        """The cache entry, converting the file into it on first use; None without a cache."""
+        if self._entry is None and self._cache is not None:
+            try:
+                entry_dir = self._cache.build(self._write_entry)
+            except OSError as e:  # read-only or full disk: work straight from the GGUF file
+                logger.warning("cannot write the GGUF cache for %s (%s); not caching", self.path, e)
+                self._cache = None
+                return None
+            self._entry = HFFolderSource(entry_dir)
+        return self._entry
+
+    def _write_entry(self, folder: str) -> None:
+        logger.info("converting %s into the GGUF cache (once)", self.path)
+        gguf = self._gguf_file()
+        self.hf_config.save_pretrained(folder)
+        with open(os.path.join(folder, GENERATION_CONFIG_FILE), "w", encoding="utf-8") as f:
+            json.dump(self.generation_config, f, indent=1)
+        specs = [
+            (name, info.shape, decoded_dtype(info.ggml_type))
+            for info in gguf.tensors.values()
+            if (name := hf_tensor_name(info.name, self.path)) is not None
+        ]
+        # The tokenizer build is pure Python; it overlaps the weights, which mostly release the GIL.
+        with ThreadPoolExecutor(1, thread_name_prefix="gguf-tokenizer") as pool:
+            tokenizer = pool.submit(self._tokenizer_from_gguf)
+            write_safetensors(
+                os.path.join(folder, SAFETENSORS_FILE), specs, self._iter_gguf(own_all)
+            )
+            tokenizer.result().save_pretrained(folder)
+
+    def _gguf_file(self) -> GGUFFile:
+        if self._gguf is None:
+            self._init_from_gguf()
+        assert self._gguf is not None
+        return self._gguf
+
+    # ---- weights --------------------------------------------------------------------------------
+
+    def weight_names(self) -> list[str]:
+        if self._entry is not None:
+            return self._entry.weight_names()
+        names = (hf_tensor_name(n, self.path) for n in self._gguf_file().tensors)
+        return [n for n in names if n is not None]
+
+    def iter_weights(self, owns: WeightFilter = own_all) -> Iterator[tuple[str, torch.Tensor]]:
+        entry = self._ensure_entry()
+        if entry is not None:
+            yield from entry.iter_weights(owns)
+        else:
+            yield from self._iter_gguf(owns)
+
+    def _iter_gguf(self, owns: WeightFilter) -> Iterator[tuple[str, torch.Tensor]]:
+        """Dequantize the owned tensors straight from the GGUF file, in file order."""
+        gguf = self._gguf_file()
+        for info in gguf.tensors.values():
+            name = hf_tensor_name(info.name, self.path)
+            if name is None or not owns(name):
+                continue
+            order = self._rope_row_order(name, info.shape[0])
+            raw = gguf.raw_rows(info)
+            if order is not None and len(info.shape) == 2:
+                raw = raw[order]  # [rows, bytes_per_row]: permute whole quantized rows
+            try:
+                tensor = dequantize(raw, info.ggml_type, info.shape)
+            except (NotImplementedError, ValueError) as e:
+                raise ModelLoadError(
+                    f"{self.path}: cannot decode tensor {info.name!r} ({info.ggml_type.name}): {e}"
+                ) from None
+            if order is not None and len(info.shape) == 1:  # q/k bias: [rows]
+                tensor = tensor[torch.from_numpy(order)]
+            yield name, tensor
+
+    def _rope_row_order(self, hf_name: str, num_rows: int) -> np.ndarray | None:
+        """For llama-arch q/k projections, the row order undoing llama.cpp's permutation."""
+        assert self.arch is not None
+        if not self.arch.rope_permuted:
+            return None
+        if ".self_attn.q_proj." in hf_name:
+            return rope_row_order(num_rows, self.hf_config.num_attention_heads)
+        if ".self_attn.k_proj." in hf_name:
+            return rope_row_order(num_rows, self.hf_config.num_key_value_heads)
+        return None
+
+    # ---- tokenizer ------------------------------------------------------------------------------
+
+    def load_tokenizer(self) -> PreTrainedTokenizerFast:
+        entry = self._ensure_entry()
+        if entry is None:
+            return self._tokenizer_from_gguf()
+        from transformers import PreTrainedTokenizerFast
+
+        try:
+            return PreTrainedTokenizerFast.from_pretrained(entry.path, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{entry.path}: cannot load the cached tokenizer ({e})") from None
+
+    def _tokenizer_from_gguf(self) -> PreTrainedTokenizerFast:
+        # transformers builds the fast tokenizer (vocab, merges, pre-tokenizer, chat template,
+        # special tokens) from the GGUF metadata; the class, not AutoTokenizer, skips a slow
+        # second parse of the whole file for the model config.
+        from transformers import PreTrainedTokenizerFast
+
+        if "tokenizer.ggml.tokens" not in self._gguf_file().metadata:
+            raise ModelLoadError(f"{self.path}: GGUF file has no tokenizer metadata")
+        folder, file_name = os.path.split(self.path)
+        try:
+            return PreTrainedTokenizerFast.from_pretrained(
+                folder, gguf_file=file_name, local_files_only=True
+            )
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"{self.path}: cannot build a tokenizer from GGUF ({e})") from None

@@ -1,0 +1,54 @@
+"""The interface every checkpoint format implements: config, generation config, weights, tokenizer."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast
+
+# Decides, from a Hugging Face parameter name, whether the caller (one pipeline stage) wants it.
+WeightFilter = Callable[[str], bool]
+
+
+def own_all(name: str) -> bool:
+    """The default filter: a single-stage model owns every tensor."""
+    return True
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint file is corrupted, truncated or unreadable; the message names the file."""
+
+
+class ModelSource(ABC):
+    """One checkpoint on disk, seen through Hugging Face names whatever its format.
+
+    Reads are lazy: opening a source reads the config only, and `iter_weights` reads just the
+    tensors its filter accepts, so a pipeline stage touches only its own layers.
+    """
+
+    path: str
+    hf_config: PretrainedConfig
+    generation_config: dict[str, Any]  # bos_token_id, eos_token_id (int or list), pad_token_id...
+
+    @abstractmethod
+    def weight_names(self) -> list[str]:
+        """Every parameter name the checkpoint stores, in file order (no tensor data is read)."""
+
+    @abstractmethod
+    def iter_weights(self, owns: WeightFilter = own_all) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield `(hf_name, tensor)` for each stored tensor `owns(hf_name)` accepts.
+
+        Tensors keep the checkpoint's precision (quantized GGUF tensors come out as float32);
+        the caller casts. A model with tied embeddings stores no `lm_head.weight`.
+        """
+
+    @abstractmethod
+    def load_tokenizer(self) -> PreTrainedTokenizerFast:
+        """The model's fast tokenizer, with its chat template and special tokens."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.path!r})"

@@ -1,0 +1,1 @@
+"""Model implementations (one per HF architecture) and the architecture registry."""

@@ -1,0 +1,244 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2; base of Mistral, Qwen2 and Qwen3)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridllm.layers.attention import PagedAttention
+from hybridllm.layers.attention_metadata import AttentionMetadata
+from hybridllm.layers.linear import Linear
+from hybridllm.layers.mlp import GatedMLP
+from hybridllm.layers.norm import RMSNorm
+from hybridllm.layers.prepared_attention import PreparedAttention, prepare_attention
+from hybridllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary_, rope_parameters
+from hybridllm.layers.vocab_embedding import LMHead, VocabEmbedding
+from hybridllm.models.base import (
+    CausalLMBase,
+    WeightLoader,
+    copy_loader,
+    linear_loaders,
+    sliding_window_for_layer,
+)
+
+
+class LlamaAttention(nn.Module):
+    """Fused-qkv attention with RoPE; optional qkv/o biases and per-head q/k RMSNorm."""
+
+    def __init__(
+        self,
+        hf_config: Any,
+        layer_idx: int,
+        head_dim: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        hidden = hf_config.hidden_size
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        self.qkv_proj = Linear(
+            hidden, (self.q_size, self.kv_size, self.kv_size), qkv_bias, dtype, device
+        )
+        self.o_proj = Linear(self.q_size, hidden, o_bias, dtype, device)
+        eps = hf_config.rms_norm_eps
+        self.q_norm = RMSNorm(head_dim, eps, dtype, device) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps, dtype, device) if qk_norm else None
+        self.attn = PagedAttention(
+            self.num_heads,
+            self.num_kv_heads,
+            head_dim,
+            device,
+            sliding_window=sliding_window_for_layer(hf_config, layer_idx),
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        prep: PreparedAttention,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)  # [n, (H + 2 * kvh) * D]
+        n = qkv.shape[0]
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        if self.q_norm is None:
+            # q and k are adjacent in qkv: rotate both heads' sets in one go, in place
+            apply_rotary_(qkv[:, :k_end].view(n, -1, self.head_dim), cos, sin)
+            q = qkv[:, :q_end].view(n, self.num_heads, self.head_dim)
+            k = qkv[:, q_end:k_end].view(n, self.num_kv_heads, self.head_dim)
+        else:
+            q = self.q_norm(qkv[:, :q_end].view(n, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, q_end:k_end].view(n, self.num_kv_heads, self.head_dim))
+            apply_rotary_(q, cos, sin)
+            apply_rotary_(k, cos, sin)
+        v = qkv[:, k_end:].view(n, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn(q, k, v, kv_cache, prep))
+
+    def weight_loaders(self, prefix: str) -> dict[str, WeightLoader]:
+        loaders = linear_loaders(prefix, self.qkv_proj, ("q_proj", "k_proj", "v_proj"))
+        loaders.update(linear_loaders(prefix, self.o_proj, "o_proj"))
+        if self.q_norm is not None:
+            loaders[f"{prefix}q_norm.weight"] = copy_loader(self.q_norm.weight, "q_norm.weight")
+            loaders[f"{prefix}k_norm.weight"] = copy_loader(self.k_norm.weight, "k_norm.weight")
+        return loaders
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        hf_config: Any,
+        layer_idx: int,
+        head_dim: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
+        self.self_attn = LlamaAttention(
+            hf_config, layer_idx, head_dim, qkv_bias, o_bias, qk_norm, dtype, device
+        )
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device)
+        self.mlp = GatedMLP(
+            hidden,
+            hf_config.intermediate_size,
+            bool(getattr(hf_config, "mlp_bias", False)),
+            getattr(hf_config, "hidden_act", "silu"),
+            dtype,
+            device,
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        prep: PreparedAttention,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (mlp output, residual); their sum is the layer's output hidden state."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, cos, sin, kv_cache, prep)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+    def weight_loaders(self, prefix: str) -> dict[str, WeightLoader]:
+        loaders = {
+            f"{prefix}input_layernorm.weight": copy_loader(
+                self.input_layernorm.weight, f"{prefix}input_layernorm.weight"
+            ),
+            f"{prefix}post_attention_layernorm.weight": copy_loader(
+                self.post_attention_layernorm.weight, f"{prefix}post_attention_layernorm.weight"
+            ),
+        }
+        loaders.update(self.self_attn.weight_loaders(f"{prefix}self_attn."))
+        loaders.update(
+            linear_loaders(f"{prefix}mlp.", self.mlp.gate_up_proj, ("gate_proj", "up_proj"))
+        )
+        loaders.update(linear_loaders(f"{prefix}mlp.", self.mlp.down_proj, "down_proj"))
+        return loaders
+
+
+class LlamaForCausalLM(CausalLMBase):
+    """Llama decoder stage. Subclasses change the attention options below."""
+
+    def _attention_options(self, hf_config: Any) -> tuple[bool, bool, bool]:
+        """(qkv_bias, o_bias, qk_norm) for this architecture."""
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        return bias, bias, False
+
+    def __init__(
+        self,
+        hf_config: Any,
+        dtype: torch.dtype,
+        device: torch.device,
+        start_layer: int = 0,
+        end_layer: int | None = None,
+    ):
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        super().__init__(hf_config, dtype, device, start_layer, end_layer, num_kv_heads, head_dim)
+        device = self.device
+        hidden, vocab = hf_config.hidden_size, hf_config.vocab_size
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        qkv_bias, o_bias, qk_norm = self._attention_options(hf_config)
+
+        self.embed_tokens = (
+            VocabEmbedding(vocab, hidden, dtype, device) if self.is_first_stage else None
+        )
+        self.rotary_emb = RotaryEmbedding(head_dim, rope_parameters(hf_config), dtype, device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, i, head_dim, qkv_bias, o_bias, qk_norm, dtype, device)
+            for i in range(self.start_layer, self.end_layer)
+        )
+        self.norm = None
+        if self.is_last_stage:
+            self.norm = RMSNorm(hidden, hf_config.rms_norm_eps, dtype, device)
+            self.lm_head = LMHead(
+                vocab, hidden, dtype, device, tied_to=self.embed_tokens if tied else None
+            )
+        self._set_weight_loaders(*self._build_weight_loaders(tied))
+
+    def _build_weight_loaders(self, tied: bool) -> tuple[dict[str, WeightLoader], set[str]]:
+        loaders: dict[str, WeightLoader] = {}
+        optional: set[str] = set()
+        for layer_idx, layer in zip(range(self.start_layer, self.end_layer), self.layers):
+            loaders.update(layer.weight_loaders(f"model.layers.{layer_idx}."))
+        embed = "model.embed_tokens.weight"
+        if self.embed_tokens is not None:
+            loaders[embed] = copy_loader(self.embed_tokens.weight, embed)
+        if self.is_last_stage:
+            loaders["model.norm.weight"] = copy_loader(self.norm.weight, "model.norm.weight")
+            loaders["lm_head.weight"] = copy_loader(self.lm_head.weight, "lm_head.weight")
+            if tied:
+                # checkpoints of tied models usually omit lm_head.weight: take the embedding
+                optional.add("lm_head.weight")
+                if self.embed_tokens is None:
+                    loaders[embed] = copy_loader(self.lm_head.weight, embed)
+        return loaders, optional
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+        hidden_states: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Final normed hidden states [n, hidden] on the last stage, else (hidden, residual).
+
+        A later stage continues from the previous stage's (hidden_states, residual).
+        """
+        prep = prepare_attention(attn_metadata)
+        cos, sin = self.rotary_emb(positions, attn_metadata.max_seq_len)  # [n, 1, D] each
+        if hidden_states is None:
+            if self.embed_tokens is None:
+                raise ValueError("a stage without the embedding needs hidden_states")
+            hidden_states = self.embed_tokens(input_ids)  # [n, hidden]
+        for i, layer in enumerate(self.layers):
+            kv_cache = kv_caches[i] if kv_caches else None
+            hidden_states, residual = layer(hidden_states, residual, cos, sin, kv_cache, prep)
+        if self.norm is None:
+            return hidden_states, residual
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states

@@ -1,0 +1,199 @@
+"""OPT: learned positions (offset 2), LayerNorm, ReLU MLP, optional project_in/out, pre/post-LN."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridllm.layers.attention import PagedAttention
+from hybridllm.layers.attention_metadata import AttentionMetadata
+from hybridllm.layers.linear import Linear
+from hybridllm.layers.norm import LayerNorm
+from hybridllm.layers.prepared_attention import PreparedAttention, prepare_attention
+from hybridllm.layers.vocab_embedding import LMHead, VocabEmbedding
+from hybridllm.models.base import CausalLMBase, WeightLoader, copy_loader, linear_loaders
+
+_POSITION_OFFSET = 2  # OPT's position table starts 2 rows in (a fairseq padding legacy)
+_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
+
+
+def _layer_norm_loaders(prefix: str, norm: LayerNorm) -> dict[str, WeightLoader]:
+    if norm.weight is None:
+        return {}
+    return {
+        f"{prefix}.weight": copy_loader(norm.weight, f"{prefix}.weight"),
+        f"{prefix}.bias": copy_loader(norm.bias, f"{prefix}.bias"),
+    }
+
+
+class OPTDecoderLayer(nn.Module):
+    def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        hidden = hf_config.hidden_size
+        bias = bool(getattr(hf_config, "enable_bias", True))
+        affine = bool(getattr(hf_config, "layer_norm_elementwise_affine", True))
+        self.num_heads = hf_config.num_attention_heads
+        self.head_dim = hidden // self.num_heads
+        self.do_layer_norm_before = hf_config.do_layer_norm_before
+        act = hf_config.activation_function
+        if act not in _ACTIVATIONS:
+            raise ValueError(
+                f"OPT activation {act!r} is not supported; supported: {list(_ACTIVATIONS)}"
+            )
+        self.activation = _ACTIVATIONS[act]
+        self.self_attn_layer_norm = LayerNorm(hidden, dtype, device, elementwise_affine=affine)
+        self.qkv_proj = Linear(hidden, (hidden,) * 3, bias, dtype, device)
+        self.out_proj = Linear(hidden, hidden, bias, dtype, device)
+        self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_dim, device)
+        self.final_layer_norm = LayerNorm(hidden, dtype, device, elementwise_affine=affine)
+        self.fc1 = Linear(hidden, hf_config.ffn_dim, bias, dtype, device)
+        self.fc2 = Linear(hf_config.ffn_dim, hidden, bias, dtype, device)
+
+    def forward(
+        self, hidden_states: torch.Tensor, kv_cache: torch.Tensor | None, prep: PreparedAttention
+    ) -> torch.Tensor:
+        """[n, hidden] -> [n, hidden] (the residual is added inside, as in HF)."""
+        residual = hidden_states
+        if self.do_layer_norm_before:
+            hidden_states = self.self_attn_layer_norm(hidden_states)
+        n = hidden_states.shape[0]
+        q, k, v = self.qkv_proj(hidden_states).view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        hidden_states = residual + self.out_proj(self.attn(q, k, v, kv_cache, prep))
+        if not self.do_layer_norm_before:
+            hidden_states = self.self_attn_layer_norm(hidden_states)
+
+        residual = hidden_states
+        if self.do_layer_norm_before:
+            hidden_states = self.final_layer_norm(hidden_states)
+        hidden_states = residual + self.fc2(self.activation(self.fc1(hidden_states)))
+        if not self.do_layer_norm_before:
+            hidden_states = self.final_layer_norm(hidden_states)
+        return hidden_states
+
+    def weight_loaders(self, prefix: str) -> dict[str, WeightLoader]:
+        loaders = linear_loaders(
+            f"{prefix}self_attn.", self.qkv_proj, ("q_proj", "k_proj", "v_proj")
+        )
+        loaders.update(linear_loaders(f"{prefix}self_attn.", self.out_proj, "out_proj"))
+        loaders.update(linear_loaders(prefix, self.fc1, "fc1"))
+        loaders.update(linear_loaders(prefix, self.fc2, "fc2"))
+        loaders.update(
+            _layer_norm_loaders(f"{prefix}self_attn_layer_norm", self.self_attn_layer_norm)
+        )
+        loaders.update(_layer_norm_loaders(f"{prefix}final_layer_norm", self.final_layer_norm))
+        return loaders
+
+
+class OPTForCausalLM(CausalLMBase):
+    """OPT decoder stage.
+
+    OPT layers carry the full hidden state, so a non-last stage returns
+    (hidden_states, zeros): the next stage continues from their sum like the Llama family.
+    """
+
+    def __init__(
+        self,
+        hf_config: Any,
+        dtype: torch.dtype,
+        device: torch.device,
+        start_layer: int = 0,
+        end_layer: int | None = None,
+    ):
+        hidden = hf_config.hidden_size
+        num_heads = hf_config.num_attention_heads
+        super().__init__(
+            hf_config, dtype, device, start_layer, end_layer, num_heads, hidden // num_heads
+        )
+        device = self.device
+        vocab = hf_config.vocab_size
+        proj_dim = getattr(hf_config, "word_embed_proj_dim", None) or hidden
+        tied = bool(getattr(hf_config, "tie_word_embeddings", True))
+        affine = bool(getattr(hf_config, "layer_norm_elementwise_affine", True))
+
+        self.embed_tokens = self.embed_positions = self.project_in = None
+        if self.is_first_stage:
+            self.embed_tokens = VocabEmbedding(vocab, proj_dim, dtype, device)
+            self.embed_positions = VocabEmbedding(
+                hf_config.max_position_embeddings + _POSITION_OFFSET, hidden, dtype, device
+            )
+            if proj_dim != hidden:
+                self.project_in = Linear(proj_dim, hidden, False, dtype, device)
+        self.layers = nn.ModuleList(
+            OPTDecoderLayer(hf_config, dtype, device) for _ in range(self.num_layers_in_stage)
+        )
+        self.final_layer_norm = self.project_out = None
+        if self.is_last_stage:
+            if hf_config.do_layer_norm_before and not getattr(
+                hf_config, "_remove_final_layer_norm", False
+            ):
+                self.final_layer_norm = LayerNorm(hidden, dtype, device, elementwise_affine=affine)
+            if proj_dim != hidden:
+                self.project_out = Linear(hidden, proj_dim, False, dtype, device)
+            self.lm_head = LMHead(
+                vocab, proj_dim, dtype, device, tied_to=self.embed_tokens if tied else None
+            )
+        self._set_weight_loaders(*self._build_weight_loaders(tied))
+
+    def normalize_weight_name(self, name: str) -> str:
+        # original facebook/opt checkpoints name tensors "decoder.*" without "model."
+        return "model." + name if name.startswith("decoder.") else name
+
+    def _build_weight_loaders(self, tied: bool) -> tuple[dict[str, WeightLoader], set[str]]:
+        prefix = "model.decoder."
+        loaders: dict[str, WeightLoader] = {}
+        optional: set[str] = set()
+        for layer_idx, layer in zip(range(self.start_layer, self.end_layer), self.layers):
+            loaders.update(layer.weight_loaders(f"{prefix}layers.{layer_idx}."))
+        embed = f"{prefix}embed_tokens.weight"
+        if self.is_first_stage:
+            loaders[embed] = copy_loader(self.embed_tokens.weight, embed)
+            positions = f"{prefix}embed_positions.weight"
+            loaders[positions] = copy_loader(self.embed_positions.weight, positions)
+            if self.project_in is not None:
+                loaders.update(linear_loaders(prefix, self.project_in, "project_in"))
+        if self.is_last_stage:
+            if self.final_layer_norm is not None:
+                loaders.update(
+                    _layer_norm_loaders(f"{prefix}final_layer_norm", self.final_layer_norm)
+                )
+            if self.project_out is not None:
+                loaders.update(linear_loaders(prefix, self.project_out, "project_out"))
+            loaders["lm_head.weight"] = copy_loader(self.lm_head.weight, "lm_head.weight")
+            if tied:
+                optional.add("lm_head.weight")
+                if self.embed_tokens is None:
+                    loaders[embed] = copy_loader(self.lm_head.weight, embed)
+        return loaders, optional
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+        hidden_states: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Final hidden states [n, word_embed_proj_dim] on the last stage, else (hidden, zeros)."""
+        prep = prepare_attention(attn_metadata)
+        if hidden_states is None:
+            if self.embed_tokens is None:
+                raise ValueError("a stage without the embedding needs hidden_states")
+            hidden_states = self.embed_tokens(input_ids)  # [n, proj_dim]
+            if self.project_in is not None:
+                hidden_states = self.project_in(hidden_states)
+            hidden_states = hidden_states + self.embed_positions(positions + _POSITION_OFFSET)
+        elif residual is not None:
+            hidden_states = hidden_states + residual
+        for i, layer in enumerate(self.layers):
+            hidden_states = layer(hidden_states, kv_caches[i] if kv_caches else None, prep)
+        if not self.is_last_stage:
+            return hidden_states, torch.zeros_like(hidden_states)
+        if self.final_layer_norm is not None:
+            hidden_states = self.final_layer_norm(hidden_states)
+        if self.project_out is not None:
+            hidden_states = self.project_out(hidden_states)
+        return hidden_states

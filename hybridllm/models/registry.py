@@ -1,0 +1,28 @@
+"""Maps HF `architectures` names to model classes (imported lazily)."""
+
+from __future__ import annotations
+
+import importlib
+
+# architecture -> (module, class); a tuple of pairs keeps the table immutable
+_MODELS = (
+    ("LlamaForCausalLM", ("hybridllm.models.llama", "LlamaForCausalLM")),
+    ("MistralForCausalLM", ("hybridllm.models.mistral", "MistralForCausalLM")),
+    ("Qwen2ForCausalLM", ("hybridllm.models.qwen2", "Qwen2ForCausalLM")),
+    ("Qwen3ForCausalLM", ("hybridllm.models.qwen3", "Qwen3ForCausalLM")),
+    ("OPTForCausalLM", ("hybridllm.models.opt", "OPTForCausalLM")),
+)
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(name for name, _ in _MODELS)
+
+
+def get_model_class(architecture: str) -> type:
+    """The model class implementing the HF architecture name (e.g. "LlamaForCausalLM")."""
+    location = dict(_MODELS).get(architecture)
+    if location is None:
+        raise ValueError(
+            f"unsupported architecture {architecture!r}; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    module, cls = location
+    return getattr(importlib.import_module(module), cls)

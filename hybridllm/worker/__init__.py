@@ -1,0 +1,1 @@
+"""Workers: one per device, running its share of the model."""

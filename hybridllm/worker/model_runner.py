@@ -1,0 +1,283 @@
+"""Model runner: keeps per-request state, turns a SchedulerOutput into tensors, runs the model, samples."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hybridllm.config import EngineConfig
+from hybridllm.engine.scheduler_output import (
+    Logprobs,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+from hybridllm.layers.attention_metadata import AttentionMetadata
+from hybridllm.platforms import Platform
+from hybridllm.sample import Sampler, SamplingMetadata, compute_prompt_logprobs
+from hybridllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class CachedRequestState:
+    """What a worker remembers about a running request between steps."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + output, as known to the scheduler
+    num_prompt_tokens: int
+    block_ids: list[int]
+    sampling_params: SamplingParams
+    num_computed_tokens: int
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+class ModelRunner:
+    """Owns the model and its KV cache on one device; executes one scheduler step at a time."""
+
+    def __init__(self, config: EngineConfig, platform: Platform, show_progress: bool = False):
+        self.config = config
+        self.platform = platform
+        self.device = platform.device
+        self.dtype = _DTYPES[config.model_config.dtype]
+        self.block_size = config.cache_config.block_size
+        self.show_progress = show_progress
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.requests: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler()
+        self.eos_token_ids = set(config.model_config.eos_token_ids)  # masked under min_tokens
+
+    # ---- set-up -------------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        from hybridllm.loader import open_model_source
+        from hybridllm.models.registry import get_model_class
+
+        mc = self.config.model_config
+        source = open_model_source(mc.model)
+        model_cls = get_model_class(mc.architecture)
+        with torch.device(self.device):
+            model = model_cls(mc.hf_config, self.dtype, self.device)
+        weights = source.iter_weights(model.owns_weight)
+        if self.show_progress:
+            from tqdm import tqdm
+
+            weights = tqdm(weights, desc="Loading weights", unit="tensor", leave=False)
+        loaded = model.load_weights(weights)
+        missing = sorted(model.expected_weight_names() - loaded)
+        if missing:
+            raise ValueError(f"{mc.model}: weights missing from the checkpoint: {missing[:8]}")
+        model.process_weights_after_loading()
+        self.model = model.eval()
+
+    def kv_cache_bytes_per_block(self) -> int:
+        m = self.model
+        elems = 2 * self.block_size * m.num_kv_heads * m.head_dim
+        return elems * self.dtype.itemsize * m.num_layers_in_stage
+
+    def determine_num_blocks(self) -> int:
+        """Blocks that fit this worker's KV budget (never more than the scheduler could use)."""
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        if cc.num_gpu_blocks_override is not None:
+            return cc.num_gpu_blocks_override
+        per_block = self.kv_cache_bytes_per_block()
+        if self.device.type == "cuda":
+            free, total = self.platform.free_and_total_memory()
+            used = total - free
+            # Activations of one full step, measured by a profiling forward pass.
+            peak = self._profile_activation_bytes()
+            budget = int(total * cc.gpu_memory_utilization) - used - peak
+        else:
+            available, _ = self.platform.free_and_total_memory()
+            default = min(4 << 30, int(available * 0.3))
+            budget = cc.kv_cache_memory_bytes or default
+            if budget > available:
+                raise ValueError(
+                    f"kv_cache_memory ({budget} bytes) exceeds available RAM ({available} bytes)"
+                )
+        # No point in more blocks than max_num_seqs full-length sequences.
+        needed = sc.max_num_seqs * -(-sc.max_model_len // self.block_size)
+        num_blocks = min(budget // per_block, needed)
+        if num_blocks < 1:
+            raise ValueError(
+                f"no memory left for the KV cache on {self.device} (budget {budget} bytes, "
+                f"{per_block} bytes per block): lower max_model_len or raise the memory budget"
+            )
+        return int(num_blocks)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        shape = self.model.kv_cache_shape(num_blocks, self.block_size)
+        # zeros, not empty: padded slots of a gathered block are masked, but 0 * NaN would leak.
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(self.model.num_layers_in_stage)
+        ]
+
+    def _profile_activation_bytes(self) -> int:
+        n = min(self.config.scheduler_config.max_num_batched_tokens, 4096)
+        blocks = -(-n // self.block_size)
+        self.initialize_kv_cache(blocks)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device)
+        md = self._metadata([], [(0, n, n)], [list(range(blocks))], pos.cpu().numpy())
+        with torch.inference_mode():
+            hidden = self.model(ids, pos, self.kv_caches, md)
+            self.model.compute_logits(hidden[-min(n, self.config.scheduler_config.max_num_seqs) :])
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+                num_prompt_tokens=len(new.prompt_token_ids),
+                block_ids=list(new.block_ids),
+                sampling_params=new.sampling_params,
+                num_computed_tokens=new.num_computed_tokens,
+            )
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.token_ids.extend(cached.new_token_ids)
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput()
+        # Decodes (query length 1) first: the attention layer batches them in one kernel.
+        order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
+        states = [self.requests[r] for r in order]
+        num_decodes = sum(1 for r in order if so.num_scheduled_tokens[r] == 1)
+
+        spans = []  # (start, length, context length after this step) per request
+        for state in states:
+            n = so.num_scheduled_tokens[state.req_id]
+            spans.append((state.num_computed_tokens, n, state.num_computed_tokens + n))
+        positions_np = np.concatenate([np.arange(s, s + n) for s, n, _ in spans])
+        input_ids_np = np.concatenate(
+            [np.asarray(st.token_ids[s : s + n]) for st, (s, n, _) in zip(states, spans)]
+        )
+        md = self._metadata(
+            list(range(num_decodes)), spans, [st.block_ids for st in states], positions_np
+        )
+        input_ids = torch.from_numpy(input_ids_np.astype(np.int64)).to(self.device)
+        positions = torch.from_numpy(positions_np.astype(np.int64)).to(self.device)
+        hidden = self.model(input_ids, positions, self.kv_caches, md)  # [num_tokens, hidden]
+
+        out = ModelRunnerOutput()
+        self._prompt_logprobs(states, spans, md, hidden, out)
+
+        # Requests whose known tokens are all computed after this step sample one token.
+        sample_rows, sample_states = [], []
+        for i, (state, (_, _, ctx)) in enumerate(zip(states, spans)):
+            if ctx >= len(state.token_ids):
+                sample_rows.append(md.query_start_loc_cpu[i + 1] - 1)
+                sample_states.append(state)
+        if not sample_states:
+            return out
+        rows = torch.tensor(sample_rows, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_samples, vocab]
+        sampling_md = SamplingMetadata.build(
+            [st.sampling_params for st in sample_states],
+            [st.token_ids[: st.num_prompt_tokens] for st in sample_states],
+            [st.output_token_ids for st in sample_states],
+            self.device,
+            eos_token_ids=self.eos_token_ids,
+            vocab_size=self.config.model_config.vocab_size,
+        )
+        sampled = self.sampler(logits, sampling_md)
+        out.req_ids = [st.req_id for st in sample_states]
+        out.sampled_token_ids = sampled.sampled_token_ids.tolist()
+        out.logprobs = sampled.logprobs_list()
+        return out
+
+    def _prompt_logprobs(self, states, spans, md, hidden, out: ModelRunnerOutput) -> None:
+        for i, (state, (start, n, _)) in enumerate(zip(states, spans)):
+            k = state.sampling_params.prompt_logprobs
+            if k is None or start >= state.num_prompt_tokens:
+                continue
+            # Position p predicts prompt token p+1; the last prompt position predicts output.
+            end = min(start + n, state.num_prompt_tokens - 1)
+            entries: list[Logprobs | None] = [None] if start == 0 else []
+            if end > start:
+                q0 = md.query_start_loc_cpu[i]
+                logits = self.model.compute_logits(hidden[q0 : q0 + end - start])
+                nxt = torch.tensor(state.token_ids[start + 1 : end + 1], device=self.device)
+                lps = compute_prompt_logprobs(logits, nxt, k)
+                entries.extend(lps.to_list([k] * (end - start)))
+            out.prompt_logprobs[state.req_id] = entries
+
+    def _metadata(self, decode_idx, spans, block_tables, positions_np) -> AttentionMetadata:
+        bs = self.block_size
+        query_lens = [n for _, n, _ in spans]
+        seq_lens = [ctx for _, _, ctx in spans]
+        qsl = np.zeros(len(spans) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=qsl[1:])
+        max_blocks = max(-(-ctx // bs) for ctx in seq_lens)
+        table = np.zeros((len(spans), max_blocks), dtype=np.int32)
+        for i, ids in enumerate(block_tables):
+            used = min(len(ids), max_blocks)
+            table[i, :used] = ids[:used]
+        # slot of each token = block_table[req][pos // bs] * bs + pos % bs
+        req_of_token = np.repeat(np.arange(len(spans)), query_lens)
+        slots = table[req_of_token, positions_np // bs].astype(np.int64) * bs + positions_np % bs
+        dev = self.device
+        return AttentionMetadata(
+            num_decodes=len(decode_idx),
+            num_decode_tokens=len(decode_idx),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(table).to(dev),
+            query_start_loc_cpu=qsl.tolist(),
+            seq_lens_cpu=seq_lens,
+            max_seq_len=max(seq_lens),
+            block_size=bs,
+        )
+
+    # ---- embeddings ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def embed(self, prompts: list[list[int]], pooling: str, normalize: bool) -> list[list[float]]:
+        """Pooled final hidden states of each prompt, through a scratch KV cache of its own."""
+        if pooling not in ("last", "mean"):
+            raise ValueError(f"pooling must be 'last' or 'mean', got {pooling!r}")
+        results = []
+        for token_ids in prompts:
+            n = len(token_ids)
+            blocks = -(-n // self.block_size)
+            shape = self.model.kv_cache_shape(blocks, self.block_size)
+            scratch = [
+                torch.zeros(shape, dtype=self.dtype, device=self.device)
+                for _ in range(self.model.num_layers_in_stage)
+            ]
+            pos_np = np.arange(n)
+            md = self._metadata([], [(0, n, n)], [list(range(blocks))], pos_np)
+            ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+            hidden = self.model(ids, torch.from_numpy(pos_np).to(self.device), scratch, md)
+            vec = hidden[-1] if pooling == "last" else hidden.mean(dim=0)
+            vec = vec.float()
+            if normalize:
+                vec = torch.nn.functional.normalize(vec, dim=0)
+            results.append(vec.tolist())
+        return results

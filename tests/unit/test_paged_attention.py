@@ -1,0 +1,156 @@
+"""Paged attention (decode, prefill, chunked prefill with cached prefix) vs a dense reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hybridllm.layers.attention import PagedAttention, get_attention_backend
+from hybridllm.layers.paged_attention_cpu import TorchPagedAttention, write_kv_cache
+from hybridllm.layers.paged_attention_cuda import CudaPagedAttention, triton_available
+from hybridllm.layers.prepared_attention import prepare_attention
+from tests.model_helpers import StepSequence, make_step, scattered_block_tables
+
+NUM_BLOCKS = 64
+
+
+def dense_reference(q, k_ctx, v_ctx, context_len, scale, window):
+    """q [q_len, H, D] at the last q_len positions of a context k/v [ctx, kvh, D] (fp64)."""
+    q_len, num_heads, _ = q.shape
+    group = num_heads // k_ctx.shape[1]
+    k = k_ctx.double().repeat_interleave(group, dim=1)  # [ctx, H, D]
+    v = v_ctx.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    q_pos = torch.arange(context_len - q_len, context_len)[:, None]
+    k_pos = torch.arange(context_len)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)  # [q_len, H, D]
+
+
+def run_case(
+    specs,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=32,
+    block_size=4,
+    window=None,
+    dtype=torch.float32,
+    backend=None,
+):
+    """specs: list of (context_len, query_len); decodes (query_len 1) must come first."""
+    torch.manual_seed(0)
+    max_blocks = max(-(-ctx // block_size) for ctx, _ in specs)
+    num_blocks = max(NUM_BLOCKS, 2 * len(specs) * max_blocks)
+    tables = scattered_block_tables(len(specs), max_blocks, num_blocks, seed=1)
+    cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    seqs, contexts, queries = [], [], []
+    for (ctx, q_len), table in zip(specs, tables):
+        k_ctx = torch.randn(ctx, num_kv_heads, head_dim, dtype=dtype)
+        v_ctx = torch.randn(ctx, num_kv_heads, head_dim, dtype=dtype)
+        prefix = ctx - q_len
+        if prefix:  # the cached prefix, written as an earlier step would have
+            _, _, meta = make_step([StepSequence([0] * prefix, 0, table)], block_size)
+            write_kv_cache(cache, k_ctx[:prefix], v_ctx[:prefix], meta.slot_mapping)
+        seqs.append(StepSequence([0] * q_len, prefix, table))
+        contexts.append((k_ctx, v_ctx))
+        queries.append(torch.randn(q_len, num_heads, head_dim, dtype=dtype))
+    _, _, meta = make_step(seqs, block_size)
+    query = torch.cat(queries)
+    key = torch.cat([k[ctx - q_len :] for (k, _), (ctx, q_len) in zip(contexts, specs)])
+    value = torch.cat([v[ctx - q_len :] for (_, v), (ctx, q_len) in zip(contexts, specs)])
+    layer = PagedAttention(
+        num_heads, num_kv_heads, head_dim, torch.device("cpu"), sliding_window=window
+    )
+    if backend is not None:
+        layer.backend = backend
+    out = layer(query, key, value, cache, prepare_attention(meta))
+    assert out.shape == (len(query), num_heads * head_dim)
+    out = out.view(-1, num_heads, head_dim)
+    refs = [
+        dense_reference(q, k, v, ctx, head_dim**-0.5, window)
+        for q, (k, v), (ctx, _) in zip(queries, contexts, specs)
+    ]
+    return out, torch.cat(refs)
+
+
+MIXED = [(9, 1), (17, 1), (3, 1), (20, 7), (11, 11), (1, 1)]
+
+
+@pytest.mark.parametrize(
+    "specs",
+    [
+        pytest.param([(13, 1)], id="one-decode"),
+        pytest.param([(13, 1), (5, 1), (32, 1)], id="decode-batch"),
+        pytest.param([(18, 18)], id="prefill"),
+        pytest.param([(18, 5)], id="chunk-with-prefix"),
+        pytest.param(MIXED, id="mixed"),
+    ],
+)
+@pytest.mark.parametrize("window", [None, 6])
+def test_matches_dense_reference(specs, window):
+    out, ref = run_case(specs, window=window)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_block_sizes_and_mha(block_size):
+    out, ref = run_case(MIXED, num_heads=4, num_kv_heads=4, block_size=block_size)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision(dtype):
+    out, ref = run_case(MIXED, dtype=dtype)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_cuda_backend_falls_back_without_triton():
+    # the CUDA backend must import and compute on any machine (torch path without triton)
+    backend = CudaPagedAttention(use_triton=False)
+    out, ref = run_case(MIXED, backend=backend)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert isinstance(get_attention_backend(torch.device("cuda")), CudaPagedAttention)
+    assert type(get_attention_backend(torch.device("cpu"))) is TorchPagedAttention
+
+
+# the kernel also runs on CPU tensors under triton's interpreter (TRITON_INTERPRET=1)
+_TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_CAN_RUN_TRITON = triton_available() and (
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+)
+
+
+@pytest.mark.skipif(not _CAN_RUN_TRITON, reason="needs triton and CUDA (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("window", [None, 6])
+def test_triton_decode_matches_torch(window):
+    torch.manual_seed(0)
+    device = _TRITON_DEVICE
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
+    specs = [(13, 1), (40, 1), (1, 1)]
+    tables = scattered_block_tables(len(specs), 3, NUM_BLOCKS)
+    cache = torch.randn(2, NUM_BLOCKS, block_size, num_kv_heads, head_dim, device=device)
+    _, _, meta = make_step(
+        [StepSequence([0], ctx - 1, t) for (ctx, _), t in zip(specs, tables)], block_size, device
+    )
+    prep = prepare_attention(meta)
+    query = torch.randn(len(specs), num_heads, head_dim, device=device)
+    scale = head_dim**-0.5
+    expected = TorchPagedAttention().decode(query, cache, prep, scale, window)
+    actual = CudaPagedAttention(use_triton=True).decode(query, cache, prep, scale, window)
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_rejects_bad_metadata():
+    _, _, meta = make_step([StepSequence([1, 2], 0, [0])], 4)
+    meta.seq_lens_cpu = [1]  # shorter than the query
+    with pytest.raises(ValueError, match="shorter than its query"):
+        prepare_attention(meta)
+    _, _, meta = make_step([StepSequence([1, 2], 3, [0, 1])], 4)
+    meta.num_decodes = 1  # a "decode" row with two tokens
+    with pytest.raises(ValueError, match="one query token"):
+        prepare_attention(meta)

@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from hybridllm.plan.plan import Plan
+
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUPPORTED_DEVICES = ("auto", "cpu", "cuda")
+SUPPORTED_EXECUTOR_BACKENDS = ("uni", "mp")
 
 
 @dataclass(frozen=True)
@@ -107,3 +110,27 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig
     seed: int = 0
+    plan: Plan | None = None  # None: everything on one worker on device_config.device
+    distributed_executor_backend: str = "uni"  # "uni": workers in the engine process; "mp"
+
+    def __post_init__(self) -> None:
+        num_layers = self.model_config.num_layers
+        if self.plan is None:
+            # frozen: the one place a field is filled in, before anyone can read it
+            object.__setattr__(self, "plan", Plan.single(self.device_config.device, num_layers))
+        if self.plan.num_layers != num_layers:
+            raise ValueError(
+                f"the plan covers {self.plan.num_layers} layers; the model has {num_layers}"
+            )
+        backend = self.distributed_executor_backend
+        if backend not in SUPPORTED_EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {SUPPORTED_EXECUTOR_BACKENDS}, "
+                f"got {backend!r}"
+            )
+        if backend == "uni" and self.plan.tensor_parallel_size > 1:
+            raise ValueError(
+                "tensor parallelism needs one process per rank: use "
+                "distributed_executor_backend='mp' (the 'uni' executor runs every worker "
+                "in the engine process)"
+            )

@@ -59,7 +59,10 @@ def compute_metrics(
     results: list[RequestResult], duration_s: float, percentiles: tuple[float, ...] = (99,)
 ) -> BenchmarkMetrics:
     ok = [r for r in results if r.success]
-    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    # Non-streamed requests have no token timing (no ITL): they get no TPOT either.
+    tpots = [
+        (r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1 and r.itl
+    ]
     input_tokens = sum(r.prompt_len for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
     duration = max(duration_s, 1e-9)

@@ -33,9 +33,8 @@ _STALE_TMP_SECONDS = 3600  # a temp folder this old belongs to a crashed build
 
 def cache_root() -> str:
     """`$HYBRIDLLM_CACHE_DIR`, else `~/.cache/hybridllm`."""
-    return os.environ.get(CACHE_DIR_ENV) or os.path.join(
-        os.path.expanduser("~"), ".cache", "hybridllm"
-    )
+    root = os.environ.get(CACHE_DIR_ENV) or os.path.join("~", ".cache", "hybridllm")
+    return os.path.abspath(os.path.expanduser(root))
 
 
 def _sha256_file(path: str) -> str:

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+TOKENIZER_FILE = "tokenizer.json"
+
 
 class GGUFSource(ModelSource):
     """A GGUF checkpoint seen through Hugging Face names, config and tokenizer.
@@ -40,6 +42,8 @@ class GGUFSource(ModelSource):
     reads that entry lazily, tensor by tensor. With `use_cache=False`, or when the cache folder
     cannot be written, tensors are dequantized straight from the GGUF file on each read.
     """
+
+    arch: GGUFArch | None  # set when the GGUF header was parsed (direct reads need it)
 
     def __init__(self, path: str, cache_dir: str | None = None, use_cache: bool = True):
         self.path = os.path.abspath(path)
@@ -53,7 +57,7 @@ class GGUFSource(ModelSource):
             self._entry = HFFolderSource(entry_dir)
             self.hf_config = self._entry.hf_config
             self.generation_config = self._entry.generation_config
-            self.arch = None  # only the direct (uncached) reads need it
+            self.arch = None
         else:
             self._init_from_gguf()
 
@@ -67,7 +71,7 @@ class GGUFSource(ModelSource):
 
         self._gguf = GGUFFile(self.path)
         arch, kwargs = hf_config_kwargs(self._gguf.metadata, set(self._gguf.tensors), self.path)
-        self.arch: GGUFArch | None = arch
+        self.arch = arch
         self.hf_config = AutoConfig.for_model(arch.model_type, **kwargs)
         self.generation_config = generation_config_from_metadata(self._gguf.metadata)
 
@@ -97,12 +101,13 @@ class GGUFSource(ModelSource):
             if (name := hf_tensor_name(info.name, self.path)) is not None
         ]
         # The tokenizer build is pure Python; it overlaps the weights, which mostly release the GIL.
+        # A file without tokenizer metadata still converts (the tokenizer may come from elsewhere).
+        weights_path = os.path.join(folder, SAFETENSORS_FILE)
         with ThreadPoolExecutor(1, thread_name_prefix="gguf-tokenizer") as pool:
-            tokenizer = pool.submit(self._tokenizer_from_gguf)
-            write_safetensors(
-                os.path.join(folder, SAFETENSORS_FILE), specs, self._iter_gguf(own_all)
-            )
-            tokenizer.result().save_pretrained(folder)
+            tokenizer = pool.submit(self._tokenizer_from_gguf) if self._has_tokenizer() else None
+            write_safetensors(weights_path, specs, self._iter_gguf(own_all))
+            if tokenizer is not None:
+                tokenizer.result().save_pretrained(folder)
 
     def _gguf_file(self) -> GGUFFile:
         if self._gguf is None:
@@ -163,6 +168,8 @@ class GGUFSource(ModelSource):
         entry = self._ensure_entry()
         if entry is None:
             return self._tokenizer_from_gguf()
+        if not os.path.isfile(os.path.join(entry.path, TOKENIZER_FILE)):
+            raise self._no_tokenizer_error()
         from transformers import PreTrainedTokenizerFast
 
         try:
@@ -176,8 +183,8 @@ class GGUFSource(ModelSource):
         # second parse of the whole file for the model config.
         from transformers import PreTrainedTokenizerFast
 
-        if "tokenizer.ggml.tokens" not in self._gguf_file().metadata:
-            raise ModelLoadError(f"{self.path}: GGUF file has no tokenizer metadata")
+        if not self._has_tokenizer():
+            raise self._no_tokenizer_error()
         folder, file_name = os.path.split(self.path)
         try:
             return PreTrainedTokenizerFast.from_pretrained(
@@ -185,3 +192,11 @@ class GGUFSource(ModelSource):
             )
         except (OSError, ValueError, KeyError) as e:
             raise ModelLoadError(f"{self.path}: cannot build a tokenizer from GGUF ({e})") from None
+
+    def _has_tokenizer(self) -> bool:
+        return "tokenizer.ggml.tokens" in self._gguf_file().metadata
+
+    def _no_tokenizer_error(self) -> ModelLoadError:
+        return ModelLoadError(
+            f"{self.path}: GGUF file has no tokenizer metadata; pass a tokenizer folder"
+        )

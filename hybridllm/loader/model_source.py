@@ -43,7 +43,9 @@ class ModelSource(ABC):
         """Yield `(hf_name, tensor)` for each stored tensor `owns(hf_name)` accepts.
 
         Tensors keep the checkpoint's precision (quantized GGUF tensors come out as float32);
-        the caller casts. A model with tied embeddings stores no `lm_head.weight`.
+        the caller casts. A model with tied embeddings stores no `lm_head.weight`. Tensors may
+        be zero-copy views of a memory-mapped file: copy them into the model (as `load_weights`
+        does) rather than keeping them, and never write to them.
         """
 
     @abstractmethod

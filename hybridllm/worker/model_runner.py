@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,10 +117,8 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = self.model.kv_cache_shape(num_blocks, self.block_size)
-        # zeros, not empty: padded slots of a gathered block are masked, but 0 * NaN would leak.
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(self.model.num_layers_in_stage)
+            _zeros(shape, self.dtype, self.device) for _ in range(self.model.num_layers_in_stage)
         ]
 
     def _profile_activation_bytes(self) -> int:
@@ -268,7 +267,7 @@ class ModelRunner:
             blocks = -(-n // self.block_size)
             shape = self.model.kv_cache_shape(blocks, self.block_size)
             scratch = [
-                torch.zeros(shape, dtype=self.dtype, device=self.device)
+                _zeros(shape, self.dtype, self.device)
                 for _ in range(self.model.num_layers_in_stage)
             ]
             pos_np = np.arange(n)
@@ -281,3 +280,13 @@ class ModelRunner:
                 vec = torch.nn.functional.normalize(vec, dim=0)
             results.append(vec.tolist())
         return results
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV tensor. Zeros, not empty: padded slots of a gathered block are masked,
+    but 0 * NaN would still leak. On the CPU, numpy's calloc hands out lazily zeroed pages,
+    so a multi-GiB cache costs nothing until used (torch.zeros writes every byte up front)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)

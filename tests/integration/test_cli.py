@@ -18,8 +18,13 @@ TINY_ENGINE = ["--max-model-len", "256", "--max-num-seqs", "8"]
 
 def run_cli(*args: str, stdin: str | None = None, timeout: float = 240):
     return subprocess.run(
-        [sys.executable, "-m", "hybridllm", *args], cwd=REPO_ROOT, input=stdin, text=True,
-        capture_output=True, timeout=timeout, env={**os.environ, "PYTHONPATH": REPO_ROOT},
+        [sys.executable, "-m", "hybridllm", *args],
+        cwd=REPO_ROOT,
+        input=stdin,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": REPO_ROOT},
     )
 
 
@@ -34,8 +39,15 @@ def _subparsers(parser: argparse.ArgumentParser):
 
 def test_every_subcommand_and_flag_has_help():
     commands = dict(_subparsers(build_parser()))
-    assert {"serve", "generate", "chat", "bench", "bench serve", "bench throughput",
-            "bench latency"} <= set(commands)
+    assert {
+        "serve",
+        "generate",
+        "chat",
+        "bench",
+        "bench serve",
+        "bench throughput",
+        "bench latency",
+    } <= set(commands)
     assert "plan" not in commands
     for name, parser in commands.items():
         assert parser.description, name
@@ -56,11 +68,29 @@ def test_serve_flags_reach_engine_args():
     from hybridllm.engine_args import EngineArgs
 
     args = build_parser().parse_args(
-        ["serve", "/models/x", "--port", "9001", "--max-model-len", "512", "--api-key", "k",
-         "--served-model-name", "a", "b", "--pooling", "mean", "--no-enable-prefix-caching"]
+        [
+            "serve",
+            "/models/x",
+            "--port",
+            "9001",
+            "--max-model-len",
+            "512",
+            "--api-key",
+            "k",
+            "--served-model-name",
+            "a",
+            "b",
+            "--pooling",
+            "mean",
+            "--no-enable-prefix-caching",
+        ]
     )
-    assert (args.port, args.api_key, args.served_model_name, args.pooling) == (9001, "k",
-                                                                               ["a", "b"], "mean")
+    assert (args.port, args.api_key, args.served_model_name, args.pooling) == (
+        9001,
+        "k",
+        ["a", "b"],
+        "mean",
+    )
     engine_args = EngineArgs.from_cli_args(args)
     assert engine_args.model == "/models/x" and engine_args.max_model_len == 512
     assert engine_args.enable_prefix_caching is False
@@ -79,15 +109,33 @@ def test_bad_flag_values_are_one_line_errors(capsys):
 def test_generate_one_prompt_and_a_file(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The capital of France is\n\n" + json.dumps({"prompt": "1, 2, 3,"}) + "\n")
-    one = run_cli("generate", "--prompt", "The capital of France is", "--max-tokens", "6",
-                  "--temperature", "0", *TINY_ENGINE)
+    one = run_cli(
+        "generate",
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "0",
+        *TINY_ENGINE,
+    )
     assert one.returncode == 0, one.stderr
     streamed = one.stdout.rstrip("\n")
     assert streamed.strip()
-    many = run_cli("generate", "--prompts-file", str(prompts), "--max-tokens", "6",
-                   "--temperature", "0", *TINY_ENGINE)
+    many = run_cli(
+        "generate",
+        "--prompts-file",
+        str(prompts),
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "0",
+        *TINY_ENGINE,
+    )
     assert many.returncode == 0, many.stderr
-    assert "=== [0] 'The capital of France is'" in many.stdout and "=== [1] '1, 2, 3,'" in many.stdout
+    assert (
+        "=== [0] 'The capital of France is'" in many.stdout and "=== [1] '1, 2, 3,'" in many.stdout
+    )
     # Greedy: the batched file run gives prompt 0 the same text as the streamed single run.
     block = many.stdout.split("=== [0] 'The capital of France is'\n", 1)[1]
     assert block.startswith(streamed)
@@ -96,28 +144,65 @@ def test_generate_one_prompt_and_a_file(tmp_path):
 @pytest.mark.slow
 def test_chat_streams_replies_and_handles_commands():
     session = "Name a fruit.\n/help\nAnd a color?\n/reset\nHello\n/exit\nnot read\n"
-    result = run_cli("chat", "--system", "Be brief.", "--max-tokens", "6", "--temperature", "0",
-                     *TINY_ENGINE, stdin=session)
+    result = run_cli(
+        "chat",
+        "--system",
+        "Be brief.",
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "0",
+        *TINY_ENGINE,
+        stdin=session,
+    )
     assert result.returncode == 0, result.stderr
     assert "/exit or /quit" in result.stdout and "(conversation cleared)" in result.stdout
-    replies = [line for line in result.stdout.splitlines()
-               if line.strip() and "/exit" not in line and "cleared" not in line]
+    replies = [
+        line
+        for line in result.stdout.splitlines()
+        if line.strip() and "/exit" not in line and "cleared" not in line
+    ]
     assert len(replies) >= 3  # one per user turn
 
 
 @pytest.mark.slow
 def test_offline_throughput_and_latency_benches(tmp_path):
     out = tmp_path / "throughput.json"
-    result = run_cli("bench", "throughput", "--num-prompts", "4", "--input-len", "8",
-                     "--output-len", "4", "--output-json", str(out), *TINY_ENGINE)
+    result = run_cli(
+        "bench",
+        "throughput",
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--output-json",
+        str(out),
+        *TINY_ENGINE,
+    )
     assert result.returncode == 0, result.stderr
     assert "output tokens/s" in result.stdout
     record = json.loads(out.read_text())
     assert record["num_prompts"] == 4 and record["output_tokens_per_s"] > 0
     out = tmp_path / "latency.json"
-    result = run_cli("bench", "latency", "--batch-size", "2", "--input-len", "8",
-                     "--output-len", "4", "--num-iters", "2", "--num-iters-warmup", "1",
-                     "--output-json", str(out), *TINY_ENGINE)
+    result = run_cli(
+        "bench",
+        "latency",
+        "--batch-size",
+        "2",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--num-iters",
+        "2",
+        "--num-iters-warmup",
+        "1",
+        "--output-json",
+        str(out),
+        *TINY_ENGINE,
+    )
     assert result.returncode == 0, result.stderr
     record = json.loads(out.read_text())
     assert len(record["latencies_s"]) == 2 and record["avg_latency_s"] > 0

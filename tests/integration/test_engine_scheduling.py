@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.model_helpers import make_tiny_model
 
 from hybridllm import LLM, SamplingParams
+from tests.model_helpers import make_tiny_model
 
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.model_helpers import ARCHITECTURES, make_tiny_model
 from transformers import AutoModelForCausalLM
 
 from hybridllm import LLM, SamplingParams
+from tests.model_helpers import ARCHITECTURES, make_tiny_model
 
 NEW_TOKENS = 32
 

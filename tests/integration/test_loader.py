@@ -95,7 +95,15 @@ def test_owns_filter_reads_only_owned_shards(tmp_path):
         assert torch.equal(got[name], reference[name])
 
 
-def test_hf_tokenizer_and_generation_config(tmp_path):
+def test_hf_generation_config_overrides_config(tmp_path):
+    _tiny_llama().save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 5], "top_k": 20}')
+    source = open_model_source(str(tmp_path))
+    assert source.generation_config["eos_token_id"] == [2, 5]
+    assert source.generation_config["top_k"] == 20
+
+
+def test_hf_tokenizer(tmp_path):
     from tests.gguf_helpers import tokenizer_vocab
 
     # The GGUF tokenizer, saved as an HF folder: load it back through the HF path.
@@ -201,12 +209,15 @@ def test_gguf_owns_filter(tmp_path):
         source = GGUFSource(str(path), use_cache=use_cache)
         asked: list[str] = []
 
-        def owns(name: str, asked=asked) -> bool:
-            asked.append(name)
+        def wanted(name: str) -> bool:
             return name.startswith("model.layers.1.") or name == "lm_head.weight"
 
+        def owns(name: str, asked=asked) -> bool:
+            asked.append(name)
+            return wanted(name)
+
         got = dict(source.iter_weights(owns))
-        assert set(got) == {n for n in asked if owns(n)} and "lm_head.weight" in got
+        assert set(got) == {n for n in asked if wanted(n)} and "lm_head.weight" in got
         assert len(got) == 10  # 9 tensors of layer 1 + lm_head
         for name, tensor in got.items():
             assert torch.equal(tensor, model.state_dict()[name])
@@ -227,9 +238,12 @@ def test_gguf_tokenizer(tmp_path):
     assert tokenizer("<|im_end|>").input_ids == [tokenizer.eos_token_id]  # special, kept whole
 
 
-def test_gguf_without_tokenizer_metadata(tmp_path):
-    path = write_gguf(tmp_path / "m.gguf", tiny_hf_model("llama"), with_tokenizer=False)
-    source = GGUFSource(str(path), use_cache=False)
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_gguf_without_tokenizer_metadata(tmp_path, use_cache):
+    model = tiny_hf_model("llama")
+    path = write_gguf(tmp_path / "m.gguf", model, with_tokenizer=False)
+    source = GGUFSource(str(path), use_cache=use_cache)
+    _assert_same_tensors(dict(source.iter_weights()), model.state_dict())  # weights still load
     with pytest.raises(ModelLoadError, match=f"{path}.*tokenizer"):
         source.load_tokenizer()
 

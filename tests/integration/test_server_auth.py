@@ -20,8 +20,17 @@ API_KEY = "sekret-key"
 
 @pytest.fixture(scope="module")
 def server():
-    args = ["--max-model-len", "512", "--served-model-name", "tiny", "alias", "--pooling", "mean",
-            "--shutdown-timeout", "3"]
+    args = [
+        "--max-model-len",
+        "512",
+        "--served-model-name",
+        "tiny",
+        "alias",
+        "--pooling",
+        "mean",
+        "--shutdown-timeout",
+        "3",
+    ]
     # The key comes from the environment, the documented alternative to --api-key.
     with RemoteServer(args, env={"HYBRIDLLM_API_KEY": API_KEY}) as srv:
         yield srv
@@ -67,12 +76,19 @@ def test_access_log_has_one_line_per_request(server):
 
 
 def _stream(server, max_tokens: int, events: list, first_chunk: threading.Event) -> None:
-    body = {"model": "tiny", "prompt": "Tell me a story", "max_tokens": max_tokens,
-            "ignore_eos": True, "temperature": 0, "stream": True}
+    body = {
+        "model": "tiny",
+        "prompt": "Tell me a story",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     headers = {"Authorization": f"Bearer {API_KEY}"}
     try:
-        with httpx.stream("POST", f"{server.base_url}/completions", json=body, headers=headers,
-                          timeout=60) as response:
+        with httpx.stream(
+            "POST", f"{server.base_url}/completions", json=body, headers=headers, timeout=60
+        ) as response:
             for line in response.iter_lines():
                 if line.startswith("data:"):
                     events.append(line)
@@ -85,8 +101,10 @@ def _stream(server, max_tokens: int, events: list, first_chunk: threading.Event)
 def test_sigterm_finishes_short_requests_aborts_long_ones_and_exits(server):
     short, long = [], []
     short_started, long_started = threading.Event(), threading.Event()
-    threads = [threading.Thread(target=_stream, args=(server, 24, short, short_started)),
-               threading.Thread(target=_stream, args=(server, 480, long, long_started))]
+    threads = [
+        threading.Thread(target=_stream, args=(server, 24, short, short_started)),
+        threading.Thread(target=_stream, args=(server, 480, long, long_started)),
+    ]
     for t in threads:
         t.start()
     assert short_started.wait(30) and long_started.wait(30)

@@ -48,8 +48,9 @@ def test_engine_death_is_503_everywhere():
 
 def test_streaming_request_gets_an_error_event_when_the_engine_dies():
     with make_client(ScriptedEngine(fail_at_step=3)) as http:
-        response = http.post("/v1/completions",
-                             json={"prompt": [1], "max_tokens": 50, "stream": True})
+        response = http.post(
+            "/v1/completions", json={"prompt": [1], "max_tokens": 50, "stream": True}
+        )
         assert response.status_code == 200
         data = [line for line in response.text.splitlines() if line.startswith("data:")]
         assert '"engine_dead"' in data[-2] and data[-1] == "data: [DONE]"
@@ -61,7 +62,8 @@ def test_api_key_and_body_limit():
         assert http.get("/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
         ok = http.get("/v1/models", headers={"Authorization": "Bearer k"})
         assert ok.json()["data"][0]["id"] == "scripted"
-        big = http.post("/v1/completions", headers={"Authorization": "Bearer k"},
-                        json={"prompt": [1] * 2000})
+        big = http.post(
+            "/v1/completions", headers={"Authorization": "Bearer k"}, json={"prompt": [1] * 2000}
+        )
         assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
         assert http.get("/health").status_code == 200  # no key needed

@@ -17,11 +17,21 @@ VOCAB = 1000
 
 
 def test_completion_request_maps_to_sampling_params():
-    request = CompletionRequest.model_validate({
-        "prompt": "hi", "max_tokens": 7, "stop": "END", "seed": 3, "logprobs": 2, "n": 2,
-        "top_k": -1, "logit_bias": {"5": -100, "7": 2.5}, "ignore_eos": True, "min_p": 0.1,
-        "unknown_field": "ignored",
-    })
+    request = CompletionRequest.model_validate(
+        {
+            "prompt": "hi",
+            "max_tokens": 7,
+            "stop": "END",
+            "seed": 3,
+            "logprobs": 2,
+            "n": 2,
+            "top_k": -1,
+            "logit_bias": {"5": -100, "7": 2.5},
+            "ignore_eos": True,
+            "min_p": 0.1,
+            "unknown_field": "ignored",
+        }
+    )
     params = request.to_sampling_params(request.max_tokens, VOCAB)
     assert params.max_tokens == 7 and params.stop == ["END"] and params.seed == 3
     assert params.logprobs == 2 and params.n == 2 and params.top_k == 0
@@ -32,10 +42,16 @@ def test_completion_request_maps_to_sampling_params():
 
 
 def test_nulls_mean_defaults():
-    request = CompletionRequest.model_validate({
-        "prompt": [1, 2], "n": None, "temperature": None, "presence_penalty": None,
-        "frequency_penalty": None, "max_tokens": None,
-    })
+    request = CompletionRequest.model_validate(
+        {
+            "prompt": [1, 2],
+            "n": None,
+            "temperature": None,
+            "presence_penalty": None,
+            "frequency_penalty": None,
+            "max_tokens": None,
+        }
+    )
     params = request.to_sampling_params(5, VOCAB)
     assert (params.n, params.temperature, params.presence_penalty) == (1, 1.0, 0.0)
 
@@ -46,12 +62,21 @@ def test_prompt_shapes():
 
 
 def test_chat_request_fields():
-    request = ChatCompletionRequest.model_validate({
-        "messages": [{"role": "developer", "content": [{"type": "text", "text": "be "},
-                                                       {"type": "text", "text": "brief"}]},
-                     {"role": "user", "content": "hi"}],
-        "max_tokens": 100, "max_completion_tokens": 9, "logprobs": True, "top_logprobs": 4,
-    })
+    request = ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                {
+                    "role": "developer",
+                    "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}],
+                },
+                {"role": "user", "content": "hi"},
+            ],
+            "max_tokens": 100,
+            "max_completion_tokens": 9,
+            "logprobs": True,
+            "top_logprobs": 4,
+        }
+    )
     assert request.requested_max_tokens == 9  # the newer field wins
     assert request.messages[0].text() == "be brief"
     params = request.to_sampling_params(request.requested_max_tokens, VOCAB)

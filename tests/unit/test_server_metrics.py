@@ -73,10 +73,17 @@ def test_percentile_matches_numpy():
 
 
 def test_compute_metrics():
-    ok = RequestResult(success=True, prompt_len=10, output_tokens=5, ttft=0.1,
-                       itl=[0.05, 0.05, 0.05, 0.05], latency=0.3)
-    ok2 = RequestResult(success=True, prompt_len=20, output_tokens=3, ttft=0.3, itl=[0.1, 0.1],
-                        latency=0.5)
+    ok = RequestResult(
+        success=True,
+        prompt_len=10,
+        output_tokens=5,
+        ttft=0.1,
+        itl=[0.05, 0.05, 0.05, 0.05],
+        latency=0.3,
+    )
+    ok2 = RequestResult(
+        success=True, prompt_len=20, output_tokens=3, ttft=0.3, itl=[0.1, 0.1], latency=0.5
+    )
     failed = RequestResult(success=False, error="HTTP 500")
     m = compute_metrics([ok, ok2, failed], duration_s=2.0, percentiles=(50, 99))
     assert (m.completed, m.failed) == (2, 1)
@@ -88,6 +95,11 @@ def test_compute_metrics():
     assert m.tpot.mean_ms == pytest.approx(75)
     assert m.itl.median_ms == pytest.approx(50) and m.itl.percentiles_ms["p99"] > 95
     report = format_report(m)
-    for line in ("Successful requests:", "Output token throughput (tok/s):", "Mean TTFT (ms):",
-                 "Median TPOT (ms):", "P99 ITL (ms):"):
+    for line in (
+        "Successful requests:",
+        "Output token throughput (tok/s):",
+        "Mean TTFT (ms):",
+        "Median TPOT (ms):",
+        "P99 ITL (ms):",
+    ):
         assert line in report

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: protocol models, serving handlers, engine thread, metrics."""

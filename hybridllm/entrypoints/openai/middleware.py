@@ -1,0 +1,142 @@
+"""Pure-ASGI middlewares: access log + status metrics, API-key check, request body size limit."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from hybridllm.entrypoints.openai.errors import error_body
+from hybridllm.entrypoints.openai.metrics import ServerMetrics
+
+access_logger = logging.getLogger("hybridllm.access")
+
+
+async def send_error(send: Send, status: int, message: str, code: str | None = None) -> None:
+    body = json.dumps(error_body(message, status, None, code)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class AccessLogMiddleware:
+    """One log line per request (method, path, status, latency) and a status counter."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 0
+
+        async def send_with_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_status)
+        finally:
+            # A stream whose client left ends without a status only if nothing was sent.
+            self.metrics.observe_http(status or 499)
+            client = scope.get("client")
+            access_logger.info(
+                '%s "%s %s" %d %.1f ms',
+                f"{client[0]}:{client[1]}" if client else "-",
+                scope["method"],
+                scope["path"],
+                status or 499,
+                (time.perf_counter() - start) * 1000,
+            )
+
+
+class ApiKeyMiddleware:
+    """Every /v1/* request must carry `Authorization: Bearer <key>`."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            # Constant-time compare: the key must not leak through response timing.
+            if not hmac.compare_digest(given, self.expected):
+                reason = "missing" if not given else "invalid"
+                await send_error(
+                    send,
+                    401,
+                    f"{reason} API key: send 'Authorization: Bearer <key>'",
+                    "invalid_api_key",
+                )
+                return
+        await self.app(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """Answer 413 to bodies over `max_bytes` (declared or streamed) before the app sees them."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(send)
+            return
+        # Chunked or lying clients: buffer up to the limit, then replay the body to the app.
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # disconnect: let the app notice through its own receive
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._too_large(send)
+                return
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: only http.disconnect arrives
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send: Send) -> None:
+        await send_error(
+            send,
+            413,
+            f"request body is larger than the limit of {self.max_bytes} bytes",
+            "request_too_large",
+        )
+
+
+def add_middlewares(app: Any, metrics: ServerMetrics, api_key: str | None, max_bytes: int) -> None:
+    """Order, outermost first: access log, API key, body size limit."""
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(AccessLogMiddleware, metrics=metrics)

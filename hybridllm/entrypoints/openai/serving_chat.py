@@ -1,0 +1,220 @@
+"""POST /v1/chat/completions: messages through the model's chat template, streamed or whole."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import Response
+
+from hybridllm.entrypoints.openai.async_engine import RequestStream
+from hybridllm.entrypoints.openai.errors import OpenAIError
+from hybridllm.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TopLogprob,
+    UsageInfo,
+    random_id,
+)
+from hybridllm.entrypoints.openai.serving_base import (
+    SSE_DONE,
+    AbortingStreamingResponse,
+    OpenAIServing,
+    abort_unfinished,
+    collect_final,
+    merge_streams,
+    raise_if_failed,
+    run_until_disconnected,
+    sse,
+    sse_error,
+)
+from hybridllm.outputs import Logprob, RequestOutput
+
+_MISSING_LOGPROB = -9999.0  # OpenAI's stand-in when a token's logprob is unknown
+
+
+class OpenAIServingChat(OpenAIServing):
+    """The chat endpoint; one engine request whose `n` samples are the choices."""
+
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest, raw: Request
+    ) -> Response:
+        model_name = self.check_model(request.model)
+        prompt_ids = self.render_prompt(request)
+        self.check_prompt(prompt_ids, "messages")
+        param = (
+            "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        )
+        max_tokens = self.max_tokens_for(len(prompt_ids), request.requested_max_tokens, param)
+        params = request.to_sampling_params(max_tokens, self.model.vocab_size)
+        request_id = random_id("chatcmpl")
+        streams = await self.add_all(request_id, [prompt_ids], [params])
+        if request.stream:
+            body = self._stream(request, request_id, model_name, streams)
+            return AbortingStreamingResponse(body, self.engine, streams)
+        try:
+            (final,) = await run_until_disconnected(raw, collect_final(streams))
+        finally:
+            abort_unfinished(self.engine, streams)
+        raise_if_failed(final)
+        choices = [
+            ChatChoice(
+                index=out.index,
+                message=ChatResponseMessage(content=out.text),
+                logprobs=self._logprobs(request, out.token_ids, out.logprobs),
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+            )
+            for out in sorted(final.outputs, key=lambda c: c.index)
+        ]
+        response = ChatCompletionResponse(
+            id=request_id, model=model_name, choices=choices, usage=_usage(final)
+        )
+        return JSONResponse(response.model_dump())
+
+    def render_prompt(self, request: ChatCompletionRequest) -> list[int]:
+        """Messages -> the chat template's text -> token ids (the template adds BOS itself)."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise OpenAIError(
+                "the served model has no chat template; use /v1/completions", param="messages"
+            )
+        conversation = []
+        for message in request.messages:
+            turn = {
+                "role": "system" if message.role == "developer" else message.role,
+                "content": message.text(),
+            }
+            if message.name:
+                turn["name"] = message.name
+            conversation.append(turn)
+        continue_final = request.continue_final_message
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation,
+                tokenize=False,
+                add_generation_prompt=request.add_generation_prompt and not continue_final,
+                continue_final_message=continue_final,
+                **(request.chat_template_kwargs or {}),
+            )
+        except Exception as exc:  # jinja raise_exception() on e.g. bad role order
+            raise OpenAIError(
+                f"the chat template rejected the messages: {exc}", param="messages"
+            ) from exc
+        return self.tokenize(text, add_special_tokens=False)
+
+    def _logprobs(
+        self,
+        request: ChatCompletionRequest,
+        token_ids: list[int],
+        positions: list[dict[int, Logprob]] | None,
+    ) -> ChatChoiceLogprobs | None:
+        if not request.logprobs:
+            return None
+        top_n = request.top_logprobs or 0
+        content = []
+        for token_id, candidates in zip(token_ids, positions or []):
+            chosen = candidates.get(token_id)
+            token = self.token_text(token_id, chosen)
+            # Rank order (then logprob) so the top list is the model's, not the dict's, order.
+            ranked = sorted(
+                candidates.items(),
+                key=lambda kv: (kv[1].rank if kv[1].rank is not None else math.inf, -kv[1].logprob),
+            )[:top_n]
+            tops = []
+            for tid, lp in ranked:
+                text = self.token_text(tid, lp)
+                tops.append(TopLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode())))
+            content.append(
+                ChatTokenLogprob(
+                    token=token,
+                    logprob=_MISSING_LOGPROB if chosen is None else chosen.logprob,
+                    bytes=list(token.encode()),
+                    top_logprobs=tops,
+                )
+            )
+        return ChatChoiceLogprobs(content=content)
+
+    async def _stream(
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        model_name: str,
+        streams: list[RequestStream],
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        n = request.n or 1
+        continuous = (
+            request.stream_options is not None and request.stream_options.continuous_usage_stats
+        )
+
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+            return sse(
+                ChatCompletionChunk(
+                    id=request_id, created=created, model=model_name, choices=choices, usage=usage
+                )
+            )
+
+        sent: dict[int, tuple[int, int]] = {}  # sample index -> (chars, tokens) already sent
+        finished: set[int] = set()
+        final: RequestOutput | None = None
+        try:
+            yield chunk(
+                [
+                    ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                    for i in range(n)
+                ]
+            )
+            async for _, output in merge_streams(streams):
+                raise_if_failed(output)
+                choices = []
+                for out in output.outputs:
+                    if out.index in finished:
+                        continue
+                    text_start, token_start = sent.get(out.index, (0, 0))
+                    if len(out.token_ids) == token_start and out.finish_reason is None:
+                        continue
+                    choices.append(
+                        ChatStreamChoice(
+                            index=out.index,
+                            delta=DeltaMessage(content=out.text[text_start:]),
+                            logprobs=self._logprobs(
+                                request,
+                                out.token_ids[token_start:],
+                                (out.logprobs or [])[token_start:],
+                            ),
+                            finish_reason=out.finish_reason,
+                            stop_reason=out.stop_reason,
+                        )
+                    )
+                    sent[out.index] = (len(out.text), len(out.token_ids))
+                    if out.finish_reason is not None:
+                        finished.add(out.index)
+                if output.finished:
+                    final = output
+                if choices:
+                    yield chunk(choices, _usage(output) if continuous else None)
+            if request.include_usage and final is not None:
+                yield chunk([], _usage(final))
+        except Exception as exc:
+            yield sse_error(exc)
+        yield SSE_DONE
+
+
+def _usage(output: RequestOutput) -> UsageInfo:
+    prompt_tokens = len(output.prompt_token_ids)
+    completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )

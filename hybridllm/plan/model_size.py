@@ -1,0 +1,168 @@
+"""Bytes and FLOPs of a model's parts (decoder layer, embedding, head, KV) from its HF config alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Per-part parameter bytes at one dtype, plus what a step reads and computes.
+
+    `*_bytes` are parameter bytes; `matmul_params_per_layer` counts only the weights a token
+    multiplies by (what decode FLOPs come from), not norms or biases.
+    """
+
+    model_type: str
+    dtype: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    tied_embeddings: bool
+    layer_bytes: int  # one decoder layer
+    embedding_bytes: int  # token (+ position) embedding, + OPT's project_in
+    final_norm_bytes: int  # final norm (+ OPT's project_out)
+    lm_head_bytes: int  # an own copy of the LM head matrix
+    matmul_params_per_layer: int
+    kv_bytes_per_token_per_layer: int  # K and V of one token in one layer, all KV heads
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def total_bytes(self) -> int:
+        """The whole model on one device (a tied head shares the embedding's bytes)."""
+        return self.stage_bytes(0, self.num_layers, True, True)
+
+    def stage_bytes(
+        self, layer_start: int, layer_end: int, has_embedding: bool, has_lm_head: bool
+    ) -> int:
+        """Parameter bytes of one pipeline stage (before tensor-parallel sharding)."""
+        total = (layer_end - layer_start) * self.layer_bytes
+        if has_embedding:
+            total += self.embedding_bytes
+        if has_lm_head:
+            total += self.final_norm_bytes + self.head_matrix_bytes(has_embedding)
+        return total
+
+    def head_matrix_bytes(self, has_embedding: bool) -> int:
+        """LM head bytes a stage must store: none extra when it is tied to an embedding it holds."""
+        return 0 if (self.tied_embeddings and has_embedding) else self.lm_head_bytes
+
+    def kv_bytes_per_token(self, num_layers: int) -> int:
+        return num_layers * self.kv_bytes_per_token_per_layer
+
+    def activation_bytes(self, num_tokens: int) -> int:
+        """Transient workspace of one forward over `num_tokens` (the largest live tensors of a layer).
+
+        hidden + residual + fused qkv + attention output + gate/up + MLP product, at the dtype,
+        plus fp32 logits for up to 256 sampled rows; a bound, not an allocator trace.
+        """
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        per_token = 3 * self.hidden_size + q + 2 * kv + q + 3 * self.intermediate_size
+        logits = min(num_tokens, 256) * self.vocab_size * 4
+        return num_tokens * per_token * self.dtype_bytes + logits
+
+
+def resolve_dtype(hf_config: Any, dtype: str) -> str:
+    """'auto' -> the checkpoint's float dtype when it is one we run, else bfloat16."""
+    if dtype in DTYPE_BYTES:
+        return dtype
+    if dtype != "auto":
+        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPE_BYTES)}; got {dtype!r}")
+    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    name = str(stored).replace("torch.", "") if stored is not None else ""
+    return name if name in DTYPE_BYTES else "bfloat16"
+
+
+def model_size(hf_config: Any, dtype: str = "auto") -> ModelSize:
+    """Sizes of a Llama-family (Llama, Mistral, Qwen2/2.5, Qwen3, SmolLM2) or OPT model."""
+    dtype = resolve_dtype(hf_config, dtype)
+    model_type = getattr(hf_config, "model_type", "") or ""
+    if model_type == "opt":
+        return _opt_size(hf_config, dtype)
+    if model_type in _LLAMA_LIKE or hasattr(hf_config, "intermediate_size"):
+        return _llama_size(hf_config, dtype, model_type or "llama")
+    raise ValueError(
+        f"cannot size model_type {model_type!r}: supported are {', '.join(_LLAMA_LIKE)} and opt"
+    )
+
+
+def _llama_size(c: Any, dtype: str, model_type: str) -> ModelSize:
+    b = DTYPE_BYTES[dtype]
+    hidden, inter, vocab = c.hidden_size, c.intermediate_size, c.vocab_size
+    heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or hidden // heads
+    q, kv = heads * head_dim, kv_heads * head_dim
+    # Qwen2 always biases q/k/v; Llama/Qwen3 only with attention_bias (then o_proj too).
+    attention_bias = bool(getattr(c, "attention_bias", False))
+    qkv_bias = model_type == "qwen2" or attention_bias
+    o_bias = attention_bias and model_type != "qwen2"
+    matmul = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter
+    extra = 2 * hidden  # input and post-attention RMSNorm
+    extra += (q + 2 * kv) if qkv_bias else 0
+    extra += hidden if o_bias else 0
+    extra += (2 * inter + hidden) if getattr(c, "mlp_bias", False) else 0
+    extra += 2 * head_dim if model_type == "qwen3" else 0  # per-head q/k RMSNorm
+    return ModelSize(
+        model_type=model_type,
+        dtype=dtype,
+        num_layers=c.num_hidden_layers,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=inter,
+        tied_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        layer_bytes=(matmul + extra) * b,
+        embedding_bytes=vocab * hidden * b,
+        final_norm_bytes=hidden * b,
+        lm_head_bytes=vocab * hidden * b,
+        matmul_params_per_layer=matmul,
+        kv_bytes_per_token_per_layer=2 * kv * b,
+    )
+
+
+def _opt_size(c: Any, dtype: str) -> ModelSize:
+    b = DTYPE_BYTES[dtype]
+    hidden, ffn, vocab = c.hidden_size, c.ffn_dim, c.vocab_size
+    heads = c.num_attention_heads
+    proj = getattr(c, "word_embed_proj_dim", None) or hidden
+    bias = bool(getattr(c, "enable_bias", True))
+    norm = (2 * hidden) if getattr(c, "layer_norm_elementwise_affine", True) else 0
+    matmul = 4 * hidden * hidden + 2 * hidden * ffn
+    extra = 2 * norm + ((4 * hidden + ffn + hidden) if bias else 0)
+    positions = (c.max_position_embeddings + 2) * hidden  # OPT's learned table starts 2 rows in
+    project = proj * hidden if proj != hidden else 0  # project_in / project_out, no bias
+    # OPT-350m (post-LN) has no final layer norm.
+    final_norm = norm if getattr(c, "do_layer_norm_before", True) else 0
+    return ModelSize(
+        model_type="opt",
+        dtype=dtype,
+        num_layers=c.num_hidden_layers,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        intermediate_size=ffn,
+        tied_embeddings=bool(getattr(c, "tie_word_embeddings", True)),
+        layer_bytes=(matmul + extra) * b,
+        embedding_bytes=(vocab * proj + positions + project) * b,
+        final_norm_bytes=(final_norm + project) * b,
+        lm_head_bytes=vocab * proj * b,
+        matmul_params_per_layer=matmul,
+        kv_bytes_per_token_per_layer=2 * hidden * b,
+    )

@@ -1,0 +1,159 @@
+"""`Plan`: for every worker, its device, pipeline stage, layer range and tensor-parallel shard.
+
+Everything downstream (loader, KV cache, workers, communicators) reads the plan; nothing
+re-derives placement on its own. Plans are frozen and validated once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def partition(total: int, weights: tuple[float, ...], align: int = 1) -> list[tuple[int, int]]:
+    """Split `total` units into contiguous [start, end) ranges proportional to `weights`.
+
+    Every boundary is a multiple of `align` (e.g. a KV-head group) and every range gets at
+    least `align` units while `total` allows it. Equal weights give equal shards.
+    """
+    if total % align:
+        raise ValueError(f"total {total} is not a multiple of align {align}")
+    if not weights or any(w <= 0 for w in weights):
+        raise ValueError(f"weights must be positive, got {weights}")
+    units = total // align
+    n = len(weights)
+    if units < n:
+        raise ValueError(f"cannot split {units} units of {align} among {n} shards")
+    scale = sum(weights)
+    # Largest-remainder rounding, then make sure nobody gets zero units.
+    raw = [units * w / scale for w in weights]
+    counts = [max(1, int(r)) for r in raw]
+    while sum(counts) > units:
+        i = max(range(n), key=lambda j: (counts[j] - raw[j], counts[j]))
+        counts[i] -= 1
+    while sum(counts) < units:
+        i = max(range(n), key=lambda j: raw[j] - counts[j])
+        counts[i] += 1
+    ranges, start = [], 0
+    for c in counts:
+        ranges.append((start * align, (start + c) * align))
+        start += c
+    return ranges
+
+
+@dataclass(frozen=True)
+class WorkerPlacement:
+    """One worker: global rank, device, and its place in the pipeline and TP group."""
+
+    rank: int  # pp_rank * tensor_parallel_size + tp_rank
+    device: str  # "cuda:0", "cpu"
+    pp_rank: int
+    tp_rank: int
+    numa_node: int | None = None  # CPU workers: the node their threads are bound to
+    num_threads: int | None = None  # CPU workers: torch intra-op threads
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.device == "cpu"
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: a layer range run by a tensor-parallel group of workers."""
+
+    pp_rank: int
+    layer_start: int
+    layer_end: int  # exclusive
+    workers: tuple[WorkerPlacement, ...]  # ordered by tp_rank
+    tp_weights: tuple[float, ...]  # relative shard sizes (equal by default)
+    has_embedding: bool
+    has_lm_head: bool  # final norm + LM head + sampling
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The whole placement. Ranks are numbered stage-major: rank = pp_rank * tp + tp_rank."""
+
+    stages: tuple[StagePlan, ...]
+    num_layers: int
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise ValueError("a plan needs at least one stage")
+        tp = len(self.stages[0].workers)
+        expect = 0
+        for i, stage in enumerate(self.stages):
+            if stage.pp_rank != i:
+                raise ValueError(f"stage {i} has pp_rank {stage.pp_rank}")
+            if stage.layer_start != expect or stage.layer_end <= stage.layer_start:
+                raise ValueError(
+                    f"stage {i} covers layers [{stage.layer_start}, {stage.layer_end}); "
+                    f"expected a non-empty range starting at {expect}"
+                )
+            expect = stage.layer_end
+            if len(stage.workers) != tp or len(stage.tp_weights) != tp:
+                raise ValueError(
+                    f"stage {i} has {len(stage.workers)} workers; every stage needs {tp}"
+                )
+            for tp_rank, w in enumerate(stage.workers):
+                if (w.pp_rank, w.tp_rank, w.rank) != (i, tp_rank, i * tp + tp_rank):
+                    raise ValueError(f"worker {w} is out of place in stage {i}")
+            if stage.has_embedding != (i == 0):
+                raise ValueError("the first stage, and only it, holds the embedding")
+            if stage.has_lm_head != (i == len(self.stages) - 1):
+                raise ValueError("the last stage, and only it, holds the LM head")
+        if expect != self.num_layers:
+            raise ValueError(f"stages cover {expect} layers; the model has {self.num_layers}")
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return len(self.stages[0].workers)
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return len(self.stages)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def workers(self) -> list[WorkerPlacement]:
+        return [w for stage in self.stages for w in stage.workers]
+
+    def stage_of(self, rank: int) -> StagePlan:
+        return self.stages[rank // self.tensor_parallel_size]
+
+    @classmethod
+    def single(cls, device: str, num_layers: int) -> Plan:
+        """Everything on one worker."""
+        worker = WorkerPlacement(rank=0, device=device, pp_rank=0, tp_rank=0)
+        stage = StagePlan(0, 0, num_layers, (worker,), (1.0,), True, True)
+        return cls((stage,), num_layers)
+
+    @classmethod
+    def uniform(
+        cls, devices: list[list[str]], num_layers: int, layer_splits: list[int] | None = None
+    ) -> Plan:
+        """devices[pp][tp] -> a plan; layer_splits gives layers per stage (default: even)."""
+        pp = len(devices)
+        if layer_splits is None:
+            layer_splits = [r[1] - r[0] for r in partition(num_layers, (1.0,) * pp)]
+        if len(layer_splits) != pp or sum(layer_splits) != num_layers:
+            raise ValueError(
+                f"layer split {layer_splits} must have {pp} entries summing to {num_layers}"
+            )
+        stages, start = [], 0
+        tp = len(devices[0])
+        for i, (row, n) in enumerate(zip(devices, layer_splits)):
+            workers = tuple(
+                WorkerPlacement(rank=i * tp + j, device=d, pp_rank=i, tp_rank=j)
+                for j, d in enumerate(row)
+            )
+            stages.append(
+                StagePlan(i, start, start + n, workers, (1.0,) * len(row), i == 0, i == pp - 1)
+            )
+            start += n
+        return cls(tuple(stages), num_layers)

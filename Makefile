@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 generate: setup
-	$(VENV)/bin/hybridllm generate "$(PROMPT)" --max-tokens 64
+	$(VENV)/bin/hybridllm generate --prompt "$(PROMPT)" --chat --max-tokens 64
 
 serve: setup
 	$(VENV)/bin/hybridllm serve

@@ -10,12 +10,14 @@ from dataclasses import dataclass
 from hybridllm.config import (
     SUPPORTED_DEVICES,
     SUPPORTED_DTYPES,
+    SUPPORTED_EXECUTOR_BACKENDS,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
 )
+from hybridllm.plan.plan import Plan
 
 _SIZE_RE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -53,6 +55,10 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     cpu_threads: int | None = None
     seed: int = 0
+    pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None: "uni" for one worker, else "mp"
+    layer_split: str | list[int] | None = None  # layers per pipeline stage, e.g. "10,20"
 
     def create_engine_config(self) -> EngineConfig:
         # Deferred imports: the loader and torch are heavy and not needed to parse flags.
@@ -114,7 +120,47 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
         )
         device_config = DeviceConfig(device=device, cpu_threads=self.cpu_threads)
-        return EngineConfig(model_config, cache_config, scheduler_config, device_config, self.seed)
+        plan = self._build_plan(device, hf_config.num_hidden_layers)
+        backend = self.distributed_executor_backend or ("uni" if plan.world_size == 1 else "mp")
+        return EngineConfig(
+            model_config,
+            cache_config,
+            scheduler_config,
+            device_config,
+            self.seed,
+            plan=plan,
+            distributed_executor_backend=backend,
+        )
+
+    def _build_plan(self, device: str, num_layers: int) -> Plan:
+        """Workers [stage][tp rank] on `device`, layers split evenly or by --layer-split."""
+        import torch
+
+        pp, tp = self.pipeline_parallel_size, self.tensor_parallel_size
+        if pp < 1 or tp < 1:
+            raise ValueError(
+                f"pipeline_parallel_size and tensor_parallel_size must be >= 1, got {pp}, {tp}"
+            )
+        if pp > num_layers:
+            raise ValueError(
+                f"pipeline_parallel_size {pp} is larger than the model's {num_layers} layers"
+            )
+        split = parse_layer_split(self.layer_split)
+        if split is not None and len(split) != pp:
+            raise ValueError(
+                f"layer_split {split} has {len(split)} stages but pipeline_parallel_size is {pp}"
+            )
+        if device == "cuda":
+            num_gpus = torch.cuda.device_count()
+            if pp * tp > num_gpus:
+                raise ValueError(
+                    f"device='cuda' with {pp * tp} workers (pipeline {pp} x tensor {tp}) needs "
+                    f"{pp * tp} GPUs, found {num_gpus}"
+                )
+            devices = [[f"cuda:{s * tp + r}" for r in range(tp)] for s in range(pp)]
+        else:
+            devices = [["cpu"] * tp for _ in range(pp)]
+        return Plan.uniform(devices, num_layers, split)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -178,12 +224,55 @@ class EngineArgs:
             help="torch threads of a CPU worker (default: all cores)",
         )
         g.add_argument("--seed", type=int, default=0, help="engine seed")
+        p = parser.add_argument_group("parallelism")
+        p.add_argument(
+            "--pipeline-parallel-size",
+            "-pp",
+            type=int,
+            default=1,
+            help="pipeline stages (each runs a contiguous range of layers)",
+        )
+        p.add_argument(
+            "--tensor-parallel-size",
+            "-tp",
+            type=int,
+            default=1,
+            help="workers that split each stage's layers between them",
+        )
+        p.add_argument(
+            "--distributed-executor-backend",
+            default=None,
+            choices=SUPPORTED_EXECUTOR_BACKENDS,
+            help="uni: workers in the engine process; mp: one process per worker "
+            "(default: uni for one worker, else mp)",
+        )
+        p.add_argument(
+            "--layer-split",
+            default=None,
+            help="layers per pipeline stage, comma-separated, e.g. 10,20 (default: even)",
+        )
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def parse_layer_split(split: str | list[int] | tuple[int, ...] | None) -> list[int] | None:
+    """'10,20' or [10, 20] -> [10, 20]; None stays None (an even split)."""
+    if split is None:
+        return None
+    parts = split.split(",") if isinstance(split, str) else list(split)
+    try:
+        counts = [int(p) for p in parts]
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"layer_split must be layer counts per stage like '10,20', got {split!r}"
+        ) from None
+    if not counts or any(c < 1 for c in counts):
+        raise ValueError(f"layer_split needs at least one layer per stage, got {split!r}")
+    return counts
 
 
 def _resolve_dtype(dtype: str, device: str) -> str:

@@ -5,14 +5,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from hybridllm.config import EngineConfig
 from hybridllm.engine.output_processor import OutputProcessor
 from hybridllm.engine.request import Request, RequestStatus
 from hybridllm.engine.scheduler import Scheduler
+from hybridllm.engine.scheduler_output import SchedulerOutput
 from hybridllm.engine_args import EngineArgs
+from hybridllm.executor.executor import EngineDeadError
 from hybridllm.outputs import RequestOutput
 from hybridllm.sampling_params import SamplingParams
 
@@ -31,7 +35,12 @@ class EngineStats:
 
 
 class LLMEngine:
-    """Synchronous engine core. Not thread-safe: one thread calls add/abort/step/embed."""
+    """Synchronous engine core. Not thread-safe: one thread calls add/abort/step/embed.
+
+    With pipeline_parallel_size P > 1 up to P steps are in flight: each `step` schedules
+    and submits new micro-batches while earlier ones are still in the pipeline, then
+    collects the oldest, so the stages work on different micro-batches at once.
+    """
 
     def __init__(self, config: EngineConfig, show_progress: bool = False):
         # Deferred: executors import torch; the engine package itself stays torch-free.
@@ -53,6 +62,11 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._pending_outputs: list[RequestOutput] = []  # aborted requests, reported next step
         self._closed = False
+        self._max_in_flight = config.plan.pipeline_parallel_size
+        self._in_flight: deque[tuple[SchedulerOutput, Any]] = (
+            deque()
+        )  # (step, handle), oldest first
+        self._dead: EngineDeadError | None = None
         logger.info(
             "engine ready: %s (%s) on %s, %d KV blocks of %d tokens",
             config.model_config.model,
@@ -79,6 +93,8 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request; raises ValueError (and queues nothing) when it cannot run."""
+        if self._dead is not None:
+            raise self._dead
         if self.output_processor.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
@@ -146,25 +162,82 @@ class LLMEngine:
             self._pending_outputs.append(self.output_processor.make_output(state))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._pending_outputs) or self.scheduler.has_unfinished_requests()
+        if self._dead is not None:
+            return bool(self._pending_outputs)
+        return (
+            bool(self._pending_outputs)
+            or bool(self._in_flight)
+            or self.scheduler.has_unfinished_requests()
+        )
 
     # ---- one step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Run one step; raises EngineDeadError (requests then finish with an error) when a
+        worker died. A dead engine still hands out its pending outputs, then raises again."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self._dead is not None:
+            if outputs:
+                return outputs
+            raise self._dead
+        try:
+            if self._max_in_flight == 1:
+                return outputs + self._step_one()
+            return outputs + self._step_pipelined()
+        except EngineDeadError as e:
+            self._pending_outputs = outputs + self._fail_all(e)
+            raise
+
+    def _step_one(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
             # Requests finished by the scheduler without running (e.g. larger than the pool).
             updated = self.scheduler.update_from_output(scheduler_output, None)
-            return outputs + self._process(updated, {}, {})
+            return self._process(updated, {}, {})
         runner_output = self.executor.execute_model(scheduler_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         logprobs = dict(zip(runner_output.req_ids, runner_output.logprobs))
-        return outputs + self._process(updated, logprobs, runner_output.prompt_logprobs)
+        return self._process(updated, logprobs, runner_output.prompt_logprobs)
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Fill the pipeline up to its depth, then collect the oldest micro-batch."""
+        results: list[RequestOutput] = []
+        while len(self._in_flight) < self._max_in_flight:
+            # Requests already in flight are skipped: this schedules other work, if any.
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
+                updated = self.scheduler.update_from_output(scheduler_output, None)
+                results += self._process(updated, {}, {})
+                break
+            # An empty step that only drops finished requests still travels: workers
+            # must forget them in order with the steps around it.
+            handle = self.executor.execute_model_async(scheduler_output)
+            self._in_flight.append((scheduler_output, handle))
+        if not self._in_flight:
+            return results
+        scheduler_output, handle = self._in_flight.popleft()
+        runner_output = self.executor.get_output(handle)
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        logprobs = dict(zip(runner_output.req_ids, runner_output.logprobs))
+        return results + self._process(updated, logprobs, runner_output.prompt_logprobs)
+
+    def _fail_all(self, error: EngineDeadError) -> list[RequestOutput]:
+        """Finish every unfinished request with the engine's error; returns their outputs."""
+        self._dead = error
+        self._in_flight.clear()
+        requests = list(self.scheduler.requests.values())
+        for request in requests:
+            request.error = str(error)
+        self.scheduler.finish_requests(
+            [r.request_id for r in requests], RequestStatus.FINISHED_ERROR
+        )
+        return self._process(requests, {}, {})
 
     def _process(self, updated: list[Request], logprobs, prompt_logprobs) -> list[RequestOutput]:
         for child_id, entries in prompt_logprobs.items():
-            self.output_processor.add_prompt_logprobs(child_id, entries)
+            # A request aborted while its step was in flight is gone already.
+            if child_id in self.output_processor.child_to_parent:
+                self.output_processor.add_prompt_logprobs(child_id, entries)
         touched, stopped = self.output_processor.process(updated, logprobs, time.monotonic())
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
@@ -175,9 +248,11 @@ class LLMEngine:
     def embed(
         self, prompts: list[list[int]], pooling: str = "last", normalize: bool = True
     ) -> list[list[float]]:
+        if self._dead is not None:
+            raise self._dead
         for token_ids in prompts:
             self._check_prompt(token_ids)
-        return self.executor.collective_rpc("embed", (prompts, pooling, normalize))[-1]
+        return self.executor.embed(prompts, pooling, normalize)
 
     def get_stats(self) -> EngineStats:
         bm = self.scheduler.block_manager

@@ -1,11 +1,11 @@
-"""The `hybridllm` command: one entry point with serve / generate / chat / bench subcommands."""
+"""The `hybridllm` command: one entry point with serve / generate / chat / bench / plan subcommands."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from hybridllm.entrypoints import cli_bench, cli_chat, cli_generate, cli_serve
+from hybridllm.entrypoints import cli_bench, cli_chat, cli_generate, cli_plan, cli_serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,7 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (cli_serve, cli_generate, cli_chat, cli_bench):
+    for module in (cli_serve, cli_generate, cli_chat, cli_bench, cli_plan):
         module.add_subparser(subparsers)
     return parser
 

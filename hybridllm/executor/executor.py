@@ -9,8 +9,21 @@ from hybridllm.config import EngineConfig
 from hybridllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
+class EngineDeadError(RuntimeError):
+    """A worker died (killed, or an exception in a step): the engine cannot run any more.
+
+    The message names the worker (rank, stage, device, exit code) and, when it managed to
+    send one, the worker's own traceback.
+    """
+
+
 class Executor(ABC):
-    """Starts the workers of a plan and drives them; the engine talks only to this."""
+    """Starts the workers of a plan and drives them; the engine talks only to this.
+
+    Steps may be pipelined: `execute_model_async` submits a step and returns a handle at
+    once, `get_output` waits for it. Handles must be collected in submission order; up to
+    `pipeline_parallel_size` steps are in flight so that the stages overlap.
+    """
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -22,8 +35,20 @@ class Executor(ABC):
         """Call `method` on every worker; return their results in rank order."""
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        # The last worker (last pipeline stage) holds the sampled tokens.
-        return self.collective_rpc("execute_model", (scheduler_output,))[-1]
+        """Run one step through every stage and wait for its sampled tokens."""
+        return self.get_output(self.execute_model_async(scheduler_output))
+
+    @abstractmethod
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> Any:
+        """Submit one step without waiting for it; returns a handle for `get_output`."""
+
+    @abstractmethod
+    def get_output(self, handle: Any) -> ModelRunnerOutput:
+        """The sampled tokens of a submitted step (the oldest one not yet collected)."""
+
+    @abstractmethod
+    def embed(self, prompts: list[list[int]], pooling: str, normalize: bool) -> list[list[float]]:
+        """Pooled final hidden states of each prompt, through every pipeline stage."""
 
     def initialize(self) -> int:
         """Load the model on every worker and size the KV cache; returns the block count."""
@@ -39,6 +64,14 @@ class Executor(ABC):
 
 
 def create_executor(config: EngineConfig, show_progress: bool = False) -> Executor:
-    from hybridllm.executor.uniproc_executor import UniProcExecutor
+    """The executor named by `config.distributed_executor_backend`."""
+    backend = config.distributed_executor_backend
+    if backend == "mp":
+        from hybridllm.executor.multiproc_executor import MultiprocExecutor
 
-    return UniProcExecutor(config, show_progress=show_progress)
+        return MultiprocExecutor(config, show_progress=show_progress)
+    if backend == "uni":
+        from hybridllm.executor.uniproc_executor import UniProcExecutor
+
+        return UniProcExecutor(config, show_progress=show_progress)
+    raise ValueError(f"unknown distributed_executor_backend {backend!r}; expected uni or mp")

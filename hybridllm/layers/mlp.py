@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridllm.layers.linear import Linear
+from hybridllm.layers.tensor_parallel import column_linear, local_range, row_linear
+
+if TYPE_CHECKING:
+    from hybridllm.distributed.parallel_groups import TPGroup
 
 
 class GatedMLP(nn.Module):
+    """Under tensor parallelism gate/up keep this rank's intermediate columns and down_proj
+    sums the ranks' partial outputs."""
+
     def __init__(
         self,
         hidden_size: int,
@@ -18,13 +26,19 @@ class GatedMLP(nn.Module):
         hidden_act: str,
         dtype: torch.dtype,
         device: torch.device,
+        tp_group: TPGroup | None = None,
     ):
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"GatedMLP supports hidden_act='silu' only, got {hidden_act!r}")
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, (intermediate_size,) * 2, bias, dtype, device)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype, device)
+        cols = local_range(intermediate_size, tp_group)
+        self.intermediate_size = cols[1] - cols[0]  # this rank's share
+        self.gate_up_proj = column_linear(
+            hidden_size, (intermediate_size,) * 2, (cols, cols), bias, dtype, device, tp_group
+        )
+        self.down_proj = row_linear(
+            intermediate_size, cols, hidden_size, bias, dtype, device, tp_group
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]

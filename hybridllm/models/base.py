@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from hybridllm.layers.linear import Linear, cpu_bf16_packing_supported
 from hybridllm.layers.vocab_embedding import LMHead
+
+if TYPE_CHECKING:
+    from hybridllm.distributed.parallel_groups import TPGroup
 
 WeightLoader = Callable[[torch.Tensor], None]
 
@@ -30,6 +33,14 @@ def copy_loader(param: torch.Tensor, name: str) -> WeightLoader:
         param.copy_(loaded)
 
     return load
+
+
+def vocab_loader(module: nn.Module, name: str) -> WeightLoader:
+    """A loader for an embedding table or LM head; a vocab-parallel one keeps its rows."""
+    load_full = getattr(module, "load_full", None)
+    if load_full is not None:
+        return lambda loaded: load_full(loaded, name)
+    return copy_loader(module.weight, name)
 
 
 def shard_loader(linear: Linear, kind: str, shard: int, name: str) -> WeightLoader:
@@ -70,7 +81,9 @@ class CausalLMBase(nn.Module):
 
     The first stage holds the embedding, the last the final norm and LM head. Subclasses
     build their modules, then call `_set_weight_loaders` with HF name -> loader for
-    exactly the weights this stage needs.
+    exactly the weights this stage needs. With a `tp_group` the modules are built sharded
+    (this rank's heads, columns and vocabulary rows); `num_kv_heads` is then the local count,
+    and `load_weights` still takes full HF tensors.
     """
 
     def __init__(
@@ -82,6 +95,7 @@ class CausalLMBase(nn.Module):
         end_layer: int | None,
         num_kv_heads: int,
         head_dim: int,
+        tp_group: TPGroup | None = None,
     ):
         super().__init__()
         num_layers = hf_config.num_hidden_layers
@@ -100,8 +114,9 @@ class CausalLMBase(nn.Module):
         self.num_layers_in_stage = end_layer - start_layer
         self.is_first_stage = start_layer == 0
         self.is_last_stage = end_layer == num_layers
-        self.num_kv_heads = num_kv_heads
+        self.num_kv_heads = num_kv_heads  # this rank's KV heads (its KV cache holds these)
         self.head_dim = head_dim
+        self.tp_group = tp_group
         self.lm_head: nn.Module | None = None
         self._weight_loaders: dict[str, WeightLoader] = {}
         self._optional_weights: set[str] = set()

@@ -2,30 +2,43 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from hybridllm.layers.attention import PagedAttention
 from hybridllm.layers.attention_metadata import AttentionMetadata
-from hybridllm.layers.linear import Linear
 from hybridllm.layers.mlp import GatedMLP
 from hybridllm.layers.norm import RMSNorm
 from hybridllm.layers.prepared_attention import PreparedAttention, prepare_attention
 from hybridllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary_, rope_parameters
-from hybridllm.layers.vocab_embedding import LMHead, VocabEmbedding
+from hybridllm.layers.tensor_parallel import (
+    attention_heads,
+    column_linear,
+    lm_head,
+    row_linear,
+    vocab_embedding,
+)
 from hybridllm.models.base import (
     CausalLMBase,
     WeightLoader,
     copy_loader,
     linear_loaders,
     sliding_window_for_layer,
+    vocab_loader,
 )
+
+if TYPE_CHECKING:
+    from hybridllm.distributed.parallel_groups import TPGroup
 
 
 class LlamaAttention(nn.Module):
-    """Fused-qkv attention with RoPE; optional qkv/o biases and per-head q/k RMSNorm."""
+    """Fused-qkv attention with RoPE; optional qkv/o biases and per-head q/k RMSNorm.
+
+    Under tensor parallelism this rank computes its query heads and the KV heads they use;
+    o_proj sums the ranks' partial outputs.
+    """
 
     def __init__(
         self,
@@ -37,18 +50,30 @@ class LlamaAttention(nn.Module):
         qk_norm: bool,
         dtype: torch.dtype,
         device: torch.device,
+        tp_group: TPGroup | None = None,
     ):
         super().__init__()
         hidden = hf_config.hidden_size
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        total_heads = hf_config.num_attention_heads
+        total_kv_heads = getattr(hf_config, "num_key_value_heads", None) or total_heads
+        heads = attention_heads(total_heads, total_kv_heads, tp_group)
+        self.num_heads = heads.num_heads  # this rank's
+        self.num_kv_heads = heads.num_kv_heads
         self.head_dim = head_dim
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        self.qkv_proj = Linear(
-            hidden, (self.q_size, self.kv_size, self.kv_size), qkv_bias, dtype, device
+        q_rows, kv_rows = heads.q_rows(head_dim), heads.kv_rows(head_dim)
+        full_q, full_kv = total_heads * head_dim, total_kv_heads * head_dim
+        self.qkv_proj = column_linear(
+            hidden,
+            (full_q, full_kv, full_kv),
+            (q_rows, kv_rows, kv_rows),
+            qkv_bias,
+            dtype,
+            device,
+            tp_group,
         )
-        self.o_proj = Linear(self.q_size, hidden, o_bias, dtype, device)
+        self.o_proj = row_linear(full_q, q_rows, hidden, o_bias, dtype, device, tp_group)
         eps = hf_config.rms_norm_eps
         self.q_norm = RMSNorm(head_dim, eps, dtype, device) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps, dtype, device) if qk_norm else None
@@ -104,12 +129,13 @@ class LlamaDecoderLayer(nn.Module):
         qk_norm: bool,
         dtype: torch.dtype,
         device: torch.device,
+        tp_group: TPGroup | None = None,
     ):
         super().__init__()
         hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
         self.self_attn = LlamaAttention(
-            hf_config, layer_idx, head_dim, qkv_bias, o_bias, qk_norm, dtype, device
+            hf_config, layer_idx, head_dim, qkv_bias, o_bias, qk_norm, dtype, device, tp_group
         )
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device)
         self.mlp = GatedMLP(
@@ -119,6 +145,7 @@ class LlamaDecoderLayer(nn.Module):
             getattr(hf_config, "hidden_act", "silu"),
             dtype,
             device,
+            tp_group,
         )
 
     def forward(
@@ -172,29 +199,35 @@ class LlamaForCausalLM(CausalLMBase):
         device: torch.device,
         start_layer: int = 0,
         end_layer: int | None = None,
+        tp_group: TPGroup | None = None,
     ):
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-        super().__init__(hf_config, dtype, device, start_layer, end_layer, num_kv_heads, head_dim)
+        local_kv_heads = attention_heads(num_heads, num_kv_heads, tp_group).num_kv_heads
+        super().__init__(
+            hf_config, dtype, device, start_layer, end_layer, local_kv_heads, head_dim, tp_group
+        )
         device = self.device
         hidden, vocab = hf_config.hidden_size, hf_config.vocab_size
         tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         qkv_bias, o_bias, qk_norm = self._attention_options(hf_config)
 
         self.embed_tokens = (
-            VocabEmbedding(vocab, hidden, dtype, device) if self.is_first_stage else None
+            vocab_embedding(vocab, hidden, dtype, device, tp_group) if self.is_first_stage else None
         )
         self.rotary_emb = RotaryEmbedding(head_dim, rope_parameters(hf_config), dtype, device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, i, head_dim, qkv_bias, o_bias, qk_norm, dtype, device)
+            LlamaDecoderLayer(
+                hf_config, i, head_dim, qkv_bias, o_bias, qk_norm, dtype, device, tp_group
+            )
             for i in range(self.start_layer, self.end_layer)
         )
         self.norm = None
         if self.is_last_stage:
             self.norm = RMSNorm(hidden, hf_config.rms_norm_eps, dtype, device)
-            self.lm_head = LMHead(
-                vocab, hidden, dtype, device, tied_to=self.embed_tokens if tied else None
+            self.lm_head = lm_head(
+                vocab, hidden, dtype, device, tp_group, self.embed_tokens if tied else None
             )
         self._set_weight_loaders(*self._build_weight_loaders(tied))
 
@@ -205,15 +238,15 @@ class LlamaForCausalLM(CausalLMBase):
             loaders.update(layer.weight_loaders(f"model.layers.{layer_idx}."))
         embed = "model.embed_tokens.weight"
         if self.embed_tokens is not None:
-            loaders[embed] = copy_loader(self.embed_tokens.weight, embed)
+            loaders[embed] = vocab_loader(self.embed_tokens, embed)
         if self.is_last_stage:
             loaders["model.norm.weight"] = copy_loader(self.norm.weight, "model.norm.weight")
-            loaders["lm_head.weight"] = copy_loader(self.lm_head.weight, "lm_head.weight")
+            loaders["lm_head.weight"] = vocab_loader(self.lm_head, "lm_head.weight")
             if tied:
                 # checkpoints of tied models usually omit lm_head.weight: take the embedding
                 optional.add("lm_head.weight")
                 if self.embed_tokens is None:
-                    loaders[embed] = copy_loader(self.lm_head.weight, embed)
+                    loaders[embed] = vocab_loader(self.lm_head, embed)
         return loaders, optional
 
     def forward(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -13,8 +13,25 @@ from hybridllm.layers.attention_metadata import AttentionMetadata
 from hybridllm.layers.linear import Linear
 from hybridllm.layers.norm import LayerNorm
 from hybridllm.layers.prepared_attention import PreparedAttention, prepare_attention
-from hybridllm.layers.vocab_embedding import LMHead, VocabEmbedding
-from hybridllm.models.base import CausalLMBase, WeightLoader, copy_loader, linear_loaders
+from hybridllm.layers.tensor_parallel import (
+    attention_heads,
+    column_linear,
+    lm_head,
+    local_range,
+    row_linear,
+    vocab_embedding,
+)
+from hybridllm.layers.vocab_embedding import VocabEmbedding
+from hybridllm.models.base import (
+    CausalLMBase,
+    WeightLoader,
+    copy_loader,
+    linear_loaders,
+    vocab_loader,
+)
+
+if TYPE_CHECKING:
+    from hybridllm.distributed.parallel_groups import TPGroup
 
 _POSITION_OFFSET = 2  # OPT's position table starts 2 rows in (a fairseq padding legacy)
 _ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
@@ -30,13 +47,23 @@ def _layer_norm_loaders(prefix: str, norm: LayerNorm) -> dict[str, WeightLoader]
 
 
 class OPTDecoderLayer(nn.Module):
-    def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device):
+    """Under tensor parallelism: this rank's heads and fc1 columns; out_proj and fc2 sum."""
+
+    def __init__(
+        self,
+        hf_config: Any,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp_group: TPGroup | None = None,
+    ):
         super().__init__()
         hidden = hf_config.hidden_size
         bias = bool(getattr(hf_config, "enable_bias", True))
         affine = bool(getattr(hf_config, "layer_norm_elementwise_affine", True))
-        self.num_heads = hf_config.num_attention_heads
-        self.head_dim = hidden // self.num_heads
+        total_heads = hf_config.num_attention_heads
+        self.head_dim = hidden // total_heads
+        heads = attention_heads(total_heads, total_heads, tp_group)
+        self.num_heads = heads.num_heads  # this rank's
         self.do_layer_norm_before = hf_config.do_layer_norm_before
         act = hf_config.activation_function
         if act not in _ACTIVATIONS:
@@ -45,12 +72,17 @@ class OPTDecoderLayer(nn.Module):
             )
         self.activation = _ACTIVATIONS[act]
         self.self_attn_layer_norm = LayerNorm(hidden, dtype, device, elementwise_affine=affine)
-        self.qkv_proj = Linear(hidden, (hidden,) * 3, bias, dtype, device)
-        self.out_proj = Linear(hidden, hidden, bias, dtype, device)
+        rows = heads.q_rows(self.head_dim)
+        self.qkv_proj = column_linear(
+            hidden, (hidden,) * 3, (rows,) * 3, bias, dtype, device, tp_group
+        )
+        self.out_proj = row_linear(hidden, rows, hidden, bias, dtype, device, tp_group)
         self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_dim, device)
         self.final_layer_norm = LayerNorm(hidden, dtype, device, elementwise_affine=affine)
-        self.fc1 = Linear(hidden, hf_config.ffn_dim, bias, dtype, device)
-        self.fc2 = Linear(hf_config.ffn_dim, hidden, bias, dtype, device)
+        ffn = hf_config.ffn_dim
+        cols = local_range(ffn, tp_group)
+        self.fc1 = column_linear(hidden, (ffn,), (cols,), bias, dtype, device, tp_group)
+        self.fc2 = row_linear(ffn, cols, hidden, bias, dtype, device, tp_group)
 
     def forward(
         self, hidden_states: torch.Tensor, kv_cache: torch.Tensor | None, prep: PreparedAttention
@@ -101,11 +133,20 @@ class OPTForCausalLM(CausalLMBase):
         device: torch.device,
         start_layer: int = 0,
         end_layer: int | None = None,
+        tp_group: TPGroup | None = None,
     ):
         hidden = hf_config.hidden_size
         num_heads = hf_config.num_attention_heads
+        local_heads = attention_heads(num_heads, num_heads, tp_group).num_heads
         super().__init__(
-            hf_config, dtype, device, start_layer, end_layer, num_heads, hidden // num_heads
+            hf_config,
+            dtype,
+            device,
+            start_layer,
+            end_layer,
+            local_heads,
+            hidden // num_heads,
+            tp_group,
         )
         device = self.device
         vocab = hf_config.vocab_size
@@ -115,14 +156,15 @@ class OPTForCausalLM(CausalLMBase):
 
         self.embed_tokens = self.embed_positions = self.project_in = None
         if self.is_first_stage:
-            self.embed_tokens = VocabEmbedding(vocab, proj_dim, dtype, device)
+            self.embed_tokens = vocab_embedding(vocab, proj_dim, dtype, device, tp_group)
             self.embed_positions = VocabEmbedding(
                 hf_config.max_position_embeddings + _POSITION_OFFSET, hidden, dtype, device
             )
             if proj_dim != hidden:
                 self.project_in = Linear(proj_dim, hidden, False, dtype, device)
         self.layers = nn.ModuleList(
-            OPTDecoderLayer(hf_config, dtype, device) for _ in range(self.num_layers_in_stage)
+            OPTDecoderLayer(hf_config, dtype, device, tp_group)
+            for _ in range(self.num_layers_in_stage)
         )
         self.final_layer_norm = self.project_out = None
         if self.is_last_stage:
@@ -132,8 +174,8 @@ class OPTForCausalLM(CausalLMBase):
                 self.final_layer_norm = LayerNorm(hidden, dtype, device, elementwise_affine=affine)
             if proj_dim != hidden:
                 self.project_out = Linear(hidden, proj_dim, False, dtype, device)
-            self.lm_head = LMHead(
-                vocab, proj_dim, dtype, device, tied_to=self.embed_tokens if tied else None
+            self.lm_head = lm_head(
+                vocab, proj_dim, dtype, device, tp_group, self.embed_tokens if tied else None
             )
         self._set_weight_loaders(*self._build_weight_loaders(tied))
 
@@ -149,7 +191,7 @@ class OPTForCausalLM(CausalLMBase):
             loaders.update(layer.weight_loaders(f"{prefix}layers.{layer_idx}."))
         embed = f"{prefix}embed_tokens.weight"
         if self.is_first_stage:
-            loaders[embed] = copy_loader(self.embed_tokens.weight, embed)
+            loaders[embed] = vocab_loader(self.embed_tokens, embed)
             positions = f"{prefix}embed_positions.weight"
             loaders[positions] = copy_loader(self.embed_positions.weight, positions)
             if self.project_in is not None:
@@ -161,11 +203,11 @@ class OPTForCausalLM(CausalLMBase):
                 )
             if self.project_out is not None:
                 loaders.update(linear_loaders(prefix, self.project_out, "project_out"))
-            loaders["lm_head.weight"] = copy_loader(self.lm_head.weight, "lm_head.weight")
+            loaders["lm_head.weight"] = vocab_loader(self.lm_head, "lm_head.weight")
             if tied:
                 optional.add("lm_head.weight")
                 if self.embed_tokens is None:
-                    loaders[embed] = copy_loader(self.lm_head.weight, embed)
+                    loaders[embed] = vocab_loader(self.lm_head, embed)
         return loaders, optional
 
     def forward(

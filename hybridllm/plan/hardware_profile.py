@@ -76,7 +76,10 @@ class HardwareProfile:
         return self.gpus[index]
 
     def to_dict(self) -> dict:
-        return {"cpu": dataclasses.asdict(self.cpu), "gpus": [dataclasses.asdict(g) for g in self.gpus]}
+        return {
+            "cpu": dataclasses.asdict(self.cpu),
+            "gpus": [dataclasses.asdict(g) for g in self.gpus],
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> HardwareProfile:
@@ -164,7 +167,7 @@ def _write_cache(path: str, key: str, profile: HardwareProfile) -> None:
         logger.warning("could not cache the hardware profile in %s: %s", path, exc)
 
 
-def measure_cpu_rates(threads: int, budget_s: float = 2.5) -> CpuRates:
+def measure_cpu_rates(threads: int, budget_s: float = 2.0) -> CpuRates:
     """Read bandwidth and batch-64 GEMM rates of the CPU with `threads` threads (~`budget_s` s)."""
     import torch
 
@@ -179,8 +182,9 @@ def measure_cpu_rates(threads: int, budget_s: float = 2.5) -> CpuRates:
         gemm_flops = 2 * 64 * 4096 * 4096
         rates = {}
         for dtype in (torch.float32, torch.bfloat16):
-            a = torch.randn(64, 4096).to(dtype)  # [batch, in]
-            w = torch.randn(4096, 4096).to(dtype)  # [out, in]
+            # Constant values: GEMM speed does not depend on them, and filling is cheaper.
+            a = torch.full((64, 4096), 0.5, dtype=dtype)  # [batch, in]
+            w = torch.full((4096, 4096), 0.01, dtype=dtype)  # [out, in]
             rates[dtype] = gemm_flops / best_time(lambda a=a, w=w: a @ w.t(), 5, budget_s * 0.3)
         return CpuRates(bandwidth, rates[torch.float32], rates[torch.bfloat16], threads)
     finally:
@@ -188,40 +192,40 @@ def measure_cpu_rates(threads: int, budget_s: float = 2.5) -> CpuRates:
 
 
 def measure_gpu_rates(index: int) -> GpuRates:
-    """Bandwidth, bf16/fp32 GEMM and pinned host->device copy rates of cuda:`index`."""
+    """Bandwidth, bf16/fp32 GEMM and pinned host->device copy rates of cuda:`index` (~1 s)."""
     import torch
 
     device = torch.device("cuda", index)
-
-    def cuda_time(fn: Callable[[], object], repeats: int = 10) -> float:
-        fn()  # warm-up: kernels selected, memory allocated
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        best = float("inf")
-        for _ in range(repeats):
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) / 1e3)
-        return best
-
     with torch.cuda.device(device):
         x = torch.ones(GiB // 4, dtype=torch.float32, device=device)  # 1 GiB
-        bandwidth = GiB / cuda_time(x.sum)
-        del x
-        n = 8192
-        a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-        bf16 = 2 * n**3 / cuda_time(lambda: a @ a)
-        a = torch.randn(n // 2, n // 2, dtype=torch.float32, device=device)
-        fp32 = 2 * (n // 2) ** 3 / cuda_time(lambda: a @ a)
-        del a
+        bandwidth = GiB / cuda_best_time(x.sum)
+        x = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+        bf16 = 2 * 8192**3 / cuda_best_time(lambda: x @ x)
+        x = torch.randn(4096, 4096, dtype=torch.float32, device=device)
+        fp32 = 2 * 4096**3 / cuda_best_time(lambda: x @ x)
         host = torch.ones(GiB // 16, dtype=torch.float32).pin_memory()  # 256 MiB pinned
-        dev = torch.empty_like(host, device=device)
-        h2d = GiB / 4 / cuda_time(lambda: dev.copy_(host, non_blocking=True), repeats=5)
-        del host, dev
+        x = torch.empty_like(host, device=device)
+        h2d = GiB / 4 / cuda_best_time(lambda: x.copy_(host, non_blocking=True), repeats=5)
+        x = host = None  # free before empty_cache hands the memory back
         torch.cuda.empty_cache()
     name = torch.cuda.get_device_name(device)
     return GpuRates(name, bandwidth, bf16, fp32, h2d, nominal=False)
+
+
+def cuda_best_time(fn: Callable[[], object], repeats: int = 10) -> float:
+    """Best time of `fn`'s work on the current CUDA stream, by CUDA events (after a warm-up)."""
+    import torch
+
+    fn()  # warm-up: kernels selected, memory allocated
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(repeats):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)  # elapsed_time is in ms
+    return best
 
 
 def best_time(fn: Callable[[], object], repeats: int, budget_s: float) -> float:

@@ -33,6 +33,8 @@ class ModelSize:
     lm_head_bytes: int  # an own copy of the LM head matrix
     matmul_params_per_layer: int
     kv_bytes_per_token_per_layer: int  # K and V of one token in one layer, all KV heads
+    mlp_matrices: int  # 3 for a gated MLP (gate, up, down), 2 for OPT's fc1, fc2
+    layer_other_bytes: int  # norms and biases of one layer (counted whole on every shard)
 
     @property
     def dtype_bytes(self) -> int:
@@ -58,6 +60,16 @@ class ModelSize:
         """LM head bytes a stage must store: none extra when it is tied to an embedding it holds."""
         return 0 if (self.tied_embeddings and has_embedding) else self.lm_head_bytes
 
+    def shard_matmul_params(self, q_heads: int, kv_heads: int, intermediate: int) -> int:
+        """Matmul weights of one layer's tensor-parallel shard: q/k/v/o of its heads + its MLP slice."""
+        q, kv = q_heads * self.head_dim, kv_heads * self.head_dim
+        attention = self.hidden_size * (q + 2 * kv) + q * self.hidden_size
+        return attention + self.mlp_matrices * self.hidden_size * intermediate
+
+    def shard_layer_bytes(self, q_heads: int, kv_heads: int, intermediate: int) -> int:
+        matmul = self.shard_matmul_params(q_heads, kv_heads, intermediate)
+        return matmul * self.dtype_bytes + self.layer_other_bytes
+
     def kv_bytes_per_token(self, num_layers: int) -> int:
         return num_layers * self.kv_bytes_per_token_per_layer
 
@@ -74,20 +86,10 @@ class ModelSize:
         return num_tokens * per_token * self.dtype_bytes + logits
 
 
-def resolve_dtype(hf_config: Any, dtype: str) -> str:
-    """'auto' -> the checkpoint's float dtype when it is one we run, else bfloat16."""
-    if dtype in DTYPE_BYTES:
-        return dtype
-    if dtype != "auto":
-        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPE_BYTES)}; got {dtype!r}")
-    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    name = str(stored).replace("torch.", "") if stored is not None else ""
-    return name if name in DTYPE_BYTES else "bfloat16"
-
-
-def model_size(hf_config: Any, dtype: str = "auto") -> ModelSize:
+def model_size(hf_config: Any, dtype: str) -> ModelSize:
     """Sizes of a Llama-family (Llama, Mistral, Qwen2/2.5, Qwen3, SmolLM2) or OPT model."""
-    dtype = resolve_dtype(hf_config, dtype)
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}; got {dtype!r}")
     model_type = getattr(hf_config, "model_type", "") or ""
     if model_type == "opt":
         return _opt_size(hf_config, dtype)
@@ -132,6 +134,8 @@ def _llama_size(c: Any, dtype: str, model_type: str) -> ModelSize:
         lm_head_bytes=vocab * hidden * b,
         matmul_params_per_layer=matmul,
         kv_bytes_per_token_per_layer=2 * kv * b,
+        mlp_matrices=3,
+        layer_other_bytes=extra * b,
     )
 
 
@@ -165,4 +169,6 @@ def _opt_size(c: Any, dtype: str) -> ModelSize:
         lm_head_bytes=vocab * proj * b,
         matmul_params_per_layer=matmul,
         kv_bytes_per_token_per_layer=2 * hidden * b,
+        mlp_matrices=2,
+        layer_other_bytes=extra * b,
     )

@@ -28,7 +28,9 @@ def partition(total: int, weights: tuple[float, ...], align: int = 1) -> list[tu
     raw = [units * w / scale for w in weights]
     counts = [max(1, int(r)) for r in raw]
     while sum(counts) > units:
-        i = max(range(n), key=lambda j: (counts[j] - raw[j], counts[j]))
+        # Take back from the most over-served shard that can spare a unit (never below one).
+        spare = [j for j in range(n) if counts[j] > 1]
+        i = max(spare, key=lambda j: (counts[j] - raw[j], counts[j]))
         counts[i] -= 1
     while sum(counts) < units:
         i = max(range(n), key=lambda j: raw[j] - counts[j])
@@ -71,6 +73,10 @@ class StagePlan:
     @property
     def num_layers(self) -> int:
         return self.layer_end - self.layer_start
+
+    def tp_share(self, tp_rank: int) -> float:
+        """Fraction of the stage's sharded weights that `tp_rank` holds."""
+        return self.tp_weights[tp_rank] / sum(self.tp_weights)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Model runner: keeps per-request state, turns a SchedulerOutput into tensors, runs the model, samples."""
+"""Model runner: keeps per-request state, turns a SchedulerOutput into tensors, runs its stage, samples."""
 
 from __future__ import annotations
 
@@ -16,9 +16,11 @@ from hybridllm.engine.scheduler_output import (
     SchedulerOutput,
 )
 from hybridllm.layers.attention_metadata import AttentionMetadata
+from hybridllm.plan.plan import StagePlan
 from hybridllm.platforms import Platform
 from hybridllm.sample import Sampler, SamplingMetadata, compute_prompt_logprobs
 from hybridllm.sampling_params import SamplingParams
+from hybridllm.worker.intermediate_tensors import IntermediateTensors
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +44,26 @@ class CachedRequestState:
 
 
 class ModelRunner:
-    """Owns the model and its KV cache on one device; executes one scheduler step at a time."""
+    """Owns one pipeline stage's layers and their KV cache on one device; executes one
+    scheduler step at a time. Every stage keeps the same per-request state; the first
+    embeds token ids, later ones continue from the previous stage's IntermediateTensors,
+    and only the last computes logits and samples."""
 
-    def __init__(self, config: EngineConfig, platform: Platform, show_progress: bool = False):
+    def __init__(
+        self,
+        config: EngineConfig,
+        platform: Platform,
+        stage: StagePlan,
+        tp_group: object | None = None,
+        show_progress: bool = False,
+    ):
         self.config = config
         self.platform = platform
         self.device = platform.device
+        self.stage = stage
+        self.is_first_stage = stage.has_embedding
+        self.is_last_stage = stage.has_lm_head
+        self.tp_group = tp_group  # None without tensor parallelism
         self.dtype = _DTYPES[config.model_config.dtype]
         self.block_size = config.cache_config.block_size
         self.show_progress = show_progress
@@ -66,8 +82,11 @@ class ModelRunner:
         mc = self.config.model_config
         source = open_model_source(mc.model)
         model_cls = get_model_class(mc.architecture)
+        # Only tensor-parallel models take a group: plain models keep their signature.
+        extra = {} if self.tp_group is None else {"tp_group": self.tp_group}
+        start, end = self.stage.layer_start, self.stage.layer_end
         with torch.device(self.device):
-            model = model_cls(mc.hf_config, self.dtype, self.device)
+            model = model_cls(mc.hf_config, self.dtype, self.device, start, end, **extra)
         weights = source.iter_weights(model.owns_weight)
         if self.show_progress:
             from tqdm import tqdm
@@ -100,7 +119,9 @@ class ModelRunner:
         else:
             available, _ = self.platform.free_and_total_memory()
             default = min(4 << 30, int(available * 0.3))
-            budget = cc.kv_cache_memory_bytes or default
+            # The CPU budget is shared by every CPU worker of the plan (they share the RAM).
+            num_cpu_workers = max(1, sum(w.is_cpu for w in self.config.plan.workers()))
+            budget = (cc.kv_cache_memory_bytes or default) // num_cpu_workers
             if budget > available:
                 raise ValueError(
                     f"kv_cache_memory ({budget} bytes) exceeds available RAM ({available} bytes)"
@@ -130,9 +151,16 @@ class ModelRunner:
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
         md = self._metadata([], [(0, n, n)], [list(range(blocks))], pos.cpu().numpy())
+        stage_inputs = {}
+        if not self.is_first_stage:
+            hidden_size = self.config.model_config.hf_config.hidden_size
+            zeros = torch.zeros(n, hidden_size, dtype=self.dtype, device=self.device)
+            stage_inputs = {"hidden_states": zeros, "residual": zeros.clone()}
         with torch.inference_mode():
-            hidden = self.model(ids, pos, self.kv_caches, md)
-            self.model.compute_logits(hidden[-min(n, self.config.scheduler_config.max_num_seqs) :])
+            hidden = self.model(ids, pos, self.kv_caches, md, **stage_inputs)
+            if self.is_last_stage:
+                num_rows = min(n, self.config.scheduler_config.max_num_seqs)
+                self.model.compute_logits(hidden[-num_rows:])
         peak = torch.cuda.max_memory_allocated(self.device) - base
         self.kv_caches = []
         torch.cuda.empty_cache()
@@ -158,11 +186,32 @@ class ModelRunner:
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
+    def _stage_inputs(self, intermediate: IntermediateTensors | None, num_tokens: int) -> dict:
+        """Keyword arguments that feed the previous stage's activations into this one."""
+        if self.is_first_stage:
+            return {}
+        if intermediate is None:
+            raise ValueError(
+                f"pipeline stage {self.stage.pp_rank} needs the activations of stage "
+                f"{self.stage.pp_rank - 1}, got none"
+            )
+        if intermediate.num_tokens != num_tokens:
+            raise ValueError(
+                f"pipeline stage {self.stage.pp_rank} got activations for "
+                f"{intermediate.num_tokens} tokens but this step computes {num_tokens}"
+            )
+        local = intermediate.to(self.device)
+        return {"hidden_states": local.hidden_states, "residual": local.residual}
+
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, so: SchedulerOutput, intermediate: IntermediateTensors | None = None
+    ) -> ModelRunnerOutput | IntermediateTensors | None:
+        """Run this stage on one step: sampled tokens from the last stage, activations
+        [num_tokens, hidden] from the others (None for a step that computes nothing)."""
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput() if self.is_last_stage else None
         # Decodes (query length 1) first: the attention layer batches them in one kernel.
         order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
         states = [self.requests[r] for r in order]
@@ -173,15 +222,22 @@ class ModelRunner:
             n = so.num_scheduled_tokens[state.req_id]
             spans.append((state.num_computed_tokens, n, state.num_computed_tokens + n))
         positions_np = np.concatenate([np.arange(s, s + n) for s, n, _ in spans])
-        input_ids_np = np.concatenate(
-            [np.asarray(st.token_ids[s : s + n]) for st, (s, n, _) in zip(states, spans)]
-        )
+        input_ids_np = None
+        if self.is_first_stage:
+            input_ids_np = np.concatenate(
+                [np.asarray(st.token_ids[s : s + n]) for st, (s, n, _) in zip(states, spans)]
+            )
         md = self._metadata(
             list(range(num_decodes)), spans, [st.block_ids for st in states], positions_np
         )
-        input_ids = torch.from_numpy(input_ids_np.astype(np.int64)).to(self.device)
+        stage_inputs = self._stage_inputs(intermediate, len(positions_np))
+        input_ids = None
+        if self.is_first_stage:
+            input_ids = torch.from_numpy(input_ids_np.astype(np.int64)).to(self.device)
         positions = torch.from_numpy(positions_np.astype(np.int64)).to(self.device)
-        hidden = self.model(input_ids, positions, self.kv_caches, md)  # [num_tokens, hidden]
+        hidden = self.model(input_ids, positions, self.kv_caches, md, **stage_inputs)
+        if not self.is_last_stage:
+            return IntermediateTensors(*hidden)  # [num_tokens, hidden] each
 
         out = ModelRunnerOutput()
         self._prompt_logprobs(states, spans, md, hidden, out)
@@ -257,12 +313,21 @@ class ModelRunner:
     # ---- embeddings ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def embed(self, prompts: list[list[int]], pooling: str, normalize: bool) -> list[list[float]]:
-        """Pooled final hidden states of each prompt, through a scratch KV cache of its own."""
+    def embed(
+        self,
+        prompts: list[list[int]],
+        pooling: str,
+        normalize: bool,
+        intermediate: list[IntermediateTensors] | None = None,
+    ) -> list[list[float]] | list[IntermediateTensors]:
+        """Pooled final hidden states of each prompt, through a scratch KV cache of its own.
+
+        A stage before the last returns each prompt's activations for the next stage.
+        """
         if pooling not in ("last", "mean"):
             raise ValueError(f"pooling must be 'last' or 'mean', got {pooling!r}")
         results = []
-        for token_ids in prompts:
+        for i, token_ids in enumerate(prompts):
             n = len(token_ids)
             blocks = -(-n // self.block_size)
             shape = self.model.kv_cache_shape(blocks, self.block_size)
@@ -272,8 +337,13 @@ class ModelRunner:
             ]
             pos_np = np.arange(n)
             md = self._metadata([], [(0, n, n)], [list(range(blocks))], pos_np)
+            stage_inputs = self._stage_inputs(intermediate[i] if intermediate else None, n)
             ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-            hidden = self.model(ids, torch.from_numpy(pos_np).to(self.device), scratch, md)
+            positions = torch.from_numpy(pos_np).to(self.device)
+            hidden = self.model(ids, positions, scratch, md, **stage_inputs)
+            if not self.is_last_stage:
+                results.append(IntermediateTensors(*hidden))
+                continue
             vec = hidden[-1] if pooling == "last" else hidden.mean(dim=0)
             vec = vec.float()
             if normalize:

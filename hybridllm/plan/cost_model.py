@@ -1,0 +1,200 @@
+"""Predicts the time of one engine step for a `Plan` from measured device rates (a roofline model).
+
+Each worker's part of a step takes max(bytes it reads / its bandwidth, FLOPs / its matmul rate):
+weights (its shard of the stage's layers and, on the last stage, the full LM head matrix), the
+KV cache its tokens attend over, and the logits it samples from. A stage takes as long as its
+slowest worker plus its tensor-parallel all-reduces; the hidden states then cross to the next
+stage. Decode of few tokens comes out bandwidth-bound, prefill compute-bound.
+
+Pipelining: a step of T tokens may be cut into m <= pp micro-batches. A micro-batch's own latency
+is the sum over stages; the busiest stage serves all m micro-batches in turn. So a cycle lasts
+max(latency, m * slowest stage) and yields T tokens; the model takes the best m. At batch 1
+(m = 1) this is the sum of the stages; when every stage re-reads its weights per micro-batch
+(bandwidth-bound decode), m = 1 stays best, which is what the engine should then do.
+
+CPU workers of one stage run at the same time and share the host's memory bandwidth and cores
+(stages are treated as each having the whole host, which holds at batch 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridllm.plan.hardware_profile import HardwareProfile
+from hybridllm.plan.memory_budget import worker_shard
+from hybridllm.plan.model_size import ModelSize
+from hybridllm.plan.plan import Plan, StagePlan
+
+DECODE_BATCHES = (1, 8, 64)
+PREFILL_TOKENS = 1024
+DEFAULT_CONTEXT_LEN = 1024
+# Fixed cost of one hop (a stage handing hidden states on, or one all-reduce): a CUDA sync plus
+# a shared-memory handshake is tens of microseconds; NCCL among GPUs is a few.
+HOP_LATENCY_S = 30e-6
+GPU_ALLREDUCE_LATENCY_S = 10e-6
+# Sampling reads the fp32 logits a few times (softmax, top-k/p).
+SAMPLING_PASSES = 3
+# Fixed cost of running one layer whatever its size: eager PyTorch dispatches ~15 ops per
+# decoder layer (a few us each on the CPU; kernel launches on a GPU without graph capture).
+# Estimates, not measured; they matter only for small models.
+CPU_LAYER_OVERHEAD_S = 40e-6
+GPU_LAYER_OVERHEAD_S = 15e-6
+# Query tokens a fused attention kernel serves per pass over a sequence's KV.
+ATTENTION_QUERY_TILE = 128
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    read_bandwidth: float  # bytes/s
+    matmul_flops: float  # FLOP/s at the model's dtype
+    link_bandwidth: float  # bytes/s to and from the host (a CPU reaches its own RAM)
+
+
+@dataclass(frozen=True)
+class PlanPrediction:
+    decode_tokens_per_s: tuple[tuple[int, float], ...]  # (batch, tokens/s)
+    prefill_tokens_per_s: float
+    decode_latency_s: float  # one token at batch 1
+    context_len: int
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Step-time predictions for plans on the machine `profile` describes."""
+
+    profile: HardwareProfile
+    context_len: int = DEFAULT_CONTEXT_LEN  # tokens each decoding sequence attends over
+
+    def device_rates(self, device: str, dtype: str, sharing: int = 1) -> DeviceRates:
+        """Rates of one worker; `sharing` workers on the host CPU split its bandwidth and cores."""
+        if device == "cpu":
+            cpu = self.profile.cpu
+            flops = cpu.fp32_flops if dtype == "float32" else cpu.bf16_flops
+            return DeviceRates(
+                cpu.read_bandwidth / sharing, flops / sharing, cpu.read_bandwidth / 2
+            )
+        index = int(device.partition(":")[2] or 0)
+        gpu = self.profile.gpu(index)
+        flops = gpu.fp32_flops if dtype == "float32" else gpu.bf16_flops
+        return DeviceRates(gpu.read_bandwidth, flops, gpu.h2d_bandwidth)
+
+    def worker_time(
+        self,
+        stage: StagePlan,
+        tp_rank: int,
+        size: ModelSize,
+        num_tokens: int,
+        num_seqs: int,
+        context_len: int,
+    ) -> float:
+        """Seconds worker `tp_rank` of `stage` spends on `num_tokens` tokens of `num_seqs` sequences."""
+        shard = worker_shard(size, stage, tp_rank)
+        cpu_workers = sum(w.is_cpu for w in stage.workers)
+        worker = stage.workers[tp_rank]
+        rates = self.device_rates(worker.device, size.dtype, cpu_workers if worker.is_cpu else 1)
+        layers = stage.num_layers
+        kv_per_layer = shard.kv_heads * size.kv_bytes_per_token_per_layer // size.num_kv_heads
+        # Each sequence's KV is read once per query tile (once per token when decoding).
+        query_tiles = -(-num_tokens // (num_seqs * ATTENTION_QUERY_TILE))
+        kv_reads = num_seqs * query_tiles * context_len
+        layer_bytes = size.shard_layer_bytes(shard.q_heads, shard.kv_heads, shard.intermediate)
+        bytes_read = layers * (layer_bytes + kv_reads * kv_per_layer)
+        # Matmuls at 2 FLOPs per multiply-add, and attention's QK^T and PV.
+        matmul = size.shard_matmul_params(shard.q_heads, shard.kv_heads, shard.intermediate)
+        q_dim = shard.q_heads * size.head_dim
+        flops = num_tokens * layers * (2 * matmul + 4 * q_dim * context_len)
+        if stage.has_embedding:
+            bytes_read += num_tokens * size.hidden_size * size.dtype_bytes  # a gather of rows
+        if stage.has_lm_head:
+            # Logits are computed for sampled rows only, but the whole matrix is read each step.
+            vocab_share = shard.vocab / size.vocab_size
+            bytes_read += int(size.lm_head_bytes * vocab_share) + size.final_norm_bytes
+            bytes_read += num_seqs * shard.vocab * 4 * SAMPLING_PASSES
+            flops += 2 * num_seqs * shard.vocab * size.hidden_size
+        overhead = CPU_LAYER_OVERHEAD_S if worker.is_cpu else GPU_LAYER_OVERHEAD_S
+        fixed = overhead * (layers + stage.has_lm_head)
+        return fixed + max(bytes_read / rates.read_bandwidth, flops / rates.matmul_flops)
+
+    def allreduce_time(self, stage: StagePlan, size: ModelSize, num_tokens: int) -> float:
+        """Two all-reduces per layer (attention and MLP outputs) of [num_tokens, hidden]."""
+        if len(stage.workers) == 1:
+            return 0.0
+        message = num_tokens * size.hidden_size * size.dtype_bytes
+        links = [self.device_rates(w.device, size.dtype).link_bandwidth for w in stage.workers]
+        mixed = any(w.is_cpu for w in stage.workers)
+        latency = HOP_LATENCY_S if mixed else GPU_ALLREDUCE_LATENCY_S
+        # Each rank sends and receives about 2x the message (reduce-scatter + all-gather).
+        return 2 * stage.num_layers * (latency + 2 * message / min(links))
+
+    def transfer_time(
+        self, src: StagePlan, dst: StagePlan, size: ModelSize, num_tokens: int
+    ) -> float:
+        """Hidden states and residual, [num_tokens, 2 * hidden], handed from `src` to `dst`."""
+        message = 2 * num_tokens * size.hidden_size * size.dtype_bytes
+        link = min(
+            self.device_rates(w.device, size.dtype).link_bandwidth
+            for w in (src.workers[0], dst.workers[0])
+        )
+        return HOP_LATENCY_S + message / link
+
+    def stage_time(
+        self, stage: StagePlan, size: ModelSize, num_tokens: int, num_seqs: int, context_len: int
+    ) -> float:
+        slowest = max(
+            self.worker_time(stage, r, size, num_tokens, num_seqs, context_len)
+            for r in range(len(stage.workers))
+        )
+        return slowest + self.allreduce_time(stage, size, num_tokens)
+
+    def step_time(
+        self,
+        plan: Plan,
+        size: ModelSize,
+        num_tokens: int,
+        num_seqs: int,
+        context_len: int,
+        max_micro_batches: int,
+        chunked_prompt: bool = False,
+    ) -> float:
+        """Seconds per `num_tokens` tokens with the best micro-batch count.
+
+        Decode (the default): micro-batches cycle through the pipeline in steady state.
+        `chunked_prompt`: the tokens are one prompt cut into chunks; chunk i+1 enters a stage
+        once chunk i left it, so the prompt takes one chunk's latency + (m - 1) slowest stages.
+        """
+        best = float("inf")
+        for m in range(1, max(1, min(max_micro_batches, plan.pipeline_parallel_size)) + 1):
+            tokens, seqs = max(1, num_tokens // m), max(1, num_seqs // m)
+            stages = [self.stage_time(s, size, tokens, seqs, context_len) for s in plan.stages]
+            hops = [
+                self.transfer_time(a, b, size, tokens) for a, b in zip(plan.stages, plan.stages[1:])
+            ]
+            latency = sum(stages) + sum(hops)
+            if chunked_prompt:
+                total = latency + (m - 1) * max(stages)
+            else:
+                total = max(latency, m * max(stages))
+            best = min(best, total * num_tokens / (tokens * m))
+        return best
+
+    def decode_tokens_per_s(self, plan: Plan, size: ModelSize, batch: int) -> float:
+        """Tokens/s of `batch` sequences each decoding one token per step."""
+        return batch / self.step_time(plan, size, batch, batch, self.context_len, batch)
+
+    def prefill_tokens_per_s(
+        self, plan: Plan, size: ModelSize, num_tokens: int = PREFILL_TOKENS
+    ) -> float:
+        """Prompt tokens/s of one `num_tokens` prompt (attending on average to half of it)."""
+        step = self.step_time(
+            plan, size, num_tokens, 1, num_tokens // 2, num_tokens, chunked_prompt=True
+        )
+        return num_tokens / step
+
+    def predict(self, plan: Plan, size: ModelSize) -> PlanPrediction:
+        decode = tuple((b, self.decode_tokens_per_s(plan, size, b)) for b in DECODE_BATCHES)
+        return PlanPrediction(
+            decode_tokens_per_s=decode,
+            prefill_tokens_per_s=self.prefill_tokens_per_s(plan, size),
+            decode_latency_s=1.0 / decode[0][1],
+            context_len=self.context_len,
+        )

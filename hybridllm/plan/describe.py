@@ -1,0 +1,117 @@
+"""Text rendering of a plan: workers per stage, memory and KV capacity per device, predicted speed."""
+
+from __future__ import annotations
+
+from hybridllm.plan.cost_model import PlanPrediction
+from hybridllm.plan.hardware_profile import HardwareProfile
+from hybridllm.plan.memory_budget import (
+    MemoryBudgets,
+    device_memory,
+    format_bytes,
+    worker_shard,
+    worker_weight_bytes,
+)
+from hybridllm.plan.model_size import ModelSize
+from hybridllm.plan.plan import Plan, StagePlan
+from hybridllm.platforms.discovery import HardwareInfo
+
+
+def describe_hardware(hw: HardwareInfo, profile: HardwareProfile | None = None) -> str:
+    lines = []
+    for gpu in hw.gpus:
+        note = " (simulated)" if gpu.simulated else f", {format_bytes(gpu.free_memory)} free"
+        line = f"  {gpu.device}: {gpu.name}, {format_bytes(gpu.total_memory)}{note}"
+        if profile is not None and gpu.index < len(profile.gpus):
+            rates = profile.gpus[gpu.index]
+            kind = "nominal" if rates.nominal else "measured"
+            line += (
+                f"; {kind}: {rates.read_bandwidth / 1e9:.0f} GB/s, "
+                f"{rates.bf16_flops / 1e12:.0f} bf16 TFLOP/s, "
+                f"host->device {rates.h2d_bandwidth / 1e9:.1f} GB/s"
+            )
+        lines.append(line)
+    if not hw.gpus:
+        lines.append("  no CUDA GPU")
+    line = (
+        f"  cpu: {hw.cpu_model}, {hw.physical_cores} cores / {hw.logical_cores} threads, "
+        f"{len(hw.numa_nodes)} NUMA node(s), {format_bytes(hw.available_ram)} of "
+        f"{format_bytes(hw.total_ram)} RAM available"
+    )
+    if profile is not None:
+        cpu = profile.cpu
+        line += (
+            f"; measured: {cpu.read_bandwidth / 1e9:.1f} GB/s, "
+            f"{cpu.fp32_flops / 1e9:.0f} fp32 / {cpu.bf16_flops / 1e9:.0f} bf16 GFLOP/s"
+        )
+    lines.append(line)
+    return "hardware:\n" + "\n".join(lines)
+
+
+def describe_plan(
+    plan: Plan,
+    size: ModelSize,
+    budgets: MemoryBudgets,
+    prediction: PlanPrediction | None = None,
+    title: str = "",
+) -> str:
+    """Stages and workers, then memory per device, then predicted tokens/s (when given)."""
+    lines = [
+        f"plan{' for ' + title if title else ''}: {size.model_type}, {size.num_layers} layers, "
+        f"{size.dtype}, {format_bytes(size.total_bytes)} of weights; tensor parallel "
+        f"{plan.tensor_parallel_size} x pipeline parallel {plan.pipeline_parallel_size}"
+    ]
+    for stage in plan.stages:
+        lines.append(_stage_header(stage))
+        for tp_rank, worker in enumerate(stage.workers):
+            where = worker.device
+            if worker.is_cpu and worker.numa_node is not None:
+                where += f" (NUMA node {worker.numa_node}, {worker.num_threads} threads)"
+            lines.append(
+                f"    rank {worker.rank}: {where:<34} {_shard_text(size, stage, tp_rank)}"
+                f"  weights {format_bytes(worker_weight_bytes(size, stage, tp_rank))}"
+            )
+    lines.append("memory per device:")
+    lines.append(
+        f"  {'device':<8} {'budget':>12} {'weights':>12} {'activations':>12} "
+        f"{'KV/token':>10} {'KV capacity':>16}"
+    )
+    usage = device_memory(plan.stages, size, budgets)
+    for mem in usage:
+        lines.append(
+            f"  {mem.device:<8} {format_bytes(mem.budget):>12} {format_bytes(mem.weight_bytes):>12} "
+            f"{format_bytes(mem.activation_bytes):>12} {format_bytes(mem.kv_bytes_per_token):>10} "
+            f"{mem.kv_capacity_tokens:>9,} tokens"
+        )
+    capacity = min(m.kv_capacity_tokens for m in usage)
+    lines.append(
+        f"  KV cache: {capacity:,} tokens (the smallest device decides; "
+        f"{budgets.kv_reserve_tokens:,} reserved)"
+    )
+    if prediction is not None:
+        lines.append(f"predicted (context {prediction.context_len} tokens):")
+        for batch, tps in prediction.decode_tokens_per_s:
+            lines.append(
+                f"  decode batch {batch:>3}: {tps:10,.1f} tokens/s ({1e3 * batch / tps:.2f} ms/step)"
+            )
+        lines.append(f"  prefill:         {prediction.prefill_tokens_per_s:10,.1f} tokens/s")
+    return "\n".join(lines)
+
+
+def _shard_text(size: ModelSize, stage: StagePlan, tp_rank: int) -> str:
+    if len(stage.workers) == 1:
+        return "whole layers"
+    shard = worker_shard(size, stage, tp_rank)
+    return (
+        f"shard {stage.tp_share(tp_rank):.2%}: {shard.q_heads}/{size.num_heads} heads, "
+        f"{shard.kv_heads}/{size.num_kv_heads} KV heads, {shard.intermediate}/"
+        f"{size.intermediate_size} MLP, {shard.vocab}/{size.vocab_size} vocab"
+    )
+
+
+def _stage_header(stage: StagePlan) -> str:
+    parts = [f"layers [{stage.layer_start}, {stage.layer_end})"]
+    if stage.has_embedding:
+        parts.insert(0, "embedding")
+    if stage.has_lm_head:
+        parts.append("final norm + LM head + sampling")
+    return f"  stage {stage.pp_rank}: " + " + ".join(parts)

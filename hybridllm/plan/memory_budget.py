@@ -1,0 +1,187 @@
+"""Memory budgets per device and what a plan puts on each: weights, activation workspace, KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from hybridllm.plan.model_size import ModelSize
+from hybridllm.plan.placement_args import PlacementArgs
+from hybridllm.plan.plan import Plan, StagePlan, partition
+from hybridllm.platforms.discovery import HardwareInfo
+
+# Without --max-cpu-memory, leave the OS and other processes a tenth of the available RAM.
+CPU_RAM_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class MemoryBudgets:
+    """Bytes the plan may use on each GPU (by CUDA index) and on the host (all CPU workers)."""
+
+    gpus: tuple[int, ...]
+    cpu: int
+    kv_reserve_tokens: int
+    max_num_batched_tokens: int
+    gpu_sources: tuple[str, ...] = ()  # why each GPU budget is what it is, for error messages
+    cpu_source: str = ""
+
+    def budget_of(self, device: str) -> int:
+        return self.cpu if device == "cpu" else self.gpus[_cuda_index(device)]
+
+    def source_of(self, device: str) -> str:
+        if device == "cpu":
+            return self.cpu_source
+        index = _cuda_index(device)
+        return self.gpu_sources[index] if index < len(self.gpu_sources) else ""
+
+
+def memory_budgets(hw: HardwareInfo, args: PlacementArgs) -> MemoryBudgets:
+    """GPU: min(total * utilization, free now, --max-gpu-memory); CPU: --max-cpu-memory or 90% of available RAM."""
+    gpus, sources = [], []
+    for gpu in hw.gpus:
+        options = {
+            f"{args.gpu_memory_utilization:g} x {format_bytes(gpu.total_memory)} total": int(
+                gpu.total_memory * args.gpu_memory_utilization
+            ),
+            f"{format_bytes(gpu.free_memory)} free": gpu.free_memory,
+        }
+        if args.max_gpu_memory is not None:
+            options["--max-gpu-memory"] = args.max_gpu_memory
+        source = min(options, key=options.__getitem__)
+        gpus.append(options[source])
+        sources.append(source)
+    if args.max_cpu_memory is not None:
+        cpu, cpu_source = args.max_cpu_memory, "--max-cpu-memory"
+    else:
+        cpu = int(hw.available_ram * CPU_RAM_FRACTION)
+        cpu_source = f"{CPU_RAM_FRACTION:g} x {format_bytes(hw.available_ram)} available RAM"
+    return MemoryBudgets(
+        tuple(gpus),
+        cpu,
+        args.kv_reserve_tokens,
+        args.max_num_batched_tokens,
+        tuple(sources),
+        cpu_source,
+    )
+
+
+@dataclass(frozen=True)
+class WorkerShard:
+    """What one tensor-parallel rank holds of every layer, and of the vocabulary."""
+
+    q_heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+
+
+def worker_shard(size: ModelSize, stage: StagePlan, tp_rank: int) -> WorkerShard:
+    """Split as the TP layers split: whole KV groups per rank (a replicated KV head below one
+    per rank), MLP columns and vocabulary rows by `partition` of the stage's tp_weights."""
+    weights, tp = stage.tp_weights, len(stage.workers)
+    if tp == 1:
+        return WorkerShard(
+            size.num_heads, size.num_kv_heads, size.intermediate_size, size.vocab_size
+        )
+    group = size.num_heads // size.num_kv_heads
+    if size.num_kv_heads >= tp:
+        start, end = partition(size.num_heads, weights, group)[tp_rank]
+        q_heads, kv_heads = end - start, (end - start) // group
+    else:
+        q_heads, kv_heads = max(1, round(size.num_heads * stage.tp_share(tp_rank))), 1
+    (i0, i1), (v0, v1) = (
+        partition(total, weights)[tp_rank] for total in (size.intermediate_size, size.vocab_size)
+    )
+    return WorkerShard(q_heads, kv_heads, i1 - i0, v1 - v0)
+
+
+def worker_weight_bytes(size: ModelSize, stage: StagePlan, tp_rank: int) -> int:
+    """Parameter bytes of one worker: its shard of its stage's layers, embedding and LM head."""
+    shard = worker_shard(size, stage, tp_rank)
+    total = stage.num_layers * size.shard_layer_bytes(
+        shard.q_heads, shard.kv_heads, shard.intermediate
+    )
+    vocab_share = shard.vocab / size.vocab_size
+    if stage.has_embedding:
+        total += int(size.embedding_bytes * vocab_share)
+    if stage.has_lm_head:
+        total += size.final_norm_bytes
+        total += int(size.head_matrix_bytes(stage.has_embedding) * vocab_share)
+    return total
+
+
+def worker_kv_bytes_per_token(size: ModelSize, stage: StagePlan, tp_rank: int) -> int:
+    """KV bytes one token costs this worker: its layers x its KV heads."""
+    per_head = size.kv_bytes_per_token_per_layer // size.num_kv_heads
+    return stage.num_layers * worker_shard(size, stage, tp_rank).kv_heads * per_head
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What a plan puts on one device ("cuda:N", or "cpu" for all CPU workers together)."""
+
+    device: str
+    budget: int
+    weight_bytes: int
+    activation_bytes: int
+    kv_bytes_per_token: int
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens of KV cache that fit beside the weights and activations (0 when none do)."""
+        free = self.budget - self.weight_bytes - self.activation_bytes
+        if self.kv_bytes_per_token == 0:
+            return 0
+        return max(0, free // self.kv_bytes_per_token)
+
+    def need(self, kv_tokens: int) -> int:
+        return self.weight_bytes + self.activation_bytes + kv_tokens * self.kv_bytes_per_token
+
+
+def device_memory(
+    stages: Iterable[StagePlan], size: ModelSize, budgets: MemoryBudgets
+) -> tuple[DeviceMemory, ...]:
+    """Per device, in order of first appearance among `stages` (a plan's, or a candidate's)."""
+    totals: dict[str, list[int]] = {}
+    for stage in stages:
+        for rank, worker in enumerate(stage.workers):
+            t = totals.setdefault(worker.device, [0, 0, 0])
+            t[0] += worker_weight_bytes(size, stage, rank)
+            t[1] += size.activation_bytes(budgets.max_num_batched_tokens)
+            t[2] += worker_kv_bytes_per_token(size, stage, rank)
+    return tuple(
+        DeviceMemory(device, budgets.budget_of(device), w, a, kv)
+        for device, (w, a, kv) in totals.items()
+    )
+
+
+def check_fits(plan: Plan, size: ModelSize, budgets: MemoryBudgets, hint: str = "") -> None:
+    """Raise ValueError naming the device, what it needs, its budget and the shortfall."""
+    for mem in device_memory(plan.stages, size, budgets):
+        need = mem.need(budgets.kv_reserve_tokens)
+        if need > mem.budget:
+            raise ValueError(
+                f"{mem.device} needs {format_bytes(need)} (weights "
+                f"{format_bytes(mem.weight_bytes)} + KV for {budgets.kv_reserve_tokens} tokens "
+                f"{format_bytes(budgets.kv_reserve_tokens * mem.kv_bytes_per_token)} + "
+                f"activations {format_bytes(mem.activation_bytes)}) but its budget is "
+                f"{format_bytes(mem.budget)} ({budgets.source_of(mem.device)}): short by "
+                f"{format_bytes(need - mem.budget)}" + (f"; {hint}" if hint else "")
+            )
+
+
+def fits(stages: Iterable[StagePlan], size: ModelSize, budgets: MemoryBudgets) -> bool:
+    return all(
+        m.need(budgets.kv_reserve_tokens) <= m.budget for m in device_memory(stages, size, budgets)
+    )
+
+
+def format_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _cuda_index(device: str) -> int:
+    return int(device.partition(":")[2] or 0)

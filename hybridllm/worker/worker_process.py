@@ -1,0 +1,186 @@
+"""The main loop of one worker process under the `mp` executor, and its message protocol.
+
+Engine -> workers, on the broadcast MessageQueue (every worker reads every message):
+    ("connect", {pp_rank: Handle})    attach to the previous stage's activation channel
+    ("execute", SchedulerOutput)      one step; nothing is answered except by the output worker
+    ("embed", prompts, pooling, normalize)
+    ("rpc", method, args, kwargs)
+    ("shutdown",)
+Worker -> engine, on the worker's own response MessageQueue, for everything but "execute":
+    ("ok", result) | ("error", traceback) | ("fatal", traceback)
+The last stage's tp-rank-0 worker (the output worker) also writes each step's
+ModelRunnerOutput to its output MessageQueue. "fatal" means the worker is exiting: a failure
+inside the pipeline (execute, embed, connect) leaves the other stages out of step.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from hybridllm.config import EngineConfig
+from hybridllm.distributed.message_queue import (
+    Handle,
+    MessageQueue,
+    ReaderDiedError,
+    WriterDiedError,
+)
+from hybridllm.engine.scheduler_output import SchedulerOutput
+from hybridllm.worker.pipeline_channel import PipelineReceiver, PipelineSender
+from hybridllm.worker.worker import Worker
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # the worker's own exception
+EXIT_PEER_DIED = 3  # a queue peer (another worker, or the engine mid-step) died first
+
+_REPLY_TIMEOUT_S = 5.0  # a "fatal" reply must not keep a dying worker around for long
+_RESPONSE_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class WorkerProcessArgs:
+    """Everything a spawned worker needs; pickled to the child."""
+
+    config: EngineConfig
+    rank: int
+    broadcast: Handle
+    tp_init_method: str | None
+    show_progress: bool
+
+
+def run_worker(args: WorkerProcessArgs, ready_pipe: Connection) -> None:
+    """Process target: build the worker, report its queue handles, serve until shutdown."""
+    # Ctrl-C reaches the whole process group; the engine decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        process = WorkerProcess(args)
+    except BaseException:
+        ready_pipe.send(("error", traceback.format_exc()))
+        ready_pipe.close()
+        sys.exit(EXIT_FAILED)
+    try:
+        ready_pipe.send(("ready", process.handles()))
+        ready_pipe.close()
+        code = process.run()
+    finally:
+        process.close()
+    sys.exit(code)
+
+
+class WorkerProcess:
+    """A Worker plus its transport: broadcast in, responses out, activations between stages."""
+
+    def __init__(self, args: WorkerProcessArgs):
+        config = args.config
+        plan = config.plan
+        self.placement = plan.workers()[args.rank]
+        self.stage = plan.stage_of(args.rank)
+        self.name = (
+            f"worker rank {args.rank} (pipeline stage {self.placement.pp_rank}, "
+            f"tp rank {self.placement.tp_rank}, device {self.placement.device})"
+        )
+        self.broadcast = MessageQueue.attach(args.broadcast, args.rank)
+        self.response = MessageQueue(1, max_chunk_bytes=_RESPONSE_CHUNK_BYTES, max_chunks=4)
+        self.output: MessageQueue | None = None
+        self.next_stage: PipelineSender | None = None
+        self.prev_stage: PipelineReceiver | None = None
+        lead = self.placement.tp_rank == 0
+        if lead and self.stage.has_lm_head:
+            # Up to pipeline_parallel_size outputs wait for the engine; never block on it.
+            chunks = plan.pipeline_parallel_size + 2
+            self.output = MessageQueue(1, max_chunk_bytes=_RESPONSE_CHUNK_BYTES, max_chunks=chunks)
+        elif lead:
+            self.next_stage = PipelineSender(config, num_receivers=plan.tensor_parallel_size)
+        self.worker = Worker(
+            config,
+            self.placement,
+            owns_process=True,
+            tp_init_method=args.tp_init_method,
+            show_progress=args.show_progress,
+        )
+
+    def handles(self) -> dict[str, Handle | None]:
+        return {
+            "response": self.response.export_handle(),
+            "output": self.output.export_handle() if self.output else None,
+            "activations": self.next_stage.export_handle() if self.next_stage else None,
+        }
+
+    def run(self) -> int:
+        """Serve messages until shutdown; returns the process exit code."""
+        while True:
+            try:
+                message = self.broadcast.dequeue()
+            except WriterDiedError:
+                return EXIT_OK  # the engine is gone: nobody is left to serve
+            kind = message[0]
+            if kind == "shutdown":
+                return EXIT_OK
+            try:
+                self._handle(kind, message[1:])
+            except (WriterDiedError, ReaderDiedError) as e:
+                self._reply_fatal(f"{self.name}: a peer process died: {e}")
+                return EXIT_PEER_DIED
+            except Exception:
+                self._reply_fatal(f"{self.name} failed in {kind!r}:\n{traceback.format_exc()}")
+                return EXIT_FAILED
+
+    def _handle(self, kind: str, body: tuple) -> None:
+        if kind == "execute":
+            self._execute(body[0])
+        elif kind == "embed":
+            self.response.enqueue(("ok", self._embed(*body)))
+        elif kind == "connect":
+            if not self.stage.has_embedding:
+                handle = body[0][self.placement.pp_rank - 1]
+                self.prev_stage = PipelineReceiver(handle, self.placement.tp_rank)
+            self.response.enqueue(("ok", None))
+        elif kind == "rpc":
+            self._rpc(*body)
+        else:
+            raise ValueError(f"unknown message kind {kind!r}")
+
+    def _execute(self, so: SchedulerOutput) -> None:
+        activations = None
+        if self.prev_stage is not None and not so.is_empty:
+            activations = self.prev_stage.recv()
+        result = self.worker.execute_model(so, activations)
+        if self.next_stage is not None and result is not None:
+            self.next_stage.send(result)
+        elif self.output is not None:
+            self.output.enqueue(result)
+
+    def _embed(self, prompts: list[list[int]], pooling: str, normalize: bool) -> Any:
+        activations = self.prev_stage.recv() if self.prev_stage is not None else None
+        result = self.worker.embed(prompts, pooling, normalize, activations)
+        if self.stage.has_lm_head:
+            return result
+        if self.next_stage is not None:
+            self.next_stage.send(result)
+        return None
+
+    def _rpc(self, method: str, args: tuple, kwargs: dict) -> None:
+        try:
+            result = getattr(self.worker, method)(*args, **kwargs)
+        except Exception:
+            # Outside the pipeline the worker stays usable: report and carry on.
+            self.response.enqueue(("error", f"{self.name}: {traceback.format_exc()}"))
+            return
+        self.response.enqueue(("ok", result))
+
+    def _reply_fatal(self, text: str) -> None:
+        try:
+            self.response.enqueue(("fatal", text), timeout=_REPLY_TIMEOUT_S)
+        except (TimeoutError, RuntimeError):
+            pass  # the engine is gone or not listening; the exit code still tells
+
+    def close(self) -> None:
+        """Close every queue end (this process's segments are unlinked) and the TP group."""
+        for end in (self.prev_stage, self.next_stage, self.output, self.response, self.broadcast):
+            if end is not None:
+                end.close()
+        self.worker.close()

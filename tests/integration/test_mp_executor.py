@@ -1,0 +1,178 @@
+"""The `mp` executor: one spawned process per worker; same tokens, clean failure, clean exit."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+from tests.integration.test_pipeline_parallel import (
+    ENGINE_KWARGS,
+    assert_same_generation,
+    generate,
+    make_prompts,
+)
+from tests.model_helpers import make_tiny_model
+
+from hybridllm import LLM, SamplingParams
+from hybridllm.distributed.shm_segment import SEGMENT_PREFIX, SHM_DIR, segment_creator_pid
+from hybridllm.engine.scheduler_output import CachedRequestData, SchedulerOutput
+from hybridllm.executor.executor import EngineDeadError
+
+MP_KWARGS = dict(ENGINE_KWARGS, distributed_executor_backend="mp")
+DEATH_DEADLINE_S = 10.0
+
+
+def _segments_of(pids: set[int]) -> list[str]:
+    """Our shared-memory segments created by any of `pids` (other tests may run beside us)."""
+    return [
+        n
+        for n in os.listdir(SHM_DIR)
+        if n.startswith(SEGMENT_PREFIX) and segment_creator_pid(n) in pids
+    ]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _worker_pids(llm: LLM) -> list[int]:
+    return [d["pid"] for d in llm.llm_engine.executor.collective_rpc("describe")]
+
+
+def _assert_nothing_left(pids: set[int]) -> None:
+    assert not [p for p in pids if p != os.getpid() and _alive(p)], "worker processes left"
+    assert [p for p in multiprocessing.active_children() if p.pid in pids] == []
+    assert _segments_of(pids) == []
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return str(make_tiny_model("llama", tmp_path_factory.mktemp("llama")))
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    llm = LLM(model_path, **ENGINE_KWARGS)
+    try:
+        embeds = llm.llm_engine.embed([p["prompt_token_ids"] for p in make_prompts()[:3]])
+        return generate(llm, make_prompts()), embeds
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pp2(model_path):
+    llm = LLM(model_path, pipeline_parallel_size=2, **MP_KWARGS)
+    yield llm
+    llm.shutdown()
+
+
+def test_pp2_matches_single_worker(pp2, reference):
+    want_tokens, want_embeds = reference
+    assert_same_generation(generate(pp2, make_prompts()), want_tokens)
+    embeds = pp2.llm_engine.embed([p["prompt_token_ids"] for p in make_prompts()[:3]])
+    assert torch.allclose(torch.tensor(embeds), torch.tensor(want_embeds), atol=1e-5)
+
+
+def test_workers_run_in_their_own_processes(pp2):
+    described = pp2.llm_engine.executor.collective_rpc("describe")
+    assert [d["rank"] for d in described] == [0, 1]
+    assert [d["layers"] for d in described] == [(0, 2), (2, 3)]
+    pids = {d["pid"] for d in described}
+    assert len(pids) == 2 and os.getpid() not in pids
+    # two CPU workers on a machine share its cores rather than oversubscribe them
+    cores = len(os.sched_getaffinity(0))
+    assert all(d["num_threads"] == max(1, cores // 2) for d in described)
+
+
+def test_rpc_error_is_reported_and_worker_lives_on(pp2, reference):
+    with pytest.raises(RuntimeError, match="no_such_method"):
+        pp2.llm_engine.executor.collective_rpc("no_such_method")
+    out = pp2.generate(make_prompts()[:1], SamplingParams(temperature=0, max_tokens=10))
+    assert out[0].outputs[0].token_ids == reference[0][0][0]
+
+
+def test_shutdown_leaves_nothing_behind(pp2):
+    pids = set(_worker_pids(pp2)) | {os.getpid()}
+    pp2.shutdown()
+    _assert_nothing_left(pids)
+
+
+def test_pp3_matches_then_a_failing_step_kills_the_engine_cleanly(model_path, reference):
+    llm = LLM(model_path, pipeline_parallel_size=3, **MP_KWARGS)
+    pids = set(_worker_pids(llm)) | {os.getpid()}
+    try:
+        assert_same_generation(generate(llm, make_prompts()), reference[0])
+        # A step naming a request no worker knows raises inside every worker's execute_model.
+        bogus = SchedulerOutput(
+            scheduled_cached_reqs=[CachedRequestData("ghost", [5], [], 3)],
+            num_scheduled_tokens={"ghost": 1},
+            total_num_scheduled_tokens=1,
+        )
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match=r"(?s)worker rank 0 .*exception.*KeyError"):
+            llm.llm_engine.executor.execute_model(bogus)
+        assert time.monotonic() - start < DEATH_DEADLINE_S
+        _assert_nothing_left(pids)
+    finally:
+        llm.shutdown()
+
+
+def test_killed_worker_fails_requests_with_a_clear_error(model_path):
+    llm = LLM(model_path, pipeline_parallel_size=2, **MP_KWARGS)
+    pids = set(_worker_pids(llm)) | {os.getpid()}
+    try:
+        engine = llm.llm_engine
+        params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+        for i, prompt in enumerate(make_prompts()):
+            engine.add_request(f"r{i}", prompt, params)
+        for _ in range(3):
+            engine.step()  # requests are mid-prefill or decoding, steps in flight
+        victim = _worker_pids(llm)[1]
+        os.kill(victim, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError) as info:
+            for _ in range(1000):
+                engine.step()
+        assert time.monotonic() - start < DEATH_DEADLINE_S
+        message = str(info.value)
+        assert f"worker rank 1 (pipeline stage 1, tp rank 0, device cpu, pid {victim})" in message
+        assert "SIGKILL" in message
+        # Every request still running ends with the error; then the engine is drained.
+        errored = engine.step()
+        assert {o.request_id for o in errored} == {f"r{i}" for i in range(len(make_prompts()))}
+        assert all(o.finished and "worker rank 1" in o.error for o in errored)
+        assert not engine.has_unfinished_requests()
+        # LLM.generate surfaces the dead engine instead of hanging.
+        with pytest.raises(EngineDeadError, match="worker rank 1"):
+            llm.generate(["hello"], params)
+        _assert_nothing_left(pids)
+    finally:
+        llm.shutdown()
+
+
+def _tp_available() -> str | None:
+    try:
+        import hybridllm.distributed.parallel_groups  # noqa: F401
+    except ImportError:
+        return "hybridllm.distributed.parallel_groups (init_tp_group) does not exist yet"
+    return None
+
+
+@pytest.mark.skipif(_tp_available() is not None, reason=str(_tp_available()))
+@pytest.mark.parametrize("tp, pp", [(2, 1), (2, 2)], ids=["tp2", "tp2xpp2"])
+def test_tensor_parallel_matches_single_worker(model_path, reference, tp, pp):
+    llm = LLM(model_path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **MP_KWARGS)
+    try:
+        assert llm.llm_engine.config.plan.world_size == tp * pp
+        assert_same_generation(generate(llm, make_prompts()), reference[0])
+    finally:
+        llm.shutdown()

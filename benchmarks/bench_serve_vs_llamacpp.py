@@ -72,11 +72,19 @@ def run_bench(
         "--num-prompts", str(num_prompts), "--random-input-len", "128",
         "--random-output-len", "128", "--max-concurrency", str(concurrency),
         "--ignore-eos", "--temperature", "0", "--disable-tqdm",
+        # llama-cpp-python has no ignore_eos: a -100 bias on EOS makes both run full length.
+        "--extra-body", json.dumps({"logit_bias": {str(eos_token_id()): -100}}),
         "--save-result", "--result-dir", out, "--result-filename", filename,
     ]  # fmt: skip
     subprocess.run(cmd, check=True)
     with open(os.path.join(out, filename)) as f:
         return json.load(f)
+
+
+def eos_token_id() -> int:
+    from hybridllm.loader import open_model_source
+
+    return int(open_model_source(default_model_path()).generation_config["eos_token_id"])
 
 
 def main() -> None:

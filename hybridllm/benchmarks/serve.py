@@ -89,6 +89,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="most requests in flight at once (default: no limit)",
     )
     g.add_argument(
+        "--extra-body",
+        type=_json_object,
+        default={},
+        help='JSON object merged into every request, e.g. \'{"logit_bias": {"2": -100}}\' '
+        "to keep a server without ignore_eos from stopping early",
+    )
+    g.add_argument(
         "--ignore-eos",
         action="store_true",
         help="ask the server to generate exactly max_tokens (vLLM's ignore_eos)",
@@ -197,6 +204,7 @@ def main(args: argparse.Namespace) -> int:
         stream=args.stream,
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,
+        extra_body=tuple(args.extra_body.items()),
     )
     # One short request first: a wrong URL, model or key fails here, not 500 times.
     probe = dataclasses.replace(requests[0], output_len=min(4, requests[0].output_len))
@@ -247,6 +255,16 @@ def _load_tokenizer(tokenizer: str | None, model: str) -> Any:
 
     path = tokenizer or (model if os.path.exists(model) else default_model_path())
     return open_model_source(path).load_tokenizer()
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def _save(

@@ -36,6 +36,7 @@ class ServerTarget:
     stream: bool = True
     ignore_eos: bool = False
     temperature: float = 0.0
+    extra_body: tuple[tuple[str, Any], ...] = ()  # more request fields, e.g. logit_bias
 
     @property
     def is_chat(self) -> bool:
@@ -56,6 +57,7 @@ class ServerTarget:
             body["stream_options"] = {"include_usage": True}
         if self.ignore_eos:
             body["ignore_eos"] = True  # a vLLM extension; servers without it ignore the field
+        body.update(self.extra_body)
         return body
 
     def headers(self) -> dict[str, str]:

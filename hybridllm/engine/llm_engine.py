@@ -185,7 +185,7 @@ class LLMEngine:
                 return outputs + self._step_one()
             return outputs + self._step_pipelined()
         except EngineDeadError as e:
-            self._pending_outputs = outputs + self._fail_all(e)
+            self._pending_outputs = outputs + self._pending_outputs + self._fail_all(e)
             raise
 
     def _step_one(self) -> list[RequestOutput]:
@@ -201,25 +201,27 @@ class LLMEngine:
 
     def _step_pipelined(self) -> list[RequestOutput]:
         """Fill the pipeline up to its depth, then collect the oldest micro-batch."""
-        results: list[RequestOutput] = []
         while len(self._in_flight) < self._max_in_flight:
             # Requests already in flight are skipped: this schedules other work, if any.
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
                 updated = self.scheduler.update_from_output(scheduler_output, None)
-                results += self._process(updated, {}, {})
+                # kept as pending until the end: a dead worker below must not lose them
+                self._pending_outputs += self._process(updated, {}, {})
                 break
             # An empty step that only drops finished requests still travels: workers
             # must forget them in order with the steps around it.
             handle = self.executor.execute_model_async(scheduler_output)
             self._in_flight.append((scheduler_output, handle))
-        if not self._in_flight:
-            return results
-        scheduler_output, handle = self._in_flight.popleft()
-        runner_output = self.executor.get_output(handle)
-        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
-        logprobs = dict(zip(runner_output.req_ids, runner_output.logprobs))
-        return results + self._process(updated, logprobs, runner_output.prompt_logprobs)
+        results: list[RequestOutput] = []
+        if self._in_flight:
+            scheduler_output, handle = self._in_flight.popleft()
+            runner_output = self.executor.get_output(handle)
+            updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+            logprobs = dict(zip(runner_output.req_ids, runner_output.logprobs))
+            results = self._process(updated, logprobs, runner_output.prompt_logprobs)
+        results, self._pending_outputs = self._pending_outputs + results, []
+        return results
 
     def _fail_all(self, error: EngineDeadError) -> list[RequestOutput]:
         """Finish every unfinished request with the engine's error; returns their outputs."""

@@ -194,8 +194,11 @@ class MultiprocExecutor(Executor):
 
     # ---- failure and shutdown -----------------------------------------------------------------
 
-    def _fail(self, reported: dict[int, str] | None = None) -> EngineDeadError:
-        """Describe the dead worker(s), stop the rest, free everything; returns the error."""
+    def _fail(self, reported: dict[int, tuple[int, str]] | None = None) -> EngineDeadError:
+        """Describe the dead worker(s), stop the rest, free everything; returns the error.
+
+        `reported`: rank -> (exit code, traceback) of "fatal" replies already read.
+        """
         reported = dict(reported or {})
         time.sleep(_POLL_S)  # let a peer's death, and any last words, arrive
         for rank, queue in enumerate(self._responses):
@@ -206,18 +209,16 @@ class MultiprocExecutor(Executor):
                     break
                 if kind == "fatal":
                     reported[rank] = payload
-        codes = {r: p.exitcode for r, p in enumerate(self._procs) if not p.is_alive()}
-        # The root cause: a worker that failed by itself, not one that saw a peer go.
-        causes = [r for r, c in codes.items() if c != EXIT_PEER_DIED and c != 0]
-        causes += [r for r in reported if r not in causes and codes.get(r) != EXIT_PEER_DIED]
-        causes = causes or sorted(codes) or sorted(reported)
-        lines = [f"{self._describe(r)} {_exit_reason(codes.get(r))}" for r in causes]
+        exited = {r: p.exitcode for r, p in enumerate(self._procs) if not p.is_alive()}
+        codes = {r: code for r, (code, _) in reported.items()} | exited
+        # Root causes: workers that failed by themselves, not those that saw a peer go.
+        causes = [r for r in sorted(codes) if codes[r] not in (0, EXIT_PEER_DIED)]
+        causes = causes or sorted(codes)
+        lines = [f"{self._describe(r)} {_exit_reason(codes[r])}" for r in causes]
         followers = [r for r in sorted(codes) if r not in causes]
         if followers:
             lines.append("then stopped: " + ", ".join(self._describe(r) for r in followers))
-        for r in causes:
-            if r in reported:
-                lines.append(reported[r].rstrip())
+        lines += [reported[r][1].rstrip() for r in causes if r in reported]
         self._dead = EngineDeadError("engine is dead: " + "\n".join(lines))
         logger.error("%s", self._dead)
         self._teardown(graceful=False)
@@ -263,9 +264,7 @@ class MultiprocExecutor(Executor):
         )
 
 
-def _exit_reason(code: int | None) -> str:
-    if code is None:
-        return "reported a failure"
+def _exit_reason(code: int) -> str:
     if code < 0:
         try:
             name = signal.Signals(-code).name

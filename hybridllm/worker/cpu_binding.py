@@ -39,6 +39,14 @@ def numa_node_cpus(node_dir: Path = _NODE_DIR) -> dict[int, set[int]]:
     return nodes
 
 
+def resolve_numa_node(node: int | None, nodes: dict[int, set[int]]) -> int | None:
+    """The node a worker asking for `node` lands on: itself, or `node % num_nodes` when
+    the machine has fewer nodes than the plan assumed; None without NUMA information."""
+    if node is None or not nodes or node in nodes:
+        return node if nodes else None
+    return sorted(nodes)[node % len(nodes)]
+
+
 def bind_cpu_worker(
     placement: WorkerPlacement,
     plan: Plan,
@@ -50,24 +58,22 @@ def bind_cpu_worker(
     Call only in a process that belongs to this one worker. When the node does not exist
     (fewer nodes than the plan assumed) the worker shares node `numa_node % num_nodes`, as
     the seed system did, with a warning. Threads: the placement's own count, else
-    `cpu_threads`, else the node's usable cores divided among the CPU workers placed on
-    it, so several CPU stages on one machine do not oversubscribe it.
+    `cpu_threads`, else the node's usable cores divided among the CPU workers that land
+    on it, so several CPU stages on one machine do not oversubscribe it.
     Returns (the CPUs this process may run on, the thread count).
     """
     allowed = os.sched_getaffinity(0)
     nodes = numa_node_cpus() if nodes is None else nodes
-    node = placement.numa_node
-    if node is not None and nodes:
-        if node not in nodes:
-            shared = sorted(nodes)[node % len(nodes)]
-            logger.warning(
-                "worker %d asks for NUMA node %d but this machine has nodes %s; sharing node %d",
-                placement.rank,
-                node,
-                sorted(nodes),
-                shared,
-            )
-            node = shared
+    node = resolve_numa_node(placement.numa_node, nodes)
+    if node != placement.numa_node and node is not None:
+        logger.warning(
+            "worker %d asks for NUMA node %d but this machine has nodes %s; sharing node %d",
+            placement.rank,
+            placement.numa_node,
+            sorted(nodes),
+            node,
+        )
+    if node is not None:
         cpus = nodes[node] & allowed
         if cpus:
             os.sched_setaffinity(0, cpus)
@@ -78,7 +84,9 @@ def bind_cpu_worker(
                 placement.rank,
                 node,
             )
-    sharing = sum(1 for w in plan.workers() if w.is_cpu and w.numa_node == placement.numa_node)
+    sharing = sum(
+        1 for w in plan.workers() if w.is_cpu and resolve_numa_node(w.numa_node, nodes) == node
+    )
     threads = placement.num_threads or cpu_threads or max(1, len(allowed) // max(1, sharing))
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)

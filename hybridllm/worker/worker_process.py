@@ -7,7 +7,7 @@ Engine -> workers, on the broadcast MessageQueue (every worker reads every messa
     ("rpc", method, args, kwargs)
     ("shutdown",)
 Worker -> engine, on the worker's own response MessageQueue, for everything but "execute":
-    ("ok", result) | ("error", traceback) | ("fatal", traceback)
+    ("ok", result) | ("error", traceback) | ("fatal", (exit_code, traceback))
 The last stage's tp-rank-0 worker (the output worker) also writes each step's
 ModelRunnerOutput to its output MessageQueue. "fatal" means the worker is exiting: a failure
 inside the pipeline (execute, embed, connect) leaves the other stages out of step.
@@ -123,11 +123,10 @@ class WorkerProcess:
             try:
                 self._handle(kind, message[1:])
             except (WriterDiedError, ReaderDiedError) as e:
-                self._reply_fatal(f"{self.name}: a peer process died: {e}")
-                return EXIT_PEER_DIED
+                return self._reply_fatal(EXIT_PEER_DIED, f"{self.name}: a peer process died: {e}")
             except Exception:
-                self._reply_fatal(f"{self.name} failed in {kind!r}:\n{traceback.format_exc()}")
-                return EXIT_FAILED
+                text = f"{self.name} failed in {kind!r}:\n{traceback.format_exc()}"
+                return self._reply_fatal(EXIT_FAILED, text)
 
     def _handle(self, kind: str, body: tuple) -> None:
         if kind == "execute":
@@ -172,11 +171,13 @@ class WorkerProcess:
             return
         self.response.enqueue(("ok", result))
 
-    def _reply_fatal(self, text: str) -> None:
+    def _reply_fatal(self, exit_code: int, text: str) -> int:
+        """Tell the engine why this worker is about to exit; returns the exit code."""
         try:
-            self.response.enqueue(("fatal", text), timeout=_REPLY_TIMEOUT_S)
+            self.response.enqueue(("fatal", (exit_code, text)), timeout=_REPLY_TIMEOUT_S)
         except (TimeoutError, RuntimeError):
             pass  # the engine is gone or not listening; the exit code still tells
+        return exit_code
 
     def close(self) -> None:
         """Close every queue end (this process's segments are unlinked) and the TP group."""

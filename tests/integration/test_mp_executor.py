@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import signal
@@ -9,6 +10,11 @@ import time
 
 import pytest
 import torch
+
+from hybridllm import LLM, SamplingParams
+from hybridllm.distributed.shm_segment import SEGMENT_PREFIX, SHM_DIR, segment_creator_pid
+from hybridllm.engine.scheduler_output import CachedRequestData, SchedulerOutput
+from hybridllm.executor.executor import EngineDeadError
 from tests.integration.test_pipeline_parallel import (
     ENGINE_KWARGS,
     assert_same_generation,
@@ -16,11 +22,6 @@ from tests.integration.test_pipeline_parallel import (
     make_prompts,
 )
 from tests.model_helpers import make_tiny_model
-
-from hybridllm import LLM, SamplingParams
-from hybridllm.distributed.shm_segment import SEGMENT_PREFIX, SHM_DIR, segment_creator_pid
-from hybridllm.engine.scheduler_output import CachedRequestData, SchedulerOutput
-from hybridllm.executor.executor import EngineDeadError
 
 MP_KWARGS = dict(ENGINE_KWARGS, distributed_executor_backend="mp")
 DEATH_DEADLINE_S = 10.0
@@ -106,12 +107,47 @@ def test_shutdown_leaves_nothing_behind(pp2):
     _assert_nothing_left(pids)
 
 
-def test_pp3_matches_then_a_failing_step_kills_the_engine_cleanly(model_path, reference):
+def test_pp3_matches_then_a_killed_worker_fails_requests_clearly(model_path, reference):
     llm = LLM(model_path, pipeline_parallel_size=3, **MP_KWARGS)
     pids = set(_worker_pids(llm)) | {os.getpid()}
     try:
         assert_same_generation(generate(llm, make_prompts()), reference[0])
-        # A step naming a request no worker knows raises inside every worker's execute_model.
+        engine = llm.llm_engine
+        params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+        for i, prompt in enumerate(make_prompts()):
+            engine.add_request(f"r{i}", prompt, params)
+        for _ in range(3):
+            engine.step()  # requests are mid-prefill or decoding, steps in flight
+        victim = _worker_pids(llm)[1]  # the middle stage: both its neighbours notice
+        os.kill(victim, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError) as info:
+            for _ in range(1000):
+                engine.step()
+        assert time.monotonic() - start < DEATH_DEADLINE_S
+        message = str(info.value)
+        assert f"worker rank 1 (pipeline stage 1, tp rank 0, device cpu, pid {victim})" in message
+        assert "SIGKILL" in message
+        # Every unfinished request ends with the error; then the engine is drained.
+        errored = engine.step()
+        assert {o.request_id for o in errored} == {f"r{i}" for i in range(len(make_prompts()))}
+        assert all(o.finished and "worker rank 1" in o.error for o in errored)
+        assert not engine.has_unfinished_requests()
+        # LLM.generate surfaces the dead engine instead of hanging.
+        with pytest.raises(EngineDeadError, match="worker rank 1"):
+            llm.generate(["hello"], params)
+        _assert_nothing_left(pids)
+    finally:
+        llm.shutdown()
+
+
+def test_exception_in_a_step_kills_the_engine_cleanly(model_path, reference):
+    llm = LLM(model_path, **MP_KWARGS)  # one worker, in its own process
+    pids = set(_worker_pids(llm)) | {os.getpid()}
+    try:
+        out = llm.generate(make_prompts()[:2], SamplingParams(temperature=0, max_tokens=10))
+        assert [o.outputs[0].token_ids for o in out] == [t for t, _ in reference[0][:2]]
+        # A step naming a request the worker never saw raises inside its execute_model.
         bogus = SchedulerOutput(
             scheduled_cached_reqs=[CachedRequestData("ghost", [5], [], 3)],
             num_scheduled_tokens={"ghost": 1},
@@ -122,39 +158,8 @@ def test_pp3_matches_then_a_failing_step_kills_the_engine_cleanly(model_path, re
             llm.llm_engine.executor.execute_model(bogus)
         assert time.monotonic() - start < DEATH_DEADLINE_S
         _assert_nothing_left(pids)
-    finally:
-        llm.shutdown()
-
-
-def test_killed_worker_fails_requests_with_a_clear_error(model_path):
-    llm = LLM(model_path, pipeline_parallel_size=2, **MP_KWARGS)
-    pids = set(_worker_pids(llm)) | {os.getpid()}
-    try:
-        engine = llm.llm_engine
-        params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-        for i, prompt in enumerate(make_prompts()):
-            engine.add_request(f"r{i}", prompt, params)
-        for _ in range(3):
-            engine.step()  # requests are mid-prefill or decoding, steps in flight
-        victim = _worker_pids(llm)[1]
-        os.kill(victim, signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(EngineDeadError) as info:
-            for _ in range(1000):
-                engine.step()
-        assert time.monotonic() - start < DEATH_DEADLINE_S
-        message = str(info.value)
-        assert f"worker rank 1 (pipeline stage 1, tp rank 0, device cpu, pid {victim})" in message
-        assert "SIGKILL" in message
-        # Every request still running ends with the error; then the engine is drained.
-        errored = engine.step()
-        assert {o.request_id for o in errored} == {f"r{i}" for i in range(len(make_prompts()))}
-        assert all(o.finished and "worker rank 1" in o.error for o in errored)
-        assert not engine.has_unfinished_requests()
-        # LLM.generate surfaces the dead engine instead of hanging.
-        with pytest.raises(EngineDeadError, match="worker rank 1"):
-            llm.generate(["hello"], params)
-        _assert_nothing_left(pids)
+        with pytest.raises(EngineDeadError):
+            llm.generate(["hello"])
     finally:
         llm.shutdown()
 
@@ -176,3 +181,31 @@ def test_tensor_parallel_matches_single_worker(model_path, reference, tp, pp):
         assert_same_generation(generate(llm, make_prompts()), reference[0])
     finally:
         llm.shutdown()
+
+
+def test_cpu_binding_shares_a_missing_numa_node_and_splits_cores(caplog):
+    from hybridllm.plan.plan import Plan
+    from hybridllm.worker.cpu_binding import bind_cpu_worker, parse_cpu_list
+
+    assert parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    cpus = os.sched_getaffinity(0)
+    plan = Plan.uniform([["cpu"], ["cpu"]], num_layers=4)
+    # The plan puts the two CPU stages on nodes 1 and 2; this machine shows only node 0.
+    stages = tuple(
+        dataclasses.replace(
+            s, workers=tuple(dataclasses.replace(w, numa_node=w.rank + 1) for w in s.workers)
+        )
+        for s in plan.stages
+    )
+    plan = dataclasses.replace(plan, stages=stages)
+    threads_before = torch.get_num_threads()
+    try:
+        allowed, threads = bind_cpu_worker(plan.workers()[1], plan, None, nodes={0: set(cpus)})
+        assert allowed == cpus and "sharing node 0" in caplog.text
+        # both workers landed on node 0: they split its cores
+        assert threads == max(1, len(cpus) // 2) == torch.get_num_threads()
+        explicit = dataclasses.replace(plan.workers()[0], num_threads=1)
+        assert bind_cpu_worker(explicit, plan, None, nodes={})[1] == 1
+    finally:
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(threads_before)

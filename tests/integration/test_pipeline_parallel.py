@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.model_helpers import make_tiny_model
 
 from hybridllm import LLM, SamplingParams
 from hybridllm.engine_args import EngineArgs, parse_layer_split
+from tests.model_helpers import make_tiny_model
 
 PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
 ENGINE_KWARGS = dict(

@@ -29,7 +29,7 @@ def server():
         "--pooling",
         "mean",
         "--shutdown-timeout",
-        "3",
+        "10",
     ]
     # The key comes from the environment, the documented alternative to --api-key.
     with RemoteServer(args, env={"HYBRIDLLM_API_KEY": API_KEY}) as srv:
@@ -102,8 +102,8 @@ def test_sigterm_finishes_short_requests_aborts_long_ones_and_exits(server):
     short, long = [], []
     short_started, long_started = threading.Event(), threading.Event()
     threads = [
-        threading.Thread(target=_stream, args=(server, 24, short, short_started)),
-        threading.Thread(target=_stream, args=(server, 480, long, long_started)),
+        threading.Thread(target=_stream, args=(server, 6, short, short_started)),
+        threading.Thread(target=_stream, args=(server, 4000, long, long_started)),
     ]
     for t in threads:
         t.start()
@@ -118,9 +118,10 @@ def test_sigterm_finishes_short_requests_aborts_long_ones_and_exits(server):
     # uvicorn re-raises the captured SIGTERM after its clean shutdown, so -SIGTERM is normal.
     assert server.proc.wait(30) in (0, -signal.SIGTERM)
     elapsed = time.monotonic() - start
-    # The short stream ran to its end; the long one was cut at the 3 s shutdown timeout.
+    # The short stream ran to its end; the long one was cut at the 10 s shutdown timeout
+    # (margins wide enough for a loaded 2-core machine).
     assert short[-1] == "data: [DONE]" and '"finish_reason":"length"' in short[-2]
     assert not any('"finish_reason":"length"' in e for e in long)
-    assert elapsed < 20
+    assert elapsed < 30
     log = server.log_tail()
     assert "engine stopped" in log and "Application shutdown complete" in log

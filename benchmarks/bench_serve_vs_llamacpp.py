@@ -100,6 +100,13 @@ def main() -> None:
     )
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--out", default="bench_results")
+    ap.add_argument(
+        "--engines",
+        nargs="+",
+        default=["hybridllm", "llama.cpp"],
+        choices=["hybridllm", "llama.cpp"],
+        help="which servers to measure",
+    )
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     prompts = (
@@ -145,6 +152,8 @@ def main() -> None:
         ("hybridllm", hybrid_cmd, "/health"),
         ("llama.cpp", llama_cmd, "/v1/models"),
     ):
+        if name not in args.engines:
+            continue
         base = f"http://127.0.0.1:{port}"
         with server(cmd, base + ready, os.path.join(args.out, f"{name}-server.log")):
             results[name] = {}

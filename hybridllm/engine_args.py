@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 from dataclasses import dataclass
 
 from hybridllm.config import (
@@ -17,23 +16,8 @@ from hybridllm.config import (
     ModelConfig,
     SchedulerConfig,
 )
+from hybridllm.plan.placement_args import parse_memory_size
 from hybridllm.plan.plan import Plan
-
-_SIZE_RE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-
-
-def parse_size(text: str | int | float) -> int:
-    """'4GiB', '512MB', '2g' or a number of bytes -> bytes."""
-    if isinstance(text, (int, float)):
-        return int(text)
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise ValueError(f"cannot parse memory size {text!r} (examples: 4GiB, 512MB, 1073741824)")
-    unit = (m.group(2) or "").lower()
-    base = 1024 if "i" in unit else 1000
-    power = {"": 0, "b": 0, "k": 1, "m": 2, "g": 3, "t": 4}[unit[:1] if unit else ""]
-    return int(float(m.group(1)) * base**power)
 
 
 @dataclass
@@ -107,7 +91,7 @@ class EngineArgs:
             tokenizer=self.tokenizer,
             eos_token_ids=_eos_token_ids(source.generation_config, hf_config),
         )
-        kv_bytes = None if self.kv_cache_memory is None else parse_size(self.kv_cache_memory)
+        kv_bytes = None if self.kv_cache_memory is None else parse_memory_size(self.kv_cache_memory)
         cache_config = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -142,7 +126,7 @@ class EngineArgs:
         from hybridllm.platforms.discovery import discover_hardware
 
         def size(value):
-            return None if value is None else parse_size(value)
+            return None if value is None else parse_memory_size(value)
 
         split = parse_layer_split(self.layer_split)
         placement = PlacementArgs(

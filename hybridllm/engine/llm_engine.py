@@ -14,7 +14,7 @@ from hybridllm.config import EngineConfig
 from hybridllm.engine.output_processor import OutputProcessor
 from hybridllm.engine.request import Request, RequestStatus
 from hybridllm.engine.scheduler import Scheduler
-from hybridllm.engine.scheduler_output import SchedulerOutput
+from hybridllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from hybridllm.engine_args import EngineArgs
 from hybridllm.executor.executor import EngineDeadError
 from hybridllm.outputs import RequestOutput
@@ -63,9 +63,8 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []  # aborted requests, reported next step
         self._closed = False
         self._max_in_flight = config.plan.pipeline_parallel_size
-        self._in_flight: deque[tuple[SchedulerOutput, Any]] = (
-            deque()
-        )  # (step, handle), oldest first
+        # (step, executor handle) of steps still in the pipeline, oldest first
+        self._in_flight: deque[tuple[SchedulerOutput, Any]] = deque()
         self._dead: EngineDeadError | None = None
         logger.info(
             "engine ready: %s (%s) on %s, %d KV blocks of %d tokens",
@@ -190,24 +189,19 @@ class LLMEngine:
 
     def _step_one(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
+        if _nothing_to_run(scheduler_output):
             # Requests finished by the scheduler without running (e.g. larger than the pool).
-            updated = self.scheduler.update_from_output(scheduler_output, None)
-            return self._process(updated, {}, {})
-        runner_output = self.executor.execute_model(scheduler_output)
-        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
-        logprobs = dict(zip(runner_output.req_ids, runner_output.logprobs))
-        return self._process(updated, logprobs, runner_output.prompt_logprobs)
+            return self._apply(scheduler_output, None)
+        return self._apply(scheduler_output, self.executor.execute_model(scheduler_output))
 
     def _step_pipelined(self) -> list[RequestOutput]:
         """Fill the pipeline up to its depth, then collect the oldest micro-batch."""
         while len(self._in_flight) < self._max_in_flight:
             # Requests already in flight are skipped: this schedules other work, if any.
             scheduler_output = self.scheduler.schedule()
-            if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
-                updated = self.scheduler.update_from_output(scheduler_output, None)
+            if _nothing_to_run(scheduler_output):
                 # kept as pending until the end: a dead worker below must not lose them
-                self._pending_outputs += self._process(updated, {}, {})
+                self._pending_outputs += self._apply(scheduler_output, None)
                 break
             # An empty step that only drops finished requests still travels: workers
             # must forget them in order with the steps around it.
@@ -216,10 +210,7 @@ class LLMEngine:
         results: list[RequestOutput] = []
         if self._in_flight:
             scheduler_output, handle = self._in_flight.popleft()
-            runner_output = self.executor.get_output(handle)
-            updated = self.scheduler.update_from_output(scheduler_output, runner_output)
-            logprobs = dict(zip(runner_output.req_ids, runner_output.logprobs))
-            results = self._process(updated, logprobs, runner_output.prompt_logprobs)
+            results = self._apply(scheduler_output, self.executor.get_output(handle))
         results, self._pending_outputs = self._pending_outputs + results, []
         return results
 
@@ -234,6 +225,16 @@ class LLMEngine:
             [r.request_id for r in requests], RequestStatus.FINISHED_ERROR
         )
         return self._process(requests, {}, {})
+
+    def _apply(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput | None
+    ) -> list[RequestOutput]:
+        """Feed one finished step back to the scheduler and turn its tokens into outputs."""
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if runner_output is None:
+            return self._process(updated, {}, {})
+        logprobs = dict(zip(runner_output.req_ids, runner_output.logprobs))
+        return self._process(updated, logprobs, runner_output.prompt_logprobs)
 
     def _process(self, updated: list[Request], logprobs, prompt_logprobs) -> list[RequestOutput]:
         for child_id, entries in prompt_logprobs.items():
@@ -274,3 +275,8 @@ class LLMEngine:
             return
         self._closed = True
         self.executor.shutdown()
+
+
+def _nothing_to_run(scheduler_output: SchedulerOutput) -> bool:
+    """No tokens to compute and no finished requests for the workers to drop."""
+    return scheduler_output.is_empty and not scheduler_output.finished_req_ids

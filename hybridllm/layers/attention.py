@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridllm.layers.cpu_kernels import load_cpu_kernels
 from hybridllm.layers.paged_attention_cpu import TorchPagedAttention
 from hybridllm.layers.prepared_attention import PreparedAttention
 
@@ -19,7 +20,7 @@ def get_attention_backend(device: torch.device) -> TorchPagedAttention:
         from hybridllm.layers.paged_attention_cuda import CudaPagedAttention
 
         return CudaPagedAttention()
-    return TorchPagedAttention()
+    return TorchPagedAttention(native_decode=load_cpu_kernels())
 
 
 class PagedAttention(nn.Module):

@@ -25,7 +25,14 @@ def write_kv_cache(
 
 
 class TorchPagedAttention:
-    """Stateless gather + SDPA implementation; one instance may serve every layer."""
+    """Gather + SDPA implementation; one instance may serve every layer.
+
+    With `native_decode`, decode rows use the compiled `hybridllm::paged_decode_attention`
+    op (CPU tensors only), which reads the blocks in place instead of gathering a padded copy.
+    """
+
+    def __init__(self, native_decode: bool = False):
+        self.native_decode = native_decode
 
     def forward(
         self,
@@ -72,6 +79,15 @@ class TorchPagedAttention:
         sliding_window: int | None,
     ) -> torch.Tensor:
         """query [B, H, D] of single-token rows -> [B, H, D]."""
+        if self.native_decode:
+            return torch.ops.hybridllm.paged_decode_attention(
+                query.contiguous(),
+                kv_cache,
+                prep.decode_block_tables,
+                prep.decode_seq_lens,
+                scale,
+                sliding_window or 0,
+            )
         batch, num_heads, head_dim = query.shape
         num_kv_heads = kv_cache.shape[3]
         padded_len = prep.decode_padded_len

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
 
 from hybridllm.layers.attention import PagedAttention, get_attention_backend
+from hybridllm.layers.cpu_kernels import DISABLE_ENV, load_cpu_kernels
 from hybridllm.layers.paged_attention_cpu import TorchPagedAttention, write_kv_cache
 from hybridllm.layers.paged_attention_cuda import CudaPagedAttention, triton_available
 from hybridllm.layers.prepared_attention import prepare_attention
@@ -79,6 +81,26 @@ def run_case(
 
 
 MIXED = [(9, 1), (17, 1), (3, 1), (20, 7), (11, 11), (1, 1)]
+_KERNELS_DISABLED = os.environ.get(DISABLE_ENV) == "0"
+
+
+@pytest.fixture(params=["torch", "native"])
+def cpu_backend(request):
+    """Both CPU decode paths: gather + SDPA, and the compiled paged-decode op."""
+    if request.param == "torch":
+        return TorchPagedAttention(native_decode=False)
+    if _KERNELS_DISABLED or not load_cpu_kernels():
+        pytest.skip("native CPU kernels disabled or not buildable here")
+    return TorchPagedAttention(native_decode=True)
+
+
+@pytest.mark.skipif(
+    _KERNELS_DISABLED or shutil.which("c++") is None, reason="no C++ compiler or disabled"
+)
+def test_native_kernels_build_with_a_compiler():
+    assert load_cpu_kernels(), "a C++ compiler is present, so the CPU kernels must build"
+    assert type(get_attention_backend(torch.device("cpu"))) is TorchPagedAttention
+    assert get_attention_backend(torch.device("cpu")).native_decode
 
 
 @pytest.mark.parametrize(
@@ -92,21 +114,47 @@ MIXED = [(9, 1), (17, 1), (3, 1), (20, 7), (11, 11), (1, 1)]
     ],
 )
 @pytest.mark.parametrize("window", [None, 6])
-def test_matches_dense_reference(specs, window):
-    out, ref = run_case(specs, window=window)
+def test_matches_dense_reference(specs, window, cpu_backend):
+    out, ref = run_case(specs, window=window, backend=cpu_backend)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_block_sizes_and_mha(block_size):
-    out, ref = run_case(MIXED, num_heads=4, num_kv_heads=4, block_size=block_size)
+def test_block_sizes_and_mha(block_size, cpu_backend):
+    out, ref = run_case(
+        MIXED, num_heads=4, num_kv_heads=4, block_size=block_size, backend=cpu_backend
+    )
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision(dtype):
-    out, ref = run_case(MIXED, dtype=dtype)
+def test_half_precision(dtype, cpu_backend):
+    out, ref = run_case(MIXED, dtype=dtype, backend=cpu_backend)
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_long_decode_contexts(cpu_backend):
+    # contexts of several hundred blocks, plus a 1-token one, in one decode batch
+    specs = [(1000, 1), (1, 1), (517, 1)]
+    out, ref = run_case(specs, head_dim=64, block_size=16, backend=cpu_backend)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(_KERNELS_DISABLED, reason="native CPU kernels disabled")
+def test_native_op_rejects_bad_inputs():
+    if not load_cpu_kernels():
+        pytest.skip("native CPU kernels not buildable here")
+    op = torch.ops.hybridllm.paged_decode_attention
+    q = torch.randn(2, 4, 8)
+    cache = torch.zeros(2, 4, 4, 2, 8)
+    tables = torch.zeros(2, 1, dtype=torch.int32)
+    lens = torch.ones(2, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="block_tables must be int32"):
+        op(q, cache, tables.long(), lens, 1.0, 0)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        op(q.double(), cache, tables, lens, 1.0, 0)
+    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+        op(torch.randn(2, 3, 8), cache, tables, lens, 1.0, 0)
 
 
 def test_cuda_backend_falls_back_without_triton():
@@ -115,7 +163,6 @@ def test_cuda_backend_falls_back_without_triton():
     out, ref = run_case(MIXED, backend=backend)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     assert isinstance(get_attention_backend(torch.device("cuda")), CudaPagedAttention)
-    assert type(get_attention_backend(torch.device("cpu"))) is TorchPagedAttention
 
 
 # the kernel also runs on CPU tensors under triton's interpreter (TRITON_INTERPRET=1)

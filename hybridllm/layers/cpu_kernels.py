@@ -1,0 +1,72 @@
+"""Optional native CPU kernels (paged decode attention), compiled on first use and cached.
+
+The kernels are a speed-up, never a requirement: when there is no C++ compiler, the build
+fails, or `HYBRIDLLM_CPU_KERNELS=0` is set, `load_cpu_kernels` returns False and the plain
+torch path runs instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from hybridllm.loader.gguf_cache import cache_root
+
+logger = logging.getLogger(__name__)
+
+DISABLE_ENV = "HYBRIDLLM_CPU_KERNELS"
+NAME = "hybridllm_cpu_kernels"
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+# -march=native ties the binary to this CPU, so the build directory is keyed by its features.
+# -fno-math-errno lets the exp loop use glibc's vector expf; no -ffast-math (it changes the
+# process's denormal mode on some compilers).
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17"]
+
+
+def _cpu_fingerprint() -> str:
+    """A short hash of the CPU model and feature flags (Linux), else of the platform string."""
+    text = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = "".join(line for line in f if line.startswith(("model name", "flags")))[:4096]
+    except OSError:
+        pass
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+@functools.cache  # one build (and one op registration) per process
+def load_cpu_kernels() -> bool:
+    """Build/load the native ops into `torch.ops.hybridllm`; True when they are available."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return False
+    # The directory names everything the binary depends on, so a built library is loaded as is.
+    source_hash = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()
+    tag = f"torch{torch.__version__}-{_cpu_fingerprint()}-{source_hash[:12]}".replace("+", "_")
+    build_dir = Path(cache_root()) / "cpu_kernels" / tag
+    library = build_dir / f"{NAME}.so"
+    try:
+        # cpp_extension holds `lock` while it builds; until then the library may be partial
+        if library.exists() and not (build_dir / "lock").exists():
+            torch.ops.load_library(str(library))
+            return True
+        from torch.utils import cpp_extension
+
+        build_dir.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name=NAME,
+            sources=[str(SOURCE)],
+            extra_cflags=CFLAGS,
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:  # noqa: BLE001 - any build failure means "use the torch path"
+        logger.warning("native CPU kernels unavailable (%s); using the torch attention path", e)
+        return False
+    return True

@@ -1,0 +1,158 @@
+// Paged decode attention for CPU: each single-token query attends over its context read in
+// place from the block-paged KV cache (no gather into a padded copy). Registered as the torch
+// op hybridllm::paged_decode_attention; built on first use by hybridllm/layers/cpu_kernels.py.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// exp(x) for x <= 0 (softmax numerators), written so the compiler vectorizes it: x = n*ln2 + r
+// with |r| <= ln2/2, e^r by its degree-6 Taylor polynomial (relative error < 2e-7), times 2^n
+// built in the exponent bits. glibc's scalar expf in that loop cost more than the dot products.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // below this e^x underflows fp32 anyway
+  const float n = std::nearbyint(x * 1.44269504f);
+  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;  // ln2 split in two for accuracy
+  float p = 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// One work item is one (sequence, KV head): its G query heads share every key and value read.
+// kHeadDim > 0 fixes head_dim at compile time (fully unrolled dot products); 0 reads it.
+template <typename scalar_t, int kHeadDim>
+void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                   const at::Tensor& block_tables, const at::Tensor& seq_lens, float scale,
+                   int64_t window) {
+  const int64_t batch = query.size(0), num_heads = query.size(1);
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : query.size(2);
+  const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t value_offset = kv_cache.stride(0), block_stride = kv_cache.stride(1);
+  const int64_t token_stride = kv_cache.stride(2), head_stride = kv_cache.stride(3);
+  const int64_t table_stride = block_tables.stride(0);
+  const scalar_t* kv = kv_cache.data_ptr<scalar_t>();
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+
+  // Waking the thread pool costs tens of microseconds: small steps (one short sequence) run
+  // on the calling thread.
+  int64_t total_keys = 0;
+  for (int64_t b = 0; b < batch; ++b) total_keys += lens[b];
+  const int64_t items = batch * num_kv_heads;
+  const int64_t grain = total_keys * num_kv_heads < 4096 ? items : 1;
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qf(group * head_dim), acc(group * head_dim), inv_sum(group);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t len = lens[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - start;
+      const int32_t* table = tables + b * table_stride;
+      const scalar_t* qb = q + (b * num_heads + h * group) * head_dim;  // query is contiguous
+      for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = static_cast<float>(qb[i]) * scale;
+      scores.resize(group * n);
+
+      // scores[g, t] = q_g . k_t  (already scaled)
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = start + t;
+        const scalar_t* k = kv + table[pos / block_size] * block_stride +
+                            (pos % block_size) * token_stride + h * head_stride;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf.data() + g * head_dim;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * static_cast<float>(k[d]);
+          scores[g * n + t] = s;
+        }
+      }
+      // softmax numerators in place; the division waits until the end
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * n;
+        float mx = sg[0];
+        for (int64_t t = 1; t < n; ++t) mx = std::max(mx, sg[t]);
+#pragma omp simd
+        for (int64_t t = 0; t < n; ++t) sg[t] = exp_nonpositive(sg[t] - mx);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < n; ++t) sum += sg[t];
+        inv_sum[g] = 1.f / sum;
+      }
+      // acc[g] = sum_t p[g, t] * v_t
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = start + t;
+        const scalar_t* v = kv + value_offset + table[pos / block_size] * block_stride +
+                            (pos % block_size) * token_stride + h * head_stride;
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * n + t];
+          float* ag = acc.data() + g * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * static_cast<float>(v[d]);
+        }
+      }
+      scalar_t* ob = o + (b * num_heads + h * group) * head_dim;
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < head_dim; ++d)
+          ob[g * head_dim + d] = static_cast<scalar_t>(acc[g * head_dim + d] * inv_sum[g]);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                  double scale, int64_t window) {
+  TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be a contiguous [B, H, D]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.stride(4) == 1,
+              "kv_cache must be [2, num_blocks, block_size, kv_heads, head_dim], last dim dense");
+  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "query and kv_cache dtypes differ");
+  TORCH_CHECK(kv_cache.size(4) == query.size(2), "query and kv_cache head_dim differ");
+  TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "num_heads must be a multiple of kv_heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+                  block_tables.stride(1) == 1 && block_tables.size(0) >= query.size(0),
+              "block_tables must be int32 [>= B, max_blocks] with dense rows");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
+                  seq_lens.size(0) >= query.size(0),
+              "seq_lens must be a contiguous int32 [>= B]");
+  at::Tensor out = at::empty_like(query);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
+    const float s = static_cast<float>(scale);
+    switch (query.size(2)) {
+      case 64: decode_kernel<scalar_t, 64>(out, query, kv_cache, block_tables, seq_lens, s, window); break;
+      case 128: decode_kernel<scalar_t, 128>(out, query, kv_cache, block_tables, seq_lens, s, window); break;
+      default: decode_kernel<scalar_t, 0>(out, query, kv_cache, block_tables, seq_lens, s, window);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(hybridllm, m) {
+  m.def(
+      "paged_decode_attention(Tensor query, Tensor kv_cache, Tensor block_tables, "
+      "Tensor seq_lens, float scale, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hybridllm, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}

@@ -23,3 +23,6 @@ for kwargs in ({"gpu_layers": 15}, {"gpu_layers": 15, "distributed_executor_back
     print("heterogeneous", kwargs, "== GPU-only")
 PYEOF
 "$PY" -m hybridllm plan --device heterogeneous --gpu-layers 15
+# GPU + CPU benchmark against accelerate, weight streaming and the bandwidth floor (writes a random
+# Llama-3-8B-shaped model, about 16 GB, to the temp dir on its first run; takes minutes).
+"$PY" benchmarks/bench_hetero_gpu.py --json "${OUT:-.}/bench_hetero_gpu.json"

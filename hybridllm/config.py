@@ -50,6 +50,8 @@ class CacheConfig:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # CPU budget; None: a fraction of free RAM
+    max_gpu_memory_bytes: int | None = None  # per GPU worker: weights + activations + KV
+    max_cpu_memory_bytes: int | None = None  # all CPU workers: weights + KV
     num_gpu_blocks_override: int | None = None  # tests: force a tiny pool (preemption)
     enable_prefix_caching: bool = True
 

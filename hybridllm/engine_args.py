@@ -91,11 +91,13 @@ class EngineArgs:
             tokenizer=self.tokenizer,
             eos_token_ids=_eos_token_ids(source.generation_config, hf_config),
         )
-        kv_bytes = None if self.kv_cache_memory is None else parse_memory_size(self.kv_cache_memory)
+        kv_bytes = _optional_size(self.kv_cache_memory)
         cache_config = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_bytes=kv_bytes,
+            max_gpu_memory_bytes=_optional_size(self.max_gpu_memory),
+            max_cpu_memory_bytes=_optional_size(self.max_cpu_memory),
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
         )
@@ -125,17 +127,14 @@ class EngineArgs:
         from hybridllm.plan.planner import build_plan
         from hybridllm.platforms.discovery import discover_hardware
 
-        def size(value):
-            return None if value is None else parse_memory_size(value)
-
         split = parse_layer_split(self.layer_split)
         placement = PlacementArgs(
             device=self.device,
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
             gpu_layers=self.gpu_layers,
-            max_gpu_memory=size(self.max_gpu_memory),
-            max_cpu_memory=size(self.max_cpu_memory),
+            max_gpu_memory=_optional_size(self.max_gpu_memory),
+            max_cpu_memory=_optional_size(self.max_cpu_memory),
             gpu_memory_utilization=self.gpu_memory_utilization,
             layer_split=None if split is None else tuple(split),
             cpu_threads=self.cpu_threads,
@@ -278,6 +277,10 @@ def parse_layer_split(split: str | list[int] | tuple[int, ...] | None) -> list[i
     if not counts or any(c < 1 for c in counts):
         raise ValueError(f"layer_split needs at least one layer per stage, got {split!r}")
     return counts
+
+
+def _optional_size(value: str | int | None) -> int | None:
+    return None if value is None else parse_memory_size(value)
 
 
 def _resolve_dtype(dtype: str, device: str) -> str:

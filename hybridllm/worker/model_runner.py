@@ -16,11 +16,14 @@ from hybridllm.engine.scheduler_output import (
     SchedulerOutput,
 )
 from hybridllm.layers.attention_metadata import AttentionMetadata
+from hybridllm.plan.memory_budget import worker_weight_bytes
+from hybridllm.plan.model_size import model_size
 from hybridllm.plan.plan import StagePlan
 from hybridllm.platforms import Platform
 from hybridllm.sample import Sampler, SamplingMetadata, compute_prompt_logprobs
 from hybridllm.sampling_params import SamplingParams
 from hybridllm.worker.intermediate_tensors import IntermediateTensors
+from hybridllm.worker.kv_cache_budget import cpu_kv_budget, gpu_kv_budget
 
 logger = logging.getLogger(__name__)
 
@@ -112,20 +115,27 @@ class ModelRunner:
         per_block = self.kv_cache_bytes_per_block()
         if self.device.type == "cuda":
             free, total = self.platform.free_and_total_memory()
-            used = total - free
             # Activations of one full step, measured by a profiling forward pass.
             peak = self._profile_activation_bytes()
-            budget = int(total * cc.gpu_memory_utilization) - used - peak
+            budget = gpu_kv_budget(
+                total,
+                free,
+                cc.gpu_memory_utilization,
+                peak,
+                torch.cuda.memory_allocated(self.device),
+                cc.max_gpu_memory_bytes,
+            )
         else:
             available, _ = self.platform.free_and_total_memory()
-            default = min(4 << 30, int(available * 0.3))
-            # The CPU budget is shared by every CPU worker of the plan (they share the RAM).
-            num_cpu_workers = max(1, sum(w.is_cpu for w in self.config.plan.workers()))
-            budget = (cc.kv_cache_memory_bytes or default) // num_cpu_workers
-            if budget > available:
-                raise ValueError(
-                    f"kv_cache_memory ({budget} bytes) exceeds available RAM ({available} bytes)"
-                )
+            plan = self.config.plan
+            cpu_workers = [w for w in plan.workers() if w.is_cpu]
+            budget = cpu_kv_budget(
+                available,
+                len(cpu_workers),
+                cc.kv_cache_memory_bytes,
+                cc.max_cpu_memory_bytes,
+                self._cpu_weight_bytes(cpu_workers) if cc.max_cpu_memory_bytes else 0,
+            )
         # No point in more blocks than max_num_seqs full-length sequences.
         needed = sc.max_num_seqs * -(-sc.max_model_len // self.block_size)
         num_blocks = min(budget // per_block, needed)
@@ -135,6 +145,13 @@ class ModelRunner:
                 f"{per_block} bytes per block): lower max_model_len or raise the memory budget"
             )
         return int(num_blocks)
+
+    def _cpu_weight_bytes(self, cpu_workers) -> int:
+        """Parameter bytes of every CPU worker of the plan (they share the host's RAM)."""
+        mc = self.config.model_config
+        size = model_size(mc.hf_config, str(self.dtype).removeprefix("torch."))
+        plan = self.config.plan
+        return sum(worker_weight_bytes(size, plan.stage_of(w.rank), w.tp_rank) for w in cpu_workers)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = self.model.kv_cache_shape(num_blocks, self.block_size)

@@ -58,6 +58,7 @@ def load_cpu_kernels() -> bool:
         from torch.utils import cpp_extension
 
         build_dir.mkdir(parents=True, exist_ok=True)
+        logger.info("building the native CPU kernels in %s (once per machine, ~10 s)", build_dir)
         cpp_extension.load(
             name=NAME,
             sources=[str(SOURCE)],

@@ -235,8 +235,8 @@ class EngineArgs:
         p.add_argument(
             "--max-gpu-memory",
             default=None,
-            help="cap on weights + KV cache per GPU, e.g. 8GiB (default: the GPU's memory "
-            "times --gpu-memory-utilization)",
+            help="cap on weights + activations + KV cache per GPU worker, e.g. 8GiB (default: "
+            "the GPU's memory times --gpu-memory-utilization)",
         )
         p.add_argument(
             "--max-cpu-memory",

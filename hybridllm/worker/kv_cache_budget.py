@@ -33,12 +33,13 @@ def cpu_kv_budget(
     num_cpu_workers: int,
     kv_cache_memory: int | None,
     max_cpu_memory: int | None,
-    weight_bytes_on_cpu: int,
+    fixed_bytes_on_cpu: int,
 ) -> int:
     """KV bytes of one CPU worker; the CPU workers of a plan share the host's RAM evenly.
 
     `kv_cache_memory` is the CPU workers' KV cache together; without it, a default share of the
-    free RAM, and never more than what `max_cpu_memory` leaves after the CPU-resident weights.
+    free RAM, and never more than what `max_cpu_memory` leaves after the CPU workers' weights and
+    activation workspace (`fixed_bytes_on_cpu`).
     """
     num_cpu_workers = max(1, num_cpu_workers)
     if kv_cache_memory is not None:
@@ -50,5 +51,5 @@ def cpu_kv_budget(
     else:
         total = min(CPU_DEFAULT_KV_BYTES, int(available * CPU_DEFAULT_KV_FRACTION))
         if max_cpu_memory is not None:
-            total = min(total, max_cpu_memory - weight_bytes_on_cpu)
+            total = min(total, max_cpu_memory - fixed_bytes_on_cpu)
     return total // num_cpu_workers

@@ -134,7 +134,7 @@ class ModelRunner:
                 len(cpu_workers),
                 cc.kv_cache_memory_bytes,
                 cc.max_cpu_memory_bytes,
-                self._cpu_weight_bytes(cpu_workers) if cc.max_cpu_memory_bytes else 0,
+                self._cpu_fixed_bytes(cpu_workers) if cc.max_cpu_memory_bytes else 0,
             )
         # No point in more blocks than max_num_seqs full-length sequences.
         needed = sc.max_num_seqs * -(-sc.max_model_len // self.block_size)
@@ -146,12 +146,16 @@ class ModelRunner:
             )
         return int(num_blocks)
 
-    def _cpu_weight_bytes(self, cpu_workers) -> int:
-        """Parameter bytes of every CPU worker of the plan (they share the host's RAM)."""
-        mc = self.config.model_config
+    def _cpu_fixed_bytes(self, cpu_workers) -> int:
+        """Weights and activation workspace of every CPU worker (they share the host's RAM),
+        counted as the planner counts them."""
+        mc, sc = self.config.model_config, self.config.scheduler_config
         size = model_size(mc.hf_config, str(self.dtype).removeprefix("torch."))
         plan = self.config.plan
-        return sum(worker_weight_bytes(size, plan.stage_of(w.rank), w.tp_rank) for w in cpu_workers)
+        weights = sum(
+            worker_weight_bytes(size, plan.stage_of(w.rank), w.tp_rank) for w in cpu_workers
+        )
+        return weights + len(cpu_workers) * size.activation_bytes(sc.max_num_batched_tokens)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = self.model.kv_cache_shape(num_blocks, self.block_size)

@@ -117,3 +117,26 @@ def test_n_samples_and_seed(model_path, prompts):
     assert len(samples) == 3 and len({tuple(s) for s in samples}) > 1
     # Seeded: the same request gives the same samples alone or beside another request.
     assert [o.token_ids for o in b[0].outputs] == samples
+
+
+def test_max_cpu_memory_bounds_the_kv_cache(model_path):
+    # The cap holds the CPU weights, activation workspace and KV cache together: the engine must
+    # size the cache from what the cap leaves, and still generate within it.
+    free = LLM(model_path, dtype="float32", max_model_len=128, use_tqdm=False)
+    runner = free.llm_engine.executor.workers[0].model_runner
+    fixed = runner._cpu_fixed_bytes(free.llm_engine.config.plan.workers())
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    assert fixed > weights  # the activation workspace counts too
+    per_block = runner.kv_cache_bytes_per_block()
+    uncapped = free.llm_engine.num_blocks
+    free.shutdown()
+    cap = fixed + 8 * per_block
+    llm = LLM(model_path, dtype="float32", max_model_len=128, max_cpu_memory=cap, use_tqdm=False)
+    try:
+        assert llm.llm_engine.num_blocks == 8 < uncapped
+        out = llm.generate(
+            [{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=4)
+        )
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.shutdown()

@@ -24,8 +24,7 @@ DISABLE_ENV = "HYBRIDLLM_CPU_KERNELS"
 NAME = "hybridllm_cpu_kernels"
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 # -march=native ties the binary to this CPU, so the build directory is keyed by its features.
-# -fno-math-errno lets the exp loop use glibc's vector expf; no -ffast-math (it changes the
-# process's denormal mode on some compilers).
+# No -ffast-math: on some compilers it links code that changes the whole process's denormal mode.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17"]
 
 

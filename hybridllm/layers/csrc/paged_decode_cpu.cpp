@@ -17,7 +17,8 @@ namespace {
 
 // exp(x) for x <= 0 (softmax numerators), written so the compiler vectorizes it: x = n*ln2 + r
 // with |r| <= ln2/2, e^r by its degree-6 Taylor polynomial (relative error < 2e-7), times 2^n
-// built in the exponent bits. glibc's scalar expf in that loop cost more than the dot products.
+// built in the exponent bits. Plain arithmetic, so the softmax loop vectorizes (glibc's expf
+// has no vector form without -ffast-math).
 inline float exp_nonpositive(float x) {
   x = std::max(x, -87.0f);  // below this e^x underflows fp32 anyway
   const float n = std::nearbyint(x * 1.44269504f);

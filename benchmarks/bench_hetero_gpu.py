@@ -39,6 +39,10 @@ from hybridllm.loader.safetensors_writer import write_safetensors
 from hybridllm.plan.model_size import ModelSize, model_size
 from hybridllm.plan.placement_args import parse_memory_size
 
+# The random model gets the tests' small trained tokenizer (tests/model_helpers.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.model_helpers import make_tiny_tokenizer  # noqa: E402
+
 SHAPES: dict[str, dict[str, int]] = {
     "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, intermediate_size=14336, vocab_size=128256),
@@ -106,29 +110,10 @@ def random_tensor(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return tensor
 
 
-def write_tokenizer(path: Path) -> None:
-    """A small byte-level BPE tokenizer trained here, as the tests do; ids 0-2 are pad, bos, eos."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB,
-        special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(["A GPU stage and a CPU stage share one model. " * 20], trainer)
-    special = dict(pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-    PreTrainedTokenizerFast(tokenizer_object=tok, **special).save_pretrained(path)
-
-
 def write_random_model(path: Path, shape: str) -> None:
     """An HF folder: tokenizer, safetensors shards streamed one tensor at a time, config last."""
     path.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(path)
+    make_tiny_tokenizer(TOKENIZER_VOCAB).save_pretrained(path)
     cfg = llama_config(shape)
     shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
     for name, shape_ in tensor_shapes(cfg):

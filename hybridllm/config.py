@@ -17,7 +17,7 @@ class ModelConfig:
     """The model to run: where it lives, its HF config, and the compute dtype."""
 
     model: str  # path to an HF folder or a .gguf file
-    hf_config: Any  # transformers.PretrainedConfig (read-only by convention)
+    hf_config: Any  # loader.hf_config.HFConfig (read-only), or any object with its fields
     dtype: str  # resolved: "float32" | "bfloat16" | "float16"
     max_model_len: int
     architecture: str

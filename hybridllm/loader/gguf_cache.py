@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "HYBRIDLLM_CACHE_DIR"
 # Bump when the conversion changes (names, layout, dtypes): old entries then stop matching.
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2  # 2: config.json written by HFConfig
 MANIFEST_FILE = "manifest.json"
 _STALE_TMP_SECONDS = 3600  # a temp folder this old belongs to a crashed build
 

@@ -94,7 +94,7 @@ def rope_row_order(num_rows: int, num_heads: int) -> np.ndarray:
 def hf_config_kwargs(
     metadata: dict[str, Any], tensor_names: set[str], path: str
 ) -> tuple[GGUFArch, dict[str, Any]]:
-    """Keyword arguments for the transformers config class of this file's architecture."""
+    """The HF config.json fields (transformers' names) that this file's metadata gives."""
     arch = gguf_arch(metadata, path)
     prefix = metadata["general.architecture"]
 

@@ -22,6 +22,7 @@ from hybridllm.loader.gguf_mapping import (
     hf_tensor_name,
     rope_row_order,
 )
+from hybridllm.loader.hf_config import HFConfig
 from hybridllm.loader.hf_folder import GENERATION_CONFIG_FILE, SAFETENSORS_FILE, HFFolderSource
 from hybridllm.loader.model_source import ModelLoadError, ModelSource, WeightFilter, own_all
 from hybridllm.loader.safetensors_writer import write_safetensors
@@ -67,12 +68,10 @@ class GGUFSource(ModelSource):
         return self._entry is not None
 
     def _init_from_gguf(self) -> None:
-        from transformers import AutoConfig
-
         self._gguf = GGUFFile(self.path)
         arch, kwargs = hf_config_kwargs(self._gguf.metadata, set(self._gguf.tensors), self.path)
         self.arch = arch
-        self.hf_config = AutoConfig.for_model(arch.model_type, **kwargs)
+        self.hf_config = HFConfig({"model_type": arch.model_type, **kwargs}, origin=self.path)
         self.generation_config = generation_config_from_metadata(self._gguf.metadata)
 
     # ---- cache ----------------------------------------------------------------------------------

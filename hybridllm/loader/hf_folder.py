@@ -7,13 +7,13 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from hybridllm.loader.hf_config import CONFIG_FILE, HFConfig
 from hybridllm.loader.model_source import ModelLoadError, ModelSource, WeightFilter, own_all
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerFast
 
-CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -45,13 +45,7 @@ class HFFolderSource(ModelSource):
         config_path = os.path.join(self.path, CONFIG_FILE)
         if not os.path.isfile(config_path):
             raise ValueError(f"{self.path}: not a Hugging Face model folder (no {CONFIG_FILE})")
-        read_json(config_path)  # a clear error for a corrupted file before transformers sees it
-        from transformers import AutoConfig
-
-        try:
-            self.hf_config = AutoConfig.from_pretrained(self.path, local_files_only=True)
-        except (OSError, ValueError, KeyError) as e:
-            raise ModelLoadError(f"{config_path}: not a usable model config ({e})") from None
+        self.hf_config = HFConfig.from_file(config_path)
         gen_path = os.path.join(self.path, GENERATION_CONFIG_FILE)
         from_file = read_json(gen_path) if os.path.isfile(gen_path) else {}
         self.generation_config = merge_generation_config(self.hf_config, from_file)

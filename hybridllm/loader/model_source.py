@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PretrainedConfig, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
+
+    from hybridllm.loader.hf_config import HFConfig
 
 # Decides, from a Hugging Face parameter name, whether the caller (one pipeline stage) wants it.
 WeightFilter = Callable[[str], bool]
@@ -31,7 +33,7 @@ class ModelSource(ABC):
     """
 
     path: str
-    hf_config: PretrainedConfig
+    hf_config: HFConfig  # config.json's fields, read-only
     generation_config: dict[str, Any]  # bos_token_id, eos_token_id (int or list), pad_token_id...
 
     @abstractmethod

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from hybridllm import LLM, SamplingParams
 from hybridllm.loader import default_model_path, open_model_source
@@ -29,7 +29,7 @@ def hf_model():
     # The reference runs transformers' Llama on the weights our loader produced; the loader
     # itself is checked against transformers' own GGUF reader in test_loader.py.
     source = open_model_source(default_model_path())
-    model = LlamaForCausalLM(source.hf_config).eval()
+    model = LlamaForCausalLM(LlamaConfig(**source.hf_config.to_dict())).eval()
     state = dict(source.iter_weights())
     if "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]

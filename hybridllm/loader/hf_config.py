@@ -1,0 +1,134 @@
+"""A model's Hugging Face config.json, read without importing transformers' config classes.
+
+transformers' `AutoConfig` pulls in torch._dynamo and torch.distributed.tensor on import,
+about 2.3 s of a 2-core machine's cold start; the engine needs a few dozen plain fields.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from hybridllm.loader.model_source import ModelLoadError
+
+CONFIG_FILE = "config.json"
+
+_LLAMA_DEFAULTS: dict[str, Any] = {
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "rope_theta": 10000.0,
+}
+# What transformers' config classes assume when config.json omits a field the engine reads.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": _LLAMA_DEFAULTS,
+    "mistral": {**_LLAMA_DEFAULTS, "max_position_embeddings": 4096 * 32, "sliding_window": 4096},
+    "qwen2": {
+        **_LLAMA_DEFAULTS,
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+    },
+    "qwen3": {
+        **_LLAMA_DEFAULTS,
+        "max_position_embeddings": 32768,
+        "head_dim": 128,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+    },
+    "opt": {
+        "max_position_embeddings": 2048,
+        "do_layer_norm_before": True,
+        "activation_function": "relu",
+        "enable_bias": True,
+        "layer_norm_elementwise_affine": True,
+        "tie_word_embeddings": True,
+    },
+}
+_REQUIRED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
+_REQUIRED_BY_TYPE = {"opt": ("ffn_dim",)}
+_ROPE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class HFConfig:
+    """Read-only attribute view of a config.json dict, with the defaults transformers applies.
+
+    Missing optional fields raise AttributeError, so `getattr(config, name, default)` works as
+    with transformers' configs. Rope settings are also offered in transformers 5's form,
+    `rope_parameters` (rope_theta plus any scaling), whichever form the file used.
+    """
+
+    def __init__(self, values: dict[str, Any], origin: str = CONFIG_FILE):
+        model_type = values.get("model_type")
+        merged = {**_DEFAULTS.get(model_type, {}), **values}
+        if model_type in _DEFAULTS:
+            for key in _REQUIRED + _REQUIRED_BY_TYPE.get(model_type, ()):
+                if merged.get(key) is None:
+                    raise ModelLoadError(f"{origin}: model_type {model_type!r} needs {key!r}")
+        if model_type in _ROPE_TYPES and not merged.get("rope_parameters"):
+            merged["rope_parameters"] = _rope_parameters(merged)
+        if model_type in ("qwen2", "qwen3") and merged.get("layer_types") is None:
+            # transformers derives each layer's kind the same way when the file does not say
+            sliding_from = merged["max_window_layers"] if merged["use_sliding_window"] else None
+            merged["layer_types"] = [
+                "sliding_attention"
+                if sliding_from is not None and i >= sliding_from
+                else "full_attention"
+                for i in range(merged["num_hidden_layers"])
+            ]
+        object.__setattr__(self, "_values", merged)
+
+    @classmethod
+    def from_file(cls, path: str) -> HFConfig:
+        """Parse a config.json; an unreadable or non-object file raises ModelLoadError."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                values = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelLoadError(f"{path}: cannot read JSON ({e})") from None
+        if not isinstance(values, dict):
+            raise ModelLoadError(f"{path}: not a JSON object")
+        return cls(values, origin=path)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_values":  # pickling probes before _values exists
+            raise AttributeError(name)
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(f"config has no field {name!r}") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("HFConfig is read-only")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self._values
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        object.__setattr__(self, "_values", state)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HFConfig) and self._values == other._values
+
+    def __repr__(self) -> str:
+        return f"HFConfig({self._values.get('model_type')!r}, {len(self._values)} fields)"
+
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(self._values))  # a deep copy the caller may change
+
+    def save_pretrained(self, folder: str) -> None:
+        """Write config.json into `folder` (as transformers' configs do)."""
+        with open(os.path.join(folder, CONFIG_FILE), "w", encoding="utf-8") as f:
+            json.dump(self._values, f, indent=1, sort_keys=True)
+
+
+def _rope_parameters(values: dict[str, Any]) -> dict[str, Any]:
+    scaling = dict(values.get("rope_scaling") or {})
+    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    return {**scaling, "rope_type": rope_type, "rope_theta": values["rope_theta"]}

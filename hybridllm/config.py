@@ -10,6 +10,7 @@ from hybridllm.plan.plan import Plan
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUPPORTED_DEVICES = ("auto", "cpu", "cuda", "heterogeneous")
 SUPPORTED_EXECUTOR_BACKENDS = ("uni", "mp")
+SUPPORTED_QUANTIZATION = ("auto", "none")
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,9 @@ class ModelConfig:
     architecture: str
     tokenizer: str | None = None  # path; defaults to the model's own tokenizer
     eos_token_ids: tuple[int, ...] = ()  # generation config's end-of-sequence ids, primary first
+    # auto: CPU fp32 workers compute GGUF Q4_0/Q4_1/Q8_0 linears from their blocks;
+    # none: every weight is dequantized to `dtype` at load time
+    quantization: str = "auto"
 
     @property
     def num_layers(self) -> int:

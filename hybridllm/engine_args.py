@@ -10,6 +10,7 @@ from hybridllm.config import (
     SUPPORTED_DEVICES,
     SUPPORTED_DTYPES,
     SUPPORTED_EXECUTOR_BACKENDS,
+    SUPPORTED_QUANTIZATION,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -27,6 +28,7 @@ class EngineArgs:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     tokenizer: str | None = None
     dtype: str = "auto"
+    quantization: str = "auto"  # auto: GGUF linears computed from their blocks on CPU fp32
     device: str = "auto"
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -55,6 +57,10 @@ class EngineArgs:
 
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.quantization not in SUPPORTED_QUANTIZATION:
+            raise ValueError(
+                f"quantization must be one of {SUPPORTED_QUANTIZATION}, got {self.quantization!r}"
+            )
         if self.device not in SUPPORTED_DEVICES:
             raise ValueError(f"device must be one of {SUPPORTED_DEVICES}, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -90,6 +96,7 @@ class EngineArgs:
             architecture=archs[0],
             tokenizer=self.tokenizer,
             eos_token_ids=_eos_token_ids(source.generation_config, hf_config),
+            quantization=self.quantization,
         )
         kv_bytes = _optional_size(self.kv_cache_memory)
         cache_config = CacheConfig(
@@ -156,6 +163,13 @@ class EngineArgs:
             default="auto",
             choices=SUPPORTED_DTYPES,
             help="weights and activations dtype; auto: bf16 on a GPU, fp32 on a CPU",
+        )
+        g.add_argument(
+            "--quantization",
+            default="auto",
+            choices=SUPPORTED_QUANTIZATION,
+            help="auto: CPU workers in float32 compute a GGUF file's Q4_0/Q4_1/Q8_0 linear "
+            "layers straight from its blocks (native op); none: dequantize every weight at load",
         )
         g.add_argument(
             "--device",

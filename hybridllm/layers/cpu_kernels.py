@@ -1,4 +1,4 @@
-"""Optional native CPU kernels (paged decode attention), compiled on first use and cached.
+"""Optional native CPU kernels (paged decode attention, GGUF linear), compiled on first use.
 
 The kernels are a speed-up, never a requirement: when there is no C++ compiler, the build
 fails, or `HYBRIDLLM_CPU_KERNELS=0` is set, `load_cpu_kernels` returns False and the plain
@@ -22,7 +22,11 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "HYBRIDLLM_CPU_KERNELS"
 NAME = "hybridllm_cpu_kernels"
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+# All sources build into the one library; each registers its ops under torch.ops.hybridllm.
+SOURCES = [
+    Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp",
+    Path(__file__).parent / "csrc" / "gguf_linear_cpu.cpp",
+]
 # -march=native ties the binary to this CPU, so the build directory is keyed by its features.
 # No -ffast-math: on some compilers it links code that changes the whole process's denormal mode.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17"]
@@ -45,7 +49,10 @@ def load_cpu_kernels() -> bool:
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return False
     # The directory names everything the binary depends on, so a built library is loaded as is.
-    source_hash = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()
+    digest = hashlib.sha256(" ".join(CFLAGS).encode())
+    for source in SOURCES:
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    source_hash = digest.hexdigest()
     tag = f"torch{torch.__version__}-{_cpu_fingerprint()}-{source_hash[:12]}".replace("+", "_")
     build_dir = Path(cache_root()) / "cpu_kernels" / tag
     library = build_dir / f"{NAME}.so"
@@ -60,13 +67,13 @@ def load_cpu_kernels() -> bool:
         logger.info("building the native CPU kernels in %s (once per machine, ~10 s)", build_dir)
         cpp_extension.load(
             name=NAME,
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in SOURCES],
             extra_cflags=CFLAGS,
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=False,
         )
     except Exception as e:  # noqa: BLE001 - any build failure means "use the torch path"
-        logger.warning("native CPU kernels unavailable (%s); using the torch attention path", e)
+        logger.warning("native CPU kernels unavailable (%s); using the torch paths", e)
         return False
     return True

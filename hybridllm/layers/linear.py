@@ -8,6 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridllm.layers.gguf_linear import gguf_linear
+from hybridllm.loader.quantized_tensor import QuantizedTensor
+
 
 def cpu_bf16_packing_supported() -> bool:
     """Whether oneDNN can run bf16 linears from prepacked weights on this CPU."""
@@ -68,30 +71,66 @@ class Linear(nn.Module):
             else None
         )
         self.packed = False
+        self.qweight: torch.Tensor | None = None  # GGUF blocks [out, bytes_per_row] uint8
+        self.ggml_type = -1
+        self._pending_blocks: dict[int, QuantizedTensor] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            y = gguf_linear(x, self.qweight, self.ggml_type, self.out_features)
+            return y if self.bias is None else y + self.bias
         if self.packed:
             return packed_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def pack_for_cpu(self) -> None:
         """Switch to oneDNN's prepacked bf16 layout (after loading; no loads afterwards)."""
-        if not self.packed:
+        if not self.packed and self.qweight is None:
             self.weight = nn.Parameter(pack_linear_weight(self.weight), requires_grad=False)
             self.packed = True
 
-    def load_shard(self, kind: str, shard: int, loaded: torch.Tensor, name: str = "") -> None:
-        """Copy (with dtype conversion) one projection's `weight` or `bias` into its rows."""
+    def load_shard(
+        self, kind: str, shard: int, loaded: torch.Tensor | QuantizedTensor, name: str = ""
+    ) -> None:
+        """Copy (with dtype conversion) one projection's `weight` or `bias` into its rows.
+
+        GGUF blocks (`QuantizedTensor`) wait for `finish_loading`, which keeps or decodes them.
+        """
         what = name or f"{kind} shard {shard}"
         if self.packed:
             raise ValueError(f"cannot load {what} into a packed Linear: load before packing")
         target = self.weight if kind == "weight" else self.bias
         if target is None:
             raise ValueError(f"{what}: this Linear has no {kind}")
+        if isinstance(loaded, QuantizedTensor) and kind != "weight":
+            loaded = loaded.dequantize()
         start, size = self.offsets[shard], self.output_sizes[shard]
         rows = target[start : start + size]
-        if loaded.shape != rows.shape:
+        if tuple(loaded.shape) != tuple(rows.shape):
             raise ValueError(
                 f"weight {what}: expected shape {tuple(rows.shape)}, got {tuple(loaded.shape)}"
             )
+        if isinstance(loaded, QuantizedTensor):
+            self._pending_blocks[shard] = loaded  # kept or dequantized in finish_loading
+            return
         rows.copy_(loaded)
+
+    def finish_loading(self) -> None:
+        """Keep GGUF blocks when every weight shard came as blocks of one type, else decode.
+
+        Stacked projections (q, k, v) share one matmul, so they must share one block type.
+        """
+        pending, self._pending_blocks = self._pending_blocks, {}
+        if not pending:
+            return
+        types = {q.ggml_type for q in pending.values()}
+        if len(pending) == len(self.output_sizes) and len(types) == 1:
+            blocks = [pending[shard].blocks() for shard in range(len(self.output_sizes))]
+            self.qweight = torch.cat(blocks).to(self.weight.device)
+            self.ggml_type = int(types.pop())
+            # the float weight was never written (torch.empty): free its address space
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+            return
+        for shard, blocks in pending.items():
+            start, size = self.offsets[shard], self.output_sizes[shard]
+            self.weight[start : start + size].copy_(blocks.dequantize())

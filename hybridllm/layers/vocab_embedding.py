@@ -6,7 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridllm.layers.gguf_linear import gguf_linear
 from hybridllm.layers.linear import pack_linear_weight, packed_linear
+from hybridllm.loader.quantized_tensor import QuantizedTensor
 
 
 class VocabEmbedding(nn.Module):
@@ -40,17 +42,32 @@ class LMHead(nn.Module):
             )
         self.tied = tied_to is not None
         self.packed_weight: torch.Tensor | None = None
+        self.qweight: torch.Tensor | None = None  # GGUF blocks [vocab, bytes_per_row] uint8
+        self.ggml_type = -1
+
+    def load_blocks(self, blocks: QuantizedTensor, name: str) -> None:
+        """Project from GGUF blocks; a tied embedding still holds (and looks up) the float table."""
+        if tuple(blocks.shape) != tuple(self.weight.shape):
+            raise ValueError(
+                f"weight {name}: expected shape {tuple(self.weight.shape)}, got {blocks.shape}"
+            )
+        self.qweight = blocks.blocks().to(self.weight.device)
+        self.ggml_type = int(blocks.ggml_type)
+        if not self.tied:
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def pack_for_cpu(self) -> None:
         """Use oneDNN's prepacked bf16 layout; a tied head packs a copy (the embedding
         still needs the plain table), an untied one drops its plain weight."""
-        if self.packed_weight is None:
+        if self.packed_weight is None and self.qweight is None:
             self.packed_weight = pack_linear_weight(self.weight)
             if not self.tied:
                 self.weight = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # [n, dim] -> [n, vocab] float32 (the sampler works in fp32)
+        if self.qweight is not None:
+            return gguf_linear(hidden_states, self.qweight, self.ggml_type, self.qweight.shape[0])
         if self.packed_weight is not None:
             return packed_linear(hidden_states, self.packed_weight, None).float()
         return F.linear(hidden_states, self.weight).float()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -25,6 +25,7 @@ from hybridllm.loader.gguf_mapping import (
 from hybridllm.loader.hf_config import HFConfig
 from hybridllm.loader.hf_folder import GENERATION_CONFIG_FILE, SAFETENSORS_FILE, HFFolderSource
 from hybridllm.loader.model_source import ModelLoadError, ModelSource, WeightFilter, own_all
+from hybridllm.loader.quantized_tensor import QuantizedTensor
 from hybridllm.loader.safetensors_writer import write_safetensors
 
 if TYPE_CHECKING:
@@ -122,15 +123,21 @@ class GGUFSource(ModelSource):
         names = (hf_tensor_name(n, self.path) for n in self._gguf_file().tensors)
         return [n for n in names if n is not None]
 
-    def iter_weights(self, owns: WeightFilter = own_all) -> Iterator[tuple[str, torch.Tensor]]:
-        entry = self._ensure_entry()
+    def iter_weights(
+        self, owns: WeightFilter = own_all, quantized_types: Collection[int] = ()
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        entry = None if quantized_types else self._ensure_entry()
         if entry is not None:
             yield from entry.iter_weights(owns)
         else:
-            yield from self._iter_gguf(owns)
+            # Quantized blocks exist only in the GGUF file; the cache holds float32.
+            yield from self._iter_gguf(owns, frozenset(quantized_types))
 
-    def _iter_gguf(self, owns: WeightFilter) -> Iterator[tuple[str, torch.Tensor]]:
-        """Dequantize the owned tensors straight from the GGUF file, in file order."""
+    def _iter_gguf(
+        self, owns: WeightFilter, quantized_types: frozenset[int] = frozenset()
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        """The owned tensors straight from the GGUF file, in file order: 2-D ones of
+        `quantized_types` as QuantizedTensor, everything else dequantized."""
         gguf = self._gguf_file()
         for info in gguf.tensors.values():
             name = hf_tensor_name(info.name, self.path)
@@ -140,6 +147,9 @@ class GGUFSource(ModelSource):
             raw = gguf.raw_rows(info)
             if order is not None and len(info.shape) == 2:
                 raw = raw[order]  # [rows, bytes_per_row]: permute whole quantized rows
+            if info.ggml_type in quantized_types and len(info.shape) == 2:
+                yield name, QuantizedTensor(raw, info.ggml_type, info.shape)
+                continue
             try:
                 tensor = dequantize(raw, info.ggml_type, info.shape)
             except (NotImplementedError, ValueError) as e:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import TYPE_CHECKING, Any
 
 from hybridllm.loader.hf_config import CONFIG_FILE, HFConfig
@@ -86,7 +86,10 @@ class HFFolderSource(ModelSource):
     def weight_names(self) -> list[str]:
         return list(self._weights_by_file())
 
-    def iter_weights(self, owns: WeightFilter = own_all) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(
+        self, owns: WeightFilter = own_all, quantized_types: Collection[int] = ()
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        # safetensors hold no GGUF blocks: `quantized_types` never applies
         by_file: dict[str, list[str]] = {}
         for name, file_name in self._weights_by_file().items():
             if owns(name):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
     from hybridllm.loader.hf_config import HFConfig
+    from hybridllm.loader.quantized_tensor import QuantizedTensor
 
 # Decides, from a Hugging Face parameter name, whether the caller (one pipeline stage) wants it.
 WeightFilter = Callable[[str], bool]
@@ -41,11 +42,14 @@ class ModelSource(ABC):
         """Every parameter name the checkpoint stores, in file order (no tensor data is read)."""
 
     @abstractmethod
-    def iter_weights(self, owns: WeightFilter = own_all) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(
+        self, owns: WeightFilter = own_all, quantized_types: Collection[int] = ()
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         """Yield `(hf_name, tensor)` for each stored tensor `owns(hf_name)` accepts.
 
-        Tensors keep the checkpoint's precision (quantized GGUF tensors come out as float32);
-        the caller casts. A model with tied embeddings stores no `lm_head.weight`. Tensors may
+        Tensors keep the checkpoint's precision (quantized GGUF tensors come out as float32,
+        except 2-D ones of a ggml type in `quantized_types`, which stay `QuantizedTensor`
+        blocks); the caller casts. A model with tied embeddings stores no `lm_head.weight`. Tensors may
         be zero-copy views of a memory-mapped file: copy them into the model (as `load_weights`
         does) rather than keeping them, and never write to them.
         """

@@ -11,6 +11,7 @@ from torch import nn
 
 from hybridllm.layers.linear import Linear, cpu_bf16_packing_supported
 from hybridllm.layers.vocab_embedding import LMHead
+from hybridllm.loader.quantized_tensor import QuantizedTensor
 
 if TYPE_CHECKING:
     from hybridllm.distributed.parallel_groups import TPGroup
@@ -43,9 +44,35 @@ def vocab_loader(module: nn.Module, name: str) -> WeightLoader:
     return copy_loader(module.weight, name)
 
 
+def head_loader(head: nn.Module, name: str, embedding: nn.Module | None = None) -> WeightLoader:
+    """The loader of the LM head's weight `name`, which also fills a tied `embedding`.
+
+    A plain LMHead keeps GGUF blocks and projects from them; the embedding gets floats.
+    """
+    float_loader = vocab_loader(head if embedding is None else embedding, name)
+    if type(head) is not LMHead:
+        return float_loader  # vocab-parallel heads take float weights only
+
+    def load(loaded: torch.Tensor | QuantizedTensor) -> None:
+        if not isinstance(loaded, QuantizedTensor):
+            float_loader(loaded)
+            return
+        head.load_blocks(loaded, name)
+        if embedding is not None:
+            float_loader(loaded.dequantize())
+
+    load.accepts_quantized = True  # type: ignore[attr-defined]
+    return load
+
+
 def shard_loader(linear: Linear, kind: str, shard: int, name: str) -> WeightLoader:
     """A loader that copies the HF tensor `name` into its rows of a fused Linear."""
-    return lambda loaded: linear.load_shard(kind, shard, loaded, name)
+
+    def load(loaded: torch.Tensor | QuantizedTensor) -> None:
+        linear.load_shard(kind, shard, loaded, name)
+
+    load.accepts_quantized = True  # type: ignore[attr-defined]  # Linear keeps GGUF blocks
+    return load
 
 
 def linear_loaders(
@@ -142,7 +169,9 @@ class CausalLMBase(nn.Module):
         return set(self._weight_loaders) - self._optional_weights
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]
+    ) -> set[str]:
         """Copy HF-named tensors into this stage; returns the canonical names loaded.
 
         Tensors of other stages and recomputed buffers are skipped; an unknown tensor of
@@ -157,13 +186,18 @@ class CausalLMBase(nn.Module):
             if loader is None:
                 self._check_skippable(canonical)
                 continue
+            if isinstance(tensor, QuantizedTensor) and not getattr(
+                loader, "accepts_quantized", False
+            ):
+                tensor = tensor.dequantize()  # embeddings, norms: float weights only
             loader(tensor)
             loaded.add(canonical)
         return loaded
 
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:
-        """Call once after load_weights: bf16 on CPU repacks every linear for oneDNN.
+        """Call once after load_weights: linears keep or decode GGUF blocks; bf16 on CPU
+        repacks every float linear for oneDNN.
 
         Decode on CPU is bound by reading weights; oneDNN's blocked bf16 layout reads them
         about twice as fast as F.linear does. A no-op for other dtypes and devices.
@@ -171,6 +205,9 @@ class CausalLMBase(nn.Module):
         if self._weights_processed:
             return
         self._weights_processed = True
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.finish_loading()
         if self.device.type != "cpu" or self.dtype != torch.bfloat16:
             return
         if not cpu_bf16_packing_supported():

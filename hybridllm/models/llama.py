@@ -24,6 +24,7 @@ from hybridllm.models.base import (
     CausalLMBase,
     WeightLoader,
     copy_loader,
+    head_loader,
     linear_loaders,
     sliding_window_for_layer,
     vocab_loader,
@@ -241,12 +242,11 @@ class LlamaForCausalLM(CausalLMBase):
             loaders[embed] = vocab_loader(self.embed_tokens, embed)
         if self.is_last_stage:
             loaders["model.norm.weight"] = copy_loader(self.norm.weight, "model.norm.weight")
-            loaders["lm_head.weight"] = vocab_loader(self.lm_head, "lm_head.weight")
+            loaders["lm_head.weight"] = head_loader(self.lm_head, "lm_head.weight")
             if tied:
                 # checkpoints of tied models usually omit lm_head.weight: take the embedding
                 optional.add("lm_head.weight")
-                if self.embed_tokens is None:
-                    loaders[embed] = vocab_loader(self.lm_head, embed)
+                loaders[embed] = head_loader(self.lm_head, embed, self.embed_tokens)
         return loaders, optional
 
     def forward(

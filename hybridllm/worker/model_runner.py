@@ -79,6 +79,7 @@ class ModelRunner:
     # ---- set-up -------------------------------------------------------------------------------
 
     def load_model(self) -> None:
+        from hybridllm.layers.gguf_linear import gguf_kernel_types
         from hybridllm.loader import open_model_source
         from hybridllm.models.registry import get_model_class
 
@@ -90,7 +91,12 @@ class ModelRunner:
         start, end = self.stage.layer_start, self.stage.layer_end
         with torch.device(self.device):
             model = model_cls(mc.hf_config, self.dtype, self.device, start, end, **extra)
-        weights = source.iter_weights(model.owns_weight)
+        # On a CPU worker GGUF linears stay in their blocks (read ~6x fewer bytes per token).
+        keep = ()
+        if mc.quantization == "auto":
+            tp_size = 1 if self.tp_group is None else self.tp_group.size
+            keep = gguf_kernel_types(self.device, self.dtype, tp_size)
+        weights = source.iter_weights(model.owns_weight, keep)
         if self.show_progress:
             from tqdm import tqdm
 

@@ -1,0 +1,467 @@
+// Linear layer y = x W^T computed straight from GGUF-quantized weight blocks (Q4_0, Q4_1, Q8_0),
+// with fp32 activations and fp32 arithmetic. Registered as the torch op hybridllm::gguf_linear;
+// built on first use by hybridllm/layers/cpu_kernels.py together with paged_decode_cpu.cpp.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
+#include <c10/core/InferenceMode.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// GGMLQuantizationType values of the supported formats. Every format packs 32 weights a block;
+// one weight row [K] is K/32 consecutive blocks.
+constexpr int64_t kQ4_0 = 2;  // fp16 d, 16 bytes of nibbles: w = d * (q - 8)
+constexpr int64_t kQ4_1 = 3;  // fp16 d, fp16 m, 16 bytes of nibbles: w = d * q + m
+constexpr int64_t kQ8_0 = 8;  // fp16 d, 32 int8: w = d * q
+constexpr int64_t kBlock = 32;
+
+// Up to this many rows of x the direct kernel runs (every weight block is decoded once and used
+// for all rows); above it, tiles of decoded fp32 weights go through the BLAS GEMM. The constants
+// below were measured on a 2-core AVX-512 Xeon (the direct kernel was faster up to M = 24-32).
+constexpr int64_t kDirectMaxRows = 24;
+// Rows of x handled together by the direct kernel (accumulators live in registers).
+constexpr int kRowTile = 8;
+// Weight rows of one decoded fp32 tile, at most kTileMaxBytes of them: a thread's tile stays in
+// its L2 (2 MB here) while the GEMM reads it. Narrower tiles make the GEMM less efficient
+// (144-row tiles measured 20-40% slower than F.linear at M=64, 288-384 rows within ~5%).
+constexpr int64_t kTileRows = 384;
+constexpr int64_t kTileMaxBytes = 2 * 1024 * 1024;
+// How far ahead of its reads the direct kernel prefetches weight bytes. The hardware prefetcher
+// alone left M=1 at ~10 GB/s from DRAM (25 GB/s possible); 16 KB measured best of 2-32 KB.
+constexpr int64_t kPrefetchBytes = 16 * 1024;
+// Below this many (block x row-of-x) products, waking the thread pool costs more than it saves.
+constexpr int64_t kSerialWork = 2048;
+
+constexpr int64_t block_bytes(int64_t type) {
+  return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : type == kQ8_0 ? 34 : 0;
+}
+
+// The first 64-byte aligned float at or after p (p is 4-byte aligned): 64-byte loads and stores
+// that straddle two cache lines cost two.
+inline float* align64(float* p) {
+  return p + (16 - reinterpret_cast<uintptr_t>(p) / 4 % 16) % 16;
+}
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// IEEE half -> float for one scale (exact).
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);  // inf / nan
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);  // rebias 15 -> 127
+  } else {
+    const float v = static_cast<float>(mantissa) * 5.9604645e-8f;  // zero / subnormal: m * 2^-24
+    return sign ? -v : v;
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+#endif
+}
+
+// The fp32 scales of `count` consecutive blocks (a run of whole weight rows: the blocks of
+// consecutive rows are evenly spaced too): d[i] = the fp16 at byte 0 of block i and, for Q4_1,
+// m[i] = the fp16 at byte 2. d and m have room for count rounded up to 16.
+template <int64_t kType>
+inline void block_scales(const uint8_t* blocks, int64_t count, float* d, float* m) {
+  constexpr int64_t bb = block_bytes(kType);
+#if defined(__AVX512F__)
+  // 16 blocks a step: one gather of each block's first 32-bit word (d in the low half, Q4_1's
+  // m in the high half), then one 16-wide fp16 -> fp32 convert. Cheaper than scalar converts,
+  // and no store-forwarding stall from writing halves one by one and reloading them as a vector.
+  const __m512i index = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int>(bb)));
+  for (int64_t i = 0; i < count; i += 16) {
+    const int64_t n = std::min<int64_t>(16, count - i);
+    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+    const __m512i words =
+        _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, index, blocks + i * bb, 1);
+    _mm512_storeu_ps(d + i, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words)));
+    if (kType == kQ4_1)
+      _mm512_storeu_ps(m + i, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16))));
+  }
+#else
+  for (int64_t i = 0; i < count; ++i) {
+    d[i] = half_to_float(load_u16(blocks + i * bb));
+    if (kType == kQ4_1) m[i] = half_to_float(load_u16(blocks + i * bb + 2));
+  }
+#endif
+}
+
+// Decodes one weight row [K] (nb blocks) into fp32, as gguf_dequant.py does (the AVX-512 Q4_1
+// path fuses d * q + m into one rounding).
+template <int64_t kType>
+void dequantize_row(const uint8_t* row, int64_t nb, float* out, float* d, float* m) {
+  constexpr int64_t bb = block_bytes(kType);
+  block_scales<kType>(row, nb, d, m);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * bb;
+    float* o = out + b * kBlock;
+#if defined(__AVX512F__)
+    if constexpr (kType == kQ8_0) {
+      const __m512 scale = _mm512_set1_ps(d[b]);
+      for (int h = 0; h < 2; ++h) {
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + 16 * h));
+        const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+        _mm512_storeu_ps(o + 16 * h, _mm512_mul_ps(qf, scale));
+      }
+    } else {
+      // table[i] = the weight a nibble i stands for; vpermps indexes it by each lane's low 4 bits
+      const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512 table =
+          kType == kQ4_1
+              ? _mm512_fmadd_ps(iota, _mm512_set1_ps(d[b]), _mm512_set1_ps(m[b]))
+              : _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.f)), _mm512_set1_ps(d[b]));
+      const __m512i q = _mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (kType == kQ4_1 ? 4 : 2))));
+      _mm512_storeu_ps(o, _mm512_permutexvar_ps(q, table));
+      _mm512_storeu_ps(o + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table));
+    }
+#else
+    if constexpr (kType == kQ8_0) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+      for (int j = 0; j < 32; ++j) o[j] = d[b] * static_cast<float>(q[j]);
+    } else {
+      const uint8_t* q = blk + (kType == kQ4_1 ? 4 : 2);
+      for (int j = 0; j < 16; ++j) {
+        if (kType == kQ4_1) {
+          o[j] = d[b] * static_cast<float>(q[j] & 15) + m[b];
+          o[j + 16] = d[b] * static_cast<float>(q[j] >> 4) + m[b];
+        } else {
+          o[j] = d[b] * static_cast<float>((q[j] & 15) - 8);
+          o[j + 16] = d[b] * static_cast<float>((q[j] >> 4) - 8);
+        }
+      }
+    }
+#endif
+  }
+}
+
+#if defined(__AVX512F__)
+// y[r * ldy + c] = dot(x row r, weight row c) for kRows rows of x and kCols consecutive weight
+// rows (w: the first, row_bytes apart; nb blocks each; fp32 scales d[c * nb + b], mins m[...]).
+// x is packed [nb, kRows, 32]: block b of row r at (b * kRows + r) * 32, so one pointer walks all
+// rows. Each weight block is decoded once into two 16-lane vectors (elements 0-15, 16-31) that
+// every row of x uses; each x load feeds kCols FMAs.
+template <int64_t kType, int kRows, int kCols>
+inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_t nb,
+                     const float* d, const float* m, float* y, int64_t ldy) {
+  constexpr int64_t bb = block_bytes(kType);
+  // FMA latency is 4 cycles: with few accumulators, elements 0-15 and 16-31 get separate chains
+  constexpr int kChains = kRows * kCols <= 4 ? 2 : 1;
+  __m512 acc[kRows][kCols][kChains];
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kCols; ++c)
+      for (int h = 0; h < kChains; ++h) acc[r][c][h] = _mm512_setzero_ps();
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * kRows * kBlock;
+    __m512 lo[kCols], hi[kCols];  // block b's 32 weights of each weight row
+    // The call reads kCols * row_bytes contiguous bytes, kCols * bb a step: fetch as many bytes
+    // kPrefetchBytes ahead, so the next calls' rows arrive from memory before they are needed.
+    const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchBytes + b * kCols * bb;
+    for (int64_t o = 0; o < kCols * bb; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int c = 0; c < kCols; ++c) {
+      const uint8_t* blk = w + c * row_bytes + b * bb;
+      const float scale = d[c * nb + b];
+      if constexpr (kType == kQ8_0) {
+        lo[c] = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2))));
+        hi[c] = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18))));
+        if constexpr (kRows == 1) {
+          // one row: scale the block's partial dot (1 multiply) instead of its 32 weights (2)
+          const __m512 part = _mm512_fmadd_ps(hi[c], _mm512_load_ps(xb + 16),
+                                              _mm512_mul_ps(lo[c], _mm512_load_ps(xb)));
+          acc[0][c][0] = _mm512_fmadd_ps(part, _mm512_set1_ps(scale), acc[0][c][0]);
+          continue;
+        }
+        lo[c] = _mm512_mul_ps(lo[c], _mm512_set1_ps(scale));
+        hi[c] = _mm512_mul_ps(hi[c], _mm512_set1_ps(scale));
+      } else {
+        // A 16-entry table of the block's possible weights, indexed by nibble with vpermps
+        // (which reads only each lane's low 4 bits): decoding costs 2 permutes, no converts.
+        const __m512 table =
+            kType == kQ4_1
+                ? _mm512_fmadd_ps(iota, _mm512_set1_ps(scale), _mm512_set1_ps(m[c * nb + b]))
+                : _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.f)), _mm512_set1_ps(scale));
+        const __m512i q = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (kType == kQ4_1 ? 4 : 2))));
+        lo[c] = _mm512_permutexvar_ps(q, table);
+        hi[c] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+      }
+    }
+    if constexpr (kType == kQ8_0 && kRows == 1) continue;
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 xlo = _mm512_load_ps(xb + r * kBlock);
+      const __m512 xhi = _mm512_load_ps(xb + r * kBlock + 16);
+#pragma GCC unroll 4
+      for (int c = 0; c < kCols; ++c) {
+        acc[r][c][0] = _mm512_fmadd_ps(lo[c], xlo, acc[r][c][0]);
+        acc[r][c][kChains - 1] = _mm512_fmadd_ps(hi[c], xhi, acc[r][c][kChains - 1]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) {
+    __m512 s[kCols];
+    for (int c = 0; c < kCols; ++c)
+      s[c] = kChains == 2 ? _mm512_add_ps(acc[r][c][0], acc[r][c][kChains - 1]) : acc[r][c][0];
+    if constexpr (kCols == 1) {
+      y[r * ldy] = _mm512_reduce_add_ps(s[0]);
+    } else {
+      // All kCols sums at once, halving the vectors each step: t[c] 128-bit lanes hold the
+      // partial sums of s[c] (kCols = 2: lanes 0-1 s0, 2-3 s1; kCols = 4: lane c is s[c]).
+      __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(s[0], s[1], 0x44),
+                               _mm512_shuffle_f32x4(s[0], s[1], 0xEE));
+      if constexpr (kCols == 4) {
+        const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(s[2], s[3], 0x44),
+                                       _mm512_shuffle_f32x4(s[2], s[3], 0xEE));
+        t = _mm512_add_ps(_mm512_shuffle_f32x4(t, u, 0x88), _mm512_shuffle_f32x4(t, u, 0xDD));
+      }
+      t = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E));  // then within each 128-bit lane
+      t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, t);
+      if constexpr (kCols == 4) {
+        for (int c = 0; c < 4; ++c) y[r * ldy + c] = lanes[4 * c];
+      } else {
+        y[r * ldy] = lanes[0] + lanes[4];
+        y[r * ldy + 1] = lanes[8] + lanes[12];
+      }
+    }
+  }
+}
+#else
+// Portable version of the above: decode each block to fp32, then plain dot products.
+template <int64_t kType, int kRows, int kCols>
+inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_t nb,
+                     const float* d, const float* m, float* y, int64_t ldy) {
+  constexpr int64_t bb = block_bytes(kType);
+  float wf[kBlock];
+  for (int c = 0; c < kCols; ++c) {
+    float acc[kRows] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + c * row_bytes + b * bb;
+      const float scale = d[c * nb + b];
+      if constexpr (kType == kQ8_0) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+        for (int j = 0; j < 32; ++j) wf[j] = scale * static_cast<float>(q[j]);
+      } else {
+        const uint8_t* q = blk + (kType == kQ4_1 ? 4 : 2);
+        const float shift = kType == kQ4_1 ? 0.f : 8.f;
+        const float low = kType == kQ4_1 ? m[c * nb + b] : 0.f;
+        for (int j = 0; j < 16; ++j) {
+          wf[j] = scale * (static_cast<float>(q[j] & 15) - shift) + low;
+          wf[j + 16] = scale * (static_cast<float>(q[j] >> 4) - shift) + low;
+        }
+      }
+      for (int r = 0; r < kRows; ++r) {
+        const float* xb = x + (b * kRows + r) * kBlock;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int j = 0; j < 32; ++j) s += wf[j] * xb[j];
+        acc[r] += s;
+      }
+    }
+    for (int r = 0; r < kRows; ++r) y[r * ldy + c] = acc[r];
+  }
+}
+#endif
+
+template <int64_t kType, int kCols>
+inline void dot_rows_dispatch(int rows, const float* x, const uint8_t* w, int64_t row_bytes,
+                              int64_t nb, const float* d, const float* m, float* y, int64_t ldy) {
+  if constexpr (kCols == 4) {  // only used with 1-2 rows of x
+    if (rows == 1) return dot_rows<kType, 1, 4>(x, w, row_bytes, nb, d, m, y, ldy);
+    return dot_rows<kType, 2, 4>(x, w, row_bytes, nb, d, m, y, ldy);
+  }
+  switch (rows) {
+    case 1: return dot_rows<kType, 1, kCols>(x, w, row_bytes, nb, d, m, y, ldy);
+    case 2: return dot_rows<kType, 2, kCols>(x, w, row_bytes, nb, d, m, y, ldy);
+    case 3: return dot_rows<kType, 3, kCols>(x, w, row_bytes, nb, d, m, y, ldy);
+    case 4: return dot_rows<kType, 4, kCols>(x, w, row_bytes, nb, d, m, y, ldy);
+    case 5: return dot_rows<kType, 5, kCols>(x, w, row_bytes, nb, d, m, y, ldy);
+    case 6: return dot_rows<kType, 6, kCols>(x, w, row_bytes, nb, d, m, y, ldy);
+    case 7: return dot_rows<kType, 7, kCols>(x, w, row_bytes, nb, d, m, y, ldy);
+    default: return dot_rows<kType, 8, kCols>(x, w, row_bytes, nb, d, m, y, ldy);
+  }
+}
+
+// Direct kernel for few rows of x: y [M, N] = x [M, K] W^T, parallel over weight rows.
+template <int64_t kType>
+void direct_linear(const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N, float* y) {
+  constexpr int64_t bb = block_bytes(kType);
+  const int64_t nb = K / kBlock, row_bytes = nb * bb;
+  // x in tiles of kRowTile rows, each packed [nb, rows, 32] (see dot_rows) and 64-byte aligned;
+  // tile t starts at t * kRowTile * K. One aligned row is already in that layout.
+  std::vector<float> buffer;
+  if (M > 1 || reinterpret_cast<uintptr_t>(x) % 64 != 0) {
+    buffer.resize(M * K + 16);
+    float* packed = align64(buffer.data());
+    for (int64_t r0 = 0; r0 < M; r0 += kRowTile) {
+      const int64_t rows = std::min<int64_t>(kRowTile, M - r0);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t b = 0; b < nb; ++b)
+          std::memcpy(packed + r0 * K + (b * rows + r) * kBlock, x + (r0 + r) * K + b * kBlock,
+                      kBlock * sizeof(float));
+    }
+    x = packed;
+  }
+  // one contiguous run of weight rows per thread; tiny problems stay on this thread
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain = nb * M * N < kSerialWork ? N : (N + threads - 1) / threads;
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    // scales of kScaleRows weight rows at a time: whole 16-wide gathers even for short rows
+    constexpr int64_t kScaleRows = 16;
+    std::vector<float> scales(2 * (kScaleRows * nb + 16));
+    float* d = scales.data();
+    float* m = d + kScaleRows * nb + 16;
+    for (int64_t n0 = begin; n0 < end; n0 += kScaleRows) {
+      const int64_t count = std::min(kScaleRows, end - n0);
+      block_scales<kType>(qw + n0 * row_bytes, count * nb, d, m);
+      // x tile outside, weight rows (in pairs) inside: the x tile (kRowTile * K * 4 bytes) and
+      // the group's weight bytes stay in cache while every pair of rows meets every tile
+      for (int64_t r0 = 0; r0 < M; r0 += kRowTile) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRowTile, M - r0));
+        // 4 weight rows a call for 1-2 rows of x (their accumulators fit in registers), else 2
+        const int64_t cols = rows <= 2 ? 4 : 2;
+        for (int64_t i = 0; i < count;) {
+          const uint8_t* w = qw + (n0 + i) * row_bytes;
+          const float* xr = x + r0 * K;
+          float* yr = y + r0 * N + n0 + i;
+          const int64_t left = count - i;
+          if (cols == 4 && left >= 4) {
+            dot_rows_dispatch<kType, 4>(rows, xr, w, row_bytes, nb, d + i * nb, m + i * nb, yr, N);
+            i += 4;
+          } else if (left >= 2) {
+            dot_rows_dispatch<kType, 2>(rows, xr, w, row_bytes, nb, d + i * nb, m + i * nb, yr, N);
+            i += 2;
+          } else {
+            dot_rows_dispatch<kType, 1>(rows, xr, w, row_bytes, nb, d + i * nb, m + i * nb, yr, N);
+            i += 1;
+          }
+        }
+      }
+    }
+  });
+}
+
+// Many rows of x: each thread decodes tiles of weight rows into an fp32 buffer that fits its
+// L2 and multiplies with a single-threaded BLAS GEMM (a GEMM called inside the parallel region
+// runs on the calling thread), writing its columns of y. Tiles split evenly over the threads.
+template <int64_t kType>
+void tiled_linear(const at::Tensor& x, const uint8_t* qw, int64_t N, at::Tensor& y) {
+  constexpr int64_t bb = block_bytes(kType);
+  const int64_t K = x.size(1), nb = K / kBlock, row_bytes = nb * bb;
+  const int64_t threads = at::get_num_threads();
+  const int64_t max_rows =
+      std::max<int64_t>(16, std::min(kTileRows, kTileMaxBytes / (4 * std::max<int64_t>(K, 1))));
+  // equal tiles, the same number for every thread (uneven shares idle a thread at the end)
+  int64_t tiles = (N + max_rows - 1) / max_rows;
+  tiles = (tiles + threads - 1) / threads * threads;
+  const int64_t rows = (N + tiles - 1) / tiles;
+  tiles = (N + rows - 1) / rows;
+  // The pool's threads do not inherit the caller's inference mode, and `y` made under it may
+  // only be written in place under it: carry the mode into the threads.
+  const bool inference_mode = c10::InferenceMode::is_enabled();
+  at::parallel_for(0, tiles, (tiles + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    c10::InferenceMode guard(inference_mode);
+    // The tile [rows, K] lives as long as the thread: a fresh buffer of this size would be
+    // mapped anew by every call, and faulting its pages in costs as much as decoding it.
+    thread_local std::vector<float> buffer;
+    buffer.resize(std::max<size_t>(buffer.size(), rows * K + 2 * (nb + 16) + 16));
+    float* tile = align64(buffer.data());  // rows start on cache lines (K % 16 == 0)
+    float* d = tile + rows * K;
+    float* m = d + nb + 16;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * rows, count = std::min(rows, N - n0);
+      for (int64_t i = 0; i < count; ++i)
+        dequantize_row<kType>(qw + (n0 + i) * row_bytes, nb, tile + i * K, d, m);
+      at::Tensor out = y.narrow(1, n0, count);  // [M, count] with row stride N, written in place
+      at::mm_out(out, x, at::from_blob(tile, {count, K}, x.options()).t());
+    }
+  });
+}
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t ggml_type,
+                       int64_t out_features) {
+  TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(),
+              "gguf_linear: x and qweight must be CPU tensors, got ", x.device(), " and ",
+              qweight.device());
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "gguf_linear: x must be float32, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.dim() == 2, "gguf_linear: x must be 2-D [M, K], got ", x.dim(), " dims");
+  TORCH_CHECK(qweight.scalar_type() == at::kByte, "gguf_linear: qweight must be uint8, got ",
+              qweight.scalar_type());
+  const int64_t bb = block_bytes(ggml_type);
+  TORCH_CHECK(bb > 0, "gguf_linear: unsupported ggml_type ", ggml_type,
+              " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK(K % kBlock == 0, "gguf_linear: in_features K=", K,
+              " is not a multiple of the block size 32");
+  TORCH_CHECK(N >= 0, "gguf_linear: out_features must be >= 0, got ", N);
+  TORCH_CHECK(qweight.dim() == 2 && qweight.size(0) == N && qweight.size(1) == K / kBlock * bb,
+              "gguf_linear: qweight shape ", qweight.sizes(), " does not match out_features=", N,
+              " and K=", K, ": expected [", N, ", ", K / kBlock * bb, "] (K/32 blocks of ", bb,
+              " bytes a row)");
+  TORCH_CHECK(qweight.is_contiguous(), "gguf_linear: qweight must be contiguous");
+
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, N}, xc.options());
+  if (M == 0 || N == 0) return y;
+  const uint8_t* qw = qweight.data_ptr<uint8_t>();
+  auto run = [&](auto type_constant) {
+    constexpr int64_t kType = decltype(type_constant)::value;
+    if (M <= kDirectMaxRows) {
+      direct_linear<kType>(xc.data_ptr<float>(), M, K, qw, N, y.data_ptr<float>());
+    } else {
+      tiled_linear<kType>(xc, qw, N, y);
+    }
+  };
+  switch (ggml_type) {
+    case kQ4_0: run(std::integral_constant<int64_t, kQ4_0>{}); break;
+    case kQ4_1: run(std::integral_constant<int64_t, kQ4_1>{}); break;
+    default: run(std::integral_constant<int64_t, kQ8_0>{});
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hybridllm, m) {
+  m.def("gguf_linear(Tensor x, Tensor qweight, int ggml_type, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hybridllm, CPU, m) {
+  m.impl("gguf_linear", &gguf_linear);
+}

@@ -1,0 +1,32 @@
+"""A GGUF weight kept in its quantized blocks, for layers with a kernel that reads them directly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from hybridllm.loader.gguf_dequant import dequantize
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """`raw` holds the blocks of a 2-D weight, one row of blocks per output row.
+
+    `raw`: uint8 [rows, bytes_per_row], possibly a read-only view of a memory-mapped file
+    (copy it with `blocks()` before keeping it); `shape`: the dequantized [rows, cols].
+    """
+
+    raw: np.ndarray
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, int]
+
+    def blocks(self) -> torch.Tensor:
+        """A copy of the blocks as a uint8 tensor [rows, bytes_per_row]."""
+        return torch.from_numpy(np.array(self.raw, dtype=np.uint8, copy=True))
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 tensor [rows, cols] these blocks encode."""
+        return dequantize(self.raw, self.ggml_type, self.shape)

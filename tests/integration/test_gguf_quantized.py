@@ -1,0 +1,93 @@
+"""GGUF linears computed from their blocks (quantization="auto") match the dequantized model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from hybridllm import LLM, SamplingParams
+from hybridllm.layers.cpu_kernels import load_cpu_kernels
+from hybridllm.loader.gguf_dequant import dequantize
+from hybridllm.loader.gguf_file import GGUFFile
+from tests.gguf_helpers import tiny_hf_model, write_gguf
+
+pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="native CPU kernels unavailable")
+
+# q and k share one type, v another: the fused qkv matmul must fall back to float weights.
+LAYER_TYPES = {
+    "self_attn.q_proj.weight": Q.Q4_1,
+    "self_attn.k_proj.weight": Q.Q4_1,
+    "self_attn.v_proj.weight": Q.Q8_0,
+    "self_attn.o_proj.weight": Q.Q4_0,
+    "mlp.gate_proj.weight": Q.Q4_1,
+    "mlp.up_proj.weight": Q.Q4_1,
+    "mlp.down_proj.weight": Q.Q8_0,
+}
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def gguf_path(request, tmp_path_factory):
+    tied = request.param
+    model = tiny_hf_model("llama", tie_word_embeddings=tied)
+    quantize = {"model.embed_tokens.weight": Q.Q8_0}
+    if not tied:
+        quantize["lm_head.weight"] = Q.Q4_1
+    for i in range(model.config.num_hidden_layers):
+        quantize.update({f"model.layers.{i}.{k}": v for k, v in LAYER_TYPES.items()})
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "q.gguf", model, quantize=quantize)
+
+
+def _generate(llm: LLM) -> list:
+    prompts = [{"prompt_token_ids": [5, 17, 42, 99, 7, 63, 12]}, {"prompt_token_ids": [3, 8]}]
+    params = SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True, logprobs=3, prompt_logprobs=3
+    )
+    return llm.generate(prompts, params)
+
+
+def test_blocks_kept_where_a_kernel_reads_them(gguf_path):
+    llm = LLM(str(gguf_path), dtype="float32", use_tqdm=False, max_model_len=128)
+    try:
+        model = llm.llm_engine.executor.workers[0].model_runner.model
+        layer = model.layers[0]
+        assert layer.self_attn.qkv_proj.qweight is None  # q/k Q4_1 beside v Q8_0: floats
+        assert layer.self_attn.o_proj.ggml_type == Q.Q4_0
+        assert layer.mlp.gate_up_proj.ggml_type == Q.Q4_1
+        assert layer.mlp.down_proj.ggml_type == Q.Q8_0
+        assert model.lm_head.qweight is not None
+        # the embedding table is float, decoded from the same Q8_0 blocks the head reads
+        gguf = GGUFFile(str(gguf_path))
+        info = gguf.tensors["token_embd.weight"]
+        table = dequantize(gguf.raw_rows(info), info.ggml_type, info.shape)
+        assert torch.equal(model.embed_tokens.weight, table)
+    finally:
+        llm.shutdown()
+
+
+def test_same_tokens_and_logprobs_as_dequantized(gguf_path):
+    results = {}
+    for quantization in ("auto", "none"):
+        llm = LLM(
+            str(gguf_path),
+            dtype="float32",
+            quantization=quantization,
+            use_tqdm=False,
+            max_model_len=128,
+        )
+        try:
+            results[quantization] = _generate(llm)
+        finally:
+            llm.shutdown()
+    for ours, ref in zip(results["auto"], results["none"]):
+        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
+        pairs = list(zip(ours.outputs[0].logprobs, ref.outputs[0].logprobs))
+        pairs += list(zip(ours.prompt_logprobs[1:], ref.prompt_logprobs[1:]))
+        for a, b in pairs:
+            for tid in a.keys() & b.keys():
+                assert abs(a[tid].logprob - b[tid].logprob) < 1e-4
+
+
+def test_bad_quantization_value_is_named():
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        LLM(quantization="int3", use_tqdm=False)

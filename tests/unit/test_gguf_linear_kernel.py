@@ -1,0 +1,143 @@
+"""The native hybridllm::gguf_linear op (linear layer on GGUF Q4_0/Q4_1/Q8_0 blocks) vs fp64."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import quantize
+
+from hybridllm.layers.cpu_kernels import DISABLE_ENV, load_cpu_kernels
+from hybridllm.loader.gguf_dequant import dequantize
+
+Q = GGMLQuantizationType
+FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+# kDirectMaxRows in gguf_linear_cpu.cpp: up to this many rows of x the direct kernel runs,
+# above it the tiled GEMM path. 8 and 9 straddle its row tile (kRowTile).
+DIRECT_MAX_ROWS = 24
+ROW_COUNTS = [1, 2, 5, 8, 9, DIRECT_MAX_ROWS, DIRECT_MAX_ROWS + 1, 64, 300]
+
+pytestmark = pytest.mark.skipif(os.environ.get(DISABLE_ENV) == "0", reason="kernels disabled")
+
+
+@pytest.fixture(scope="module")
+def op():
+    if not load_cpu_kernels():
+        pytest.skip("native CPU kernels not buildable here")
+    return torch.ops.hybridllm.gguf_linear
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def quantized_weight(fmt, n, k, seed=0):
+    """Random [n, k] weights quantized with gguf's reference: raw blocks [n, k/32*bytes], fp32."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    raw = quantize(w, fmt)
+    return torch.from_numpy(raw), dequantize(raw, fmt, (n, k))
+
+
+def random_blocks(fmt, n, k, seed=0):
+    """Uniformly random block bytes (every nibble / int8 pattern) with sane fp16 scales."""
+    rng = np.random.default_rng(seed)
+    _, block_bytes = GGML_QUANT_SIZES[fmt]
+    raw = rng.integers(0, 256, size=(n * k // 32, block_bytes), dtype=np.uint8)
+    scale_count = 2 if fmt == Q.Q4_1 else 1  # d, and Q4_1's m
+    scales = rng.uniform(-0.1, 0.1, size=(len(raw), scale_count)).astype(np.float16)
+    raw[:, : 2 * scale_count] = scales.view(np.uint8)
+    raw = raw.reshape(n, -1)
+    return torch.from_numpy(raw), dequantize(raw, fmt, (n, k))
+
+
+def check(op, x, qweight, weight, fmt):
+    y = op(x, qweight, int(fmt), weight.shape[0])
+    assert y.dtype == torch.float32 and y.shape == (x.shape[0], weight.shape[0])
+    ref = x.double() @ weight.double().T
+    # fp32 accumulation over K <= 1536 terms: each error within ~100 ulp of sum |x||w| (errors
+    # seen are ~1 ulp; a single weight decoded 1% wrong already breaks this)
+    bound = 1e-5 * (x.double().abs() @ weight.double().abs().T) + 1e-30
+    err = (y.double() - ref).abs()
+    assert (err <= bound).all(), (
+        f"max error {err.max():.3g}, its bound {bound.flatten()[err.argmax()]:.3g}"
+    )
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("n,k", [(37, 32), (67, 576), (130, 1536)])
+def test_matches_fp64_reference(op, fmt, n, k):
+    qweight, weight = quantized_weight(fmt, n, k)
+    for m in ROW_COUNTS:
+        check(op, torch.randn(m, k), qweight, weight, fmt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_random_block_bytes(op, fmt):
+    # every nibble value, negative scales, and (Q4_1) mins of either sign
+    qweight, weight = random_blocks(fmt, 53, 256, seed=1)
+    for m in (1, 3, 40):
+        check(op, torch.randn(m, 256), qweight, weight, fmt)
+
+
+@pytest.mark.parametrize("m", [1, 7, 64])
+def test_output_rows_not_a_multiple_of_the_tile(op, m):
+    # 1000 rows split into GEMM tiles / thread chunks / row pairs with remainders everywhere
+    qweight, weight = quantized_weight(Q.Q4_1, 1001, 576, seed=2)
+    check(op, torch.randn(m, 576), qweight, weight, Q.Q4_1)
+
+
+@pytest.mark.parametrize("m", [1, 64])
+def test_single_output_feature(op, m):
+    qweight, weight = quantized_weight(Q.Q4_0, 1, 32, seed=4)
+    check(op, torch.randn(m, 32), qweight, weight, Q.Q4_0)
+
+
+def test_strided_and_unaligned_x(op):
+    qweight, weight = quantized_weight(Q.Q8_0, 48, 96, seed=3)
+    base = torch.randn(96, 40)
+    check(op, base.T, qweight, weight, Q.Q8_0)  # [40, 96] transposed view
+    check(op, base.T[3:4], qweight, weight, Q.Q8_0)  # one row
+    flat = torch.randn(1 + 96)
+    check(op, flat[1:].view(1, 96), qweight, weight, Q.Q8_0)  # data not 64-byte aligned
+
+
+def test_empty_shapes(op):
+    qweight, _ = quantized_weight(Q.Q4_0, 16, 64)
+    assert op(torch.randn(0, 64), qweight, int(Q.Q4_0), 16).shape == (0, 16)
+    empty = torch.zeros(0, 64 // 32 * 18, dtype=torch.uint8)
+    assert op(torch.randn(3, 64), empty, int(Q.Q4_0), 0).shape == (3, 0)
+
+
+def test_rejects_bad_inputs(op):
+    qweight, _ = quantized_weight(Q.Q4_1, 8, 64)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="not a multiple of the block size 32"):
+        op(torch.randn(2, 48), qweight[:, :30].contiguous(), int(Q.Q4_1), 8)
+    with pytest.raises(RuntimeError, match="qweight shape .* does not match"):
+        op(x, qweight[:, :-1].contiguous(), int(Q.Q4_1), 8)  # wrong byte width
+    with pytest.raises(RuntimeError, match="qweight shape .* does not match"):
+        op(x, qweight, int(Q.Q4_1), 9)  # wrong out_features
+    with pytest.raises(RuntimeError, match="qweight shape .* does not match"):
+        op(x, qweight, int(Q.Q8_0), 8)  # bytes of another format
+    with pytest.raises(RuntimeError, match="unsupported ggml_type 12"):
+        op(x, qweight, int(Q.Q4_K), 8)
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        op(x.double(), qweight, int(Q.Q4_1), 8)
+    with pytest.raises(RuntimeError, match="x must be 2-D"):
+        op(x[0], qweight, int(Q.Q4_1), 8)
+    with pytest.raises(RuntimeError, match="qweight must be uint8"):
+        op(x, qweight.to(torch.int8), int(Q.Q4_1), 8)
+    with pytest.raises(RuntimeError, match="qweight must be contiguous"):
+        op(x, torch.cat([qweight, qweight], 1)[:, :40], int(Q.Q4_1), 8)
+
+
+@pytest.mark.parametrize("rows", [1, DIRECT_MAX_ROWS + 1, 300])
+def test_under_inference_mode(op, rows):
+    # The engine runs under inference_mode; the tiled path writes its output from pool threads.
+    qweight, weight = quantized_weight(Q.Q4_1, 1000, 64)
+    with torch.inference_mode():
+        check(op, torch.randn(rows, 64), qweight, weight, Q.Q4_1)

@@ -2,8 +2,10 @@
 
 Measures: cold load time (fresh processes), single-stream decode tokens/s and time to first token
 (128-token prompt, 128 new tokens), offline throughput of 64 prompts x 128 tokens with 128 new
-tokens each (transformers batched generate at batch 8), and the bandwidth floor. Single-stream
-figures are the best of 3 rounds in which the two engines alternate.
+tokens each (transformers batched generate at batch 8), and the bandwidth floor. hybridllm runs
+twice: as it runs by default (the GGUF's Q4_1/Q8_0 linears computed from their blocks, fp32
+arithmetic) and with `quantization="none"` (every weight dequantized to fp32, as transformers
+holds them). Single-stream figures are the best of 3 rounds in which the engines alternate.
 
     python benchmarks/bench_offline.py [--skip-hf] [--json out.json]
 """
@@ -70,17 +72,36 @@ def memory_bandwidth_gbs() -> float:
     return x.numel() * 4 / best / 1e9
 
 
-class HybridRunner:
-    """hybridllm on the embedded model, fp32."""
+def weight_bytes_per_token(model: torch.nn.Module) -> int:
+    """Weight bytes one decode step reads: every linear and the LM head (GGUF blocks or
+    floats) and the norms; of the embedding table only one row, not counted."""
+    from hybridllm.layers.linear import Linear
+    from hybridllm.layers.vocab_embedding import LMHead, VocabEmbedding
 
-    def __init__(self, warmup_prompt: list[int]):
+    total = 0
+    for module in model.modules():
+        if isinstance(module, (Linear, LMHead)):
+            weight = module.qweight if module.qweight is not None else module.weight
+            total += weight.nbytes + (
+                0 if getattr(module, "bias", None) is None else module.bias.nbytes
+            )
+        elif not isinstance(module, VocabEmbedding):
+            total += sum(p.nbytes for p in module.parameters(recurse=False))
+    return total
+
+
+class HybridRunner:
+    """hybridllm on the embedded model, fp32 activations; `quantization="none"` also
+    dequantizes the weights to fp32 (auto computes the GGUF linears from their blocks)."""
+
+    def __init__(self, warmup_prompt: list[int], quantization: str):
         from hybridllm import LLM, SamplingParams
 
-        self.llm = LLM(dtype="float32", use_tqdm=False)
+        self.llm = LLM(dtype="float32", quantization=quantization, use_tqdm=False)
         self.params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
         self.llm.generate([{"prompt_token_ids": warmup_prompt}], self.params)
         model = self.llm.llm_engine.executor.workers[0].model_runner.model
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.weight_bytes = weight_bytes_per_token(model)
 
     def single(self, prompt: list[int]) -> tuple[float, float]:
         """(time to first token, decode tokens/s after it): the engine stepped by hand."""
@@ -170,7 +191,10 @@ def main() -> None:
     results = {"machine": machine()}
     cold_load_seconds(HYBRID_LOAD)  # first run may build the conversion cache
     results["hybridllm_cold_load_s"] = cold_load_seconds(HYBRID_LOAD)
-    runners = {"hybridllm": HybridRunner(single[1])}
+    runners: dict = {
+        "hybridllm": HybridRunner(single[1], "auto"),
+        "hybridllm_fp32_weights": HybridRunner(single[1], "none"),
+    }
     if not args.skip_hf:
         results["transformers_cold_load_s"] = cold_load_seconds(HF_LOAD)
         runners["transformers"] = HFRunner(single[1])
@@ -187,11 +211,12 @@ def main() -> None:
             "decode_tok_s_rounds": [round(r[1], 1) for r in rounds[name]],
             "throughput_tok_s": runner.throughput(batch),
         }
-    results["hybridllm"]["weight_bytes"] = runners["hybridllm"].weight_bytes
-    runners["hybridllm"].close()
     bw = memory_bandwidth_gbs()
     results["memory_bandwidth_gbs"] = bw
-    results["bandwidth_floor_tok_s"] = bw * 1e9 / results["hybridllm"]["weight_bytes"]
+    for name in ("hybridllm", "hybridllm_fp32_weights"):
+        results[name]["weight_bytes_per_token"] = runners[name].weight_bytes
+        results[name]["bandwidth_floor_tok_s"] = bw * 1e9 / runners[name].weight_bytes
+        runners[name].close()
 
     print(json.dumps(results, indent=2))
     if args.json:

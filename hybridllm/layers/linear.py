@@ -71,7 +71,9 @@ class Linear(nn.Module):
             else None
         )
         self.packed = False
-        self.qweight: torch.Tensor | None = None  # GGUF blocks [out, bytes_per_row] uint8
+        self.register_buffer(
+            "qweight", None, persistent=False
+        )  # GGUF blocks [out, bytes_per_row] uint8
         self.ggml_type = -1
         self._pending_blocks: dict[int, QuantizedTensor] = {}
 

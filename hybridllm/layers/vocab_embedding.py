@@ -42,7 +42,9 @@ class LMHead(nn.Module):
             )
         self.tied = tied_to is not None
         self.packed_weight: torch.Tensor | None = None
-        self.qweight: torch.Tensor | None = None  # GGUF blocks [vocab, bytes_per_row] uint8
+        self.register_buffer(
+            "qweight", None, persistent=False
+        )  # GGUF blocks [vocab, bytes_per_row] uint8
         self.ggml_type = -1
 
     def load_blocks(self, blocks: QuantizedTensor, name: str) -> None:

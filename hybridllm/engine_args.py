@@ -28,7 +28,7 @@ class EngineArgs:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     tokenizer: str | None = None
     dtype: str = "auto"
-    quantization: str = "auto"  # auto: GGUF linears computed from their blocks on CPU fp32
+    quantization: str = "auto"  # auto: GGUF linears computed from their blocks on CPU workers
     device: str = "auto"
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -168,7 +168,7 @@ class EngineArgs:
             "--quantization",
             default="auto",
             choices=SUPPORTED_QUANTIZATION,
-            help="auto: CPU workers in float32 compute a GGUF file's Q4_0/Q4_1/Q8_0 linear "
+            help="auto: CPU workers compute a GGUF file's Q4_0/Q4_1/Q8_0 linear "
             "layers straight from its blocks (native op); none: dequantize every weight at load",
         )
         g.add_argument(

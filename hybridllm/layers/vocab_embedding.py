@@ -69,7 +69,10 @@ class LMHead(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # [n, dim] -> [n, vocab] float32 (the sampler works in fp32)
         if self.qweight is not None:
-            return gguf_linear(hidden_states, self.qweight, self.ggml_type, self.qweight.shape[0])
+            # fp32 in, so the logits never pass through a narrower activation dtype
+            return gguf_linear(
+                hidden_states.float(), self.qweight, self.ggml_type, self.qweight.shape[0]
+            )
         if self.packed_weight is not None:
             return packed_linear(hidden_states, self.packed_weight, None).float()
         return F.linear(hidden_states, self.weight).float()

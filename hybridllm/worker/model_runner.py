@@ -95,7 +95,7 @@ class ModelRunner:
         keep = ()
         if mc.quantization == "auto":
             tp_size = 1 if self.tp_group is None else self.tp_group.size
-            keep = gguf_kernel_types(self.device, self.dtype, tp_size)
+            keep = gguf_kernel_types(self.device, tp_size)
         weights = source.iter_weights(model.owns_weight, keep)
         if self.show_progress:
             from tqdm import tqdm

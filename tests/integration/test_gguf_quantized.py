@@ -91,3 +91,21 @@ def test_same_tokens_and_logprobs_as_dequantized(gguf_path):
 def test_bad_quantization_value_is_named():
     with pytest.raises(ValueError, match="quantization must be one of"):
         LLM(quantization="int3", use_tqdm=False)
+
+
+def test_bf16_cpu_worker_reads_blocks_too(gguf_path):
+    # A bf16 CPU stage (as in a GPU+CPU run) keeps the blocks; the op computes in fp32.
+    results = {}
+    for dtype in ("bfloat16", "float32"):
+        llm = LLM(str(gguf_path), dtype=dtype, use_tqdm=False, max_model_len=128)
+        try:
+            model = llm.llm_engine.executor.workers[0].model_runner.model
+            assert model.layers[0].mlp.gate_up_proj.ggml_type == Q.Q4_1
+            results[dtype] = _generate(llm)
+        finally:
+            llm.shutdown()
+    for ours, ref in zip(results["bfloat16"], results["float32"]):
+        assert len(ours.outputs[0].token_ids) == 24
+        for a, b in zip(ours.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+            for tid in a.keys() & b.keys():  # bf16 activations: close, not equal
+                assert abs(a[tid].logprob - b[tid].logprob) < 0.1

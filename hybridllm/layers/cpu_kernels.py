@@ -1,4 +1,4 @@
-"""Optional native CPU kernels (paged decode attention, GGUF linear), compiled on first use.
+"""Optional native CPU kernels (decode attention, GGUF linear, RMSNorm), compiled on first use.
 
 The kernels are a speed-up, never a requirement: when there is no C++ compiler, the build
 fails, or `HYBRIDLLM_CPU_KERNELS=0` is set, `load_cpu_kernels` returns False and the plain
@@ -26,6 +26,7 @@ NAME = "hybridllm_cpu_kernels"
 SOURCES = [
     Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp",
     Path(__file__).parent / "csrc" / "gguf_linear_cpu.cpp",
+    Path(__file__).parent / "csrc" / "rms_norm_cpu.cpp",
 ]
 # -march=native ties the binary to this CPU, so the build directory is keyed by its features.
 # No -ffast-math: on some compilers it links code that changes the whole process's denormal mode.

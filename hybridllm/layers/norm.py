@@ -21,11 +21,22 @@ class RMSNorm(nn.Module):
         )
         self.eps = eps
         self.normalized_shape = (hidden_size,)
+        self.native = False  # CPU: the compiled hybridllm::rms_norm ops (see use_native_op)
+
+    def use_native_op(self) -> None:
+        """Run the compiled CPU ops (one pass per row; F.rms_norm's several ATen ops cost
+        ~35 us per call at one token). Call only when `load_cpu_kernels()` is True."""
+        self.native = True
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        # x: [..., hidden]; F.rms_norm is one fused kernel (variance in fp32 for half types)
+        # x: [..., hidden]; variance in fp32 for half types on every path
+        if self.native and x.is_contiguous():
+            if residual is None:
+                return torch.ops.hybridllm.rms_norm(x, self.weight, self.eps)
+            if residual.is_contiguous():
+                return torch.ops.hybridllm.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
         x = x + residual

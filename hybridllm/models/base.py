@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from hybridllm.layers.cpu_kernels import load_cpu_kernels
 from hybridllm.layers.linear import Linear, cpu_bf16_packing_supported
+from hybridllm.layers.norm import RMSNorm
 from hybridllm.layers.vocab_embedding import LMHead
 from hybridllm.loader.quantized_tensor import QuantizedTensor
 
@@ -196,18 +198,21 @@ class CausalLMBase(nn.Module):
 
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:
-        """Call once after load_weights: linears keep or decode GGUF blocks; bf16 on CPU
-        repacks every float linear for oneDNN.
+        """Call once after load_weights: linears keep or decode GGUF blocks, CPU norms switch
+        to the compiled op when there is one; bf16 on CPU repacks every float linear for oneDNN.
 
         Decode on CPU is bound by reading weights; oneDNN's blocked bf16 layout reads them
-        about twice as fast as F.linear does. A no-op for other dtypes and devices.
+        about twice as fast as F.linear does; the packing is skipped for other dtypes and devices.
         """
         if self._weights_processed:
             return
         self._weights_processed = True
+        native_norms = self.device.type == "cpu" and load_cpu_kernels()
         for module in self.modules():
             if isinstance(module, Linear):
                 module.finish_loading()
+            elif isinstance(module, RMSNorm) and native_norms:
+                module.use_native_op()
         if self.device.type != "cpu" or self.dtype != torch.bfloat16:
             return
         if not cpu_bf16_packing_supported():

@@ -71,9 +71,8 @@ class Linear(nn.Module):
             else None
         )
         self.packed = False
-        self.register_buffer(
-            "qweight", None, persistent=False
-        )  # GGUF blocks [out, bytes_per_row] uint8
+        # GGUF blocks [out, bytes_per_row] uint8, when the weight is computed from them
+        self.register_buffer("qweight", None, persistent=False)
         self.ggml_type = -1
         self._pending_blocks: dict[int, QuantizedTensor] = {}
 

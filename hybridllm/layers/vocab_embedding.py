@@ -42,9 +42,8 @@ class LMHead(nn.Module):
             )
         self.tied = tied_to is not None
         self.packed_weight: torch.Tensor | None = None
-        self.register_buffer(
-            "qweight", None, persistent=False
-        )  # GGUF blocks [vocab, bytes_per_row] uint8
+        # GGUF blocks [vocab, bytes_per_row] uint8, when the weight is computed from them
+        self.register_buffer("qweight", None, persistent=False)
         self.ggml_type = -1
 
     def load_blocks(self, blocks: QuantizedTensor, name: str) -> None:

@@ -1,4 +1,4 @@
-"""A single .gguf file, dequantized once into a cached HF folder and read lazily from there."""
+"""A single .gguf file: dequantized once into a cached HF folder, or read for its blocks directly."""
 
 from __future__ import annotations
 

@@ -108,6 +108,8 @@ def test_native_kernels_build_with_a_compiler():
     [
         pytest.param([(13, 1)], id="one-decode"),
         pytest.param([(13, 1), (5, 1), (32, 1)], id="decode-batch"),
+        # enough sequences for the native op's whole-sequence work items (>= 2 per thread)
+        pytest.param([(c, 1) for c in (13, 5, 32, 1, 40, 7, 16, 17, 2, 29)], id="decode-batch-10"),
         pytest.param([(18, 18)], id="prefill"),
         pytest.param([(18, 5)], id="chunk-with-prefix"),
         pytest.param(MIXED, id="mixed"),

@@ -27,6 +27,7 @@ class ModelConfig:
     # auto: CPU workers compute GGUF Q4_0/Q4_1/Q8_0 linears from their blocks (fp32 math);
     # none: every weight is dequantized to `dtype` at load time
     quantization: str = "auto"
+    cpu_blocks: Any = None  # plan.model_size.GGUFBlockSizes when CPU workers keep GGUF blocks
 
     @property
     def num_layers(self) -> int:

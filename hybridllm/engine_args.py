@@ -85,7 +85,12 @@ class EngineArgs:
         batched = self.max_num_batched_tokens
         if batched is None:
             batched = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
-        plan = self._build_plan(hf_config, batched, max_model_len)
+        cpu_blocks = None
+        if self.quantization == "auto":
+            from hybridllm.layers.gguf_linear import gguf_block_sizes
+
+            cpu_blocks = gguf_block_sizes(source, hf_config.num_hidden_layers)
+        plan = self._build_plan(hf_config, batched, max_model_len, cpu_blocks)
         device = "cuda" if any(not w.is_cpu for w in plan.workers()) else "cpu"
         dtype = _resolve_dtype(self.dtype, device)
         model_config = ModelConfig(
@@ -97,6 +102,7 @@ class EngineArgs:
             tokenizer=self.tokenizer,
             eos_token_ids=_eos_token_ids(source.generation_config, hf_config),
             quantization=self.quantization,
+            cpu_blocks=cpu_blocks,
         )
         kv_bytes = _optional_size(self.kv_cache_memory)
         cache_config = CacheConfig(
@@ -126,7 +132,9 @@ class EngineArgs:
             distributed_executor_backend=backend,
         )
 
-    def _build_plan(self, hf_config, max_num_batched_tokens: int, max_model_len: int) -> Plan:
+    def _build_plan(
+        self, hf_config, max_num_batched_tokens: int, max_model_len: int, cpu_blocks=None
+    ) -> Plan:
         """Place the model: the planner reads the flags, the hardware and (with a GPU) measured rates."""
         from hybridllm.plan.cost_model import CostModel
         from hybridllm.plan.hardware_profile import load_or_measure_profile
@@ -152,7 +160,7 @@ class EngineArgs:
         hw = discover_hardware()
         # Measuring rates costs seconds; only a machine with a GPU has a split to decide.
         cost = CostModel(load_or_measure_profile(hw)) if hw.num_gpus else None
-        return build_plan(hf_config, placement, hw, cost)
+        return build_plan(hf_config, placement, hw, cost, cpu_blocks)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

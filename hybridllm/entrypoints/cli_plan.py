@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import sys
 
+from hybridllm.config import SUPPORTED_QUANTIZATION
 from hybridllm.entrypoints.logging_config import LOG_LEVELS, configure_logging
 from hybridllm.plan.placement_args import (
     PLACEMENT_DEVICES,
@@ -49,6 +50,13 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto: the GPU when there is one (layers that do not fit go to the CPU); "
         "heterogeneous: ranks beyond the GPU count run on the CPU",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=SUPPORTED_QUANTIZATION,
+        default="auto",
+        help="auto: unsharded CPU workers keep a GGUF file's Q4_0/Q4_1/Q8_0 linears as blocks "
+        "(counted at block size); none: every weight at the dtype's size",
     )
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="TP ranks")
     parser.add_argument(
@@ -132,6 +140,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from hybridllm.layers.gguf_linear import gguf_block_sizes
     from hybridllm.loader import default_model_path, open_model_source
     from hybridllm.plan.cost_model import CostModel
     from hybridllm.plan.describe import describe_hardware, describe_plan
@@ -144,12 +153,16 @@ def run_plan(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, default="warning")
     placement = placement_args_from_cli(args)
     path = args.model or default_model_path()
-    hf_config = open_model_source(path).hf_config
+    source = open_model_source(path)
+    hf_config = source.hf_config
+    cpu_blocks = None
+    if args.quantization == "auto":
+        cpu_blocks = gguf_block_sizes(source, hf_config.num_hidden_layers)
     hw = _with_fakes(discover_hardware(include_gpus=not args.fake_gpu), args)
     profile = load_or_measure_profile(hw, refresh=args.refresh_profile)
     cost = CostModel(profile, context_len=args.context_len)
-    plan = build_plan(hf_config, placement, hw, cost)
-    size = model_size(hf_config, resolve_plan_dtype(placement, hw))
+    plan = build_plan(hf_config, placement, hw, cost, cpu_blocks)
+    size = model_size(hf_config, resolve_plan_dtype(placement, hw), cpu_blocks)
     print(describe_hardware(hw, profile))
     print(describe_plan(plan, size, memory_budgets(hw, placement), cost.predict(plan, size), path))
     return 0

@@ -2,15 +2,48 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from gguf import GGMLQuantizationType
 
 from hybridllm.layers.cpu_kernels import load_cpu_kernels
+from hybridllm.loader.model_source import ModelSource
+from hybridllm.plan.model_size import GGUFBlockSizes
 
 # Block formats the native op reads; other GGUF types are dequantized at load time.
 GGUF_KERNEL_TYPES: frozenset[int] = frozenset(
     {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
 )
+
+
+# GGUF tensors stacked into one Linear: they are kept as blocks only if they share one type.
+_STACKED = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
+
+
+def gguf_block_sizes(source: ModelSource, num_layers: int) -> GGUFBlockSizes | None:
+    """What an unsharded CPU worker keeps of `source` as GGUF blocks, for the planner's budgets
+    and cost model; None for other formats, without the native op, or an unknown layout."""
+    tensor_infos = getattr(source, "tensor_infos", None)
+    if tensor_infos is None or not load_cpu_kernels():
+        return None
+    infos = tensor_infos()
+    kept_params = kept_bytes = total_params = 0
+    for layer in range(num_layers):
+        for stack in _STACKED:
+            members = [infos.get(f"blk.{layer}.{name}.weight") for name in stack]
+            if any(m is None for m in members):
+                return None
+            types = {m.ggml_type for m in members}
+            kept = len(types) == 1 and types.pop() in GGUF_KERNEL_TYPES
+            for m in members:
+                total_params += math.prod(m.shape)
+                if kept:
+                    kept_params += math.prod(m.shape)
+                    kept_bytes += m.nbytes
+    head = infos.get("output.weight") or infos.get("token_embd.weight")
+    head_kept = head is not None and head.ggml_type in GGUF_KERNEL_TYPES
+    return GGUFBlockSizes(kept_params, kept_bytes, total_params, head.nbytes if head_kept else None)
 
 
 def gguf_kernel_types(device: torch.device, tp_size: int) -> frozenset[int]:

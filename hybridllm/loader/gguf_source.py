@@ -14,7 +14,7 @@ import torch
 
 from hybridllm.loader.gguf_cache import GGUFConversionCache
 from hybridllm.loader.gguf_dequant import decoded_dtype, dequantize
-from hybridllm.loader.gguf_file import GGUFFile
+from hybridllm.loader.gguf_file import GGUFFile, GGUFTensorInfo
 from hybridllm.loader.gguf_mapping import (
     GGUFArch,
     generation_config_from_metadata,
@@ -116,6 +116,10 @@ class GGUFSource(ModelSource):
         return self._gguf
 
     # ---- weights --------------------------------------------------------------------------------
+
+    def tensor_infos(self) -> dict[str, GGUFTensorInfo]:
+        """GGUF tensor name -> type, shape and byte size (the header only; no data is read)."""
+        return self._gguf_file().tensors
 
     def weight_names(self) -> list[str]:
         if self._entry is not None:

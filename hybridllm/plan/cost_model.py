@@ -88,6 +88,7 @@ class CostModel:
         context_len: int,
     ) -> float:
         """Seconds worker `tp_rank` of `stage` spends on `num_tokens` tokens of `num_seqs` sequences."""
+        size = size.for_worker(stage, tp_rank)  # a CPU worker may read GGUF blocks
         shard = worker_shard(size, stage, tp_rank)
         cpu_workers = sum(w.is_cpu for w in stage.workers)
         worker = stage.workers[tp_rank]

@@ -97,6 +97,7 @@ def worker_shard(size: ModelSize, stage: StagePlan, tp_rank: int) -> WorkerShard
 
 def worker_weight_bytes(size: ModelSize, stage: StagePlan, tp_rank: int) -> int:
     """Parameter bytes of one worker: its shard of its stage's layers, embedding and LM head."""
+    size = size.for_worker(stage, tp_rank)
     shard = worker_shard(size, stage, tp_rank)
     total = stage.num_layers * size.shard_layer_bytes(
         shard.q_heads, shard.kv_heads, shard.intermediate

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hybridllm.plan.plan import StagePlan
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
@@ -35,10 +39,32 @@ class ModelSize:
     kv_bytes_per_token_per_layer: int  # K and V of one token in one layer, all KV heads
     mlp_matrices: int  # 3 for a gated MLP (gate, up, down), 2 for OPT's fc1, fc2
     layer_other_bytes: int  # norms and biases of one layer (counted whole on every shard)
+    # A GGUF file's blocks as a CPU worker without tensor parallelism keeps them (see
+    # `GGUFBlockSizes`); None: every worker holds dtype-sized weights.
+    cpu_blocks: GGUFBlockSizes | None = None
+    matmul_bytes_per_param: float | None = None  # set on the CPU view only; else dtype bytes
 
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    def for_worker(self, stage: StagePlan, tp_rank: int) -> ModelSize:
+        """The sizes worker `tp_rank` of `stage` holds: GGUF blocks on an unsharded CPU worker."""
+        blocks = self.cpu_blocks
+        if blocks is None or not stage.workers[tp_rank].is_cpu or len(stage.workers) > 1:
+            return self
+        bytes_per_param = blocks.matmul_bytes_per_param(self.dtype_bytes)
+        head = self.lm_head_bytes if blocks.lm_head_bytes is None else blocks.lm_head_bytes
+        return dataclasses.replace(
+            self,
+            layer_bytes=round(self.matmul_params_per_layer * bytes_per_param)
+            + self.layer_other_bytes,
+            lm_head_bytes=head,
+            # a head kept as blocks is a second copy beside the float embedding table
+            tied_embeddings=self.tied_embeddings and blocks.lm_head_bytes is None,
+            cpu_blocks=None,
+            matmul_bytes_per_param=bytes_per_param,
+        )
 
     @property
     def total_bytes(self) -> int:
@@ -68,7 +94,8 @@ class ModelSize:
 
     def shard_layer_bytes(self, q_heads: int, kv_heads: int, intermediate: int) -> int:
         matmul = self.shard_matmul_params(q_heads, kv_heads, intermediate)
-        return matmul * self.dtype_bytes + self.layer_other_bytes
+        per_param = self.matmul_bytes_per_param or self.dtype_bytes
+        return round(matmul * per_param) + self.layer_other_bytes
 
     def kv_bytes_per_token(self, num_layers: int) -> int:
         return num_layers * self.kv_bytes_per_token_per_layer
@@ -86,15 +113,30 @@ class ModelSize:
         return num_tokens * per_token * self.dtype_bytes + logits
 
 
-def model_size(hf_config: Any, dtype: str) -> ModelSize:
+@dataclass(frozen=True)
+class GGUFBlockSizes:
+    """What a CPU worker holds of a GGUF file whose linears it computes from their blocks."""
+
+    kept_params: int  # decoder-layer matmul parameters kept as blocks (all layers)
+    kept_bytes: int  # their bytes as blocks
+    total_params: int  # all decoder-layer matmul parameters (the rest are dequantized)
+    lm_head_bytes: int | None  # the head's blocks; None when the head is dequantized
+
+    def matmul_bytes_per_param(self, dtype_bytes: int) -> float:
+        dequantized = self.total_params - self.kept_params
+        return (self.kept_bytes + dequantized * dtype_bytes) / max(1, self.total_params)
+
+
+def model_size(hf_config: Any, dtype: str, cpu_blocks: GGUFBlockSizes | None = None) -> ModelSize:
     """Sizes of a Llama-family (Llama, Mistral, Qwen2/2.5, Qwen3, SmolLM2) or OPT model."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}; got {dtype!r}")
     model_type = getattr(hf_config, "model_type", "") or ""
     if model_type == "opt":
-        return _opt_size(hf_config, dtype)
+        return dataclasses.replace(_opt_size(hf_config, dtype), cpu_blocks=cpu_blocks)
     if model_type in _LLAMA_LIKE or hasattr(hf_config, "intermediate_size"):
-        return _llama_size(hf_config, dtype, model_type or "llama")
+        size = _llama_size(hf_config, dtype, model_type or "llama")
+        return dataclasses.replace(size, cpu_blocks=cpu_blocks)
     raise ValueError(
         f"cannot size model_type {model_type!r}: supported are {', '.join(_LLAMA_LIKE)} and opt"
     )

@@ -33,7 +33,7 @@ from hybridllm.plan.memory_budget import (
     worker_kv_bytes_per_token,
     worker_weight_bytes,
 )
-from hybridllm.plan.model_size import ModelSize, model_size
+from hybridllm.plan.model_size import GGUFBlockSizes, ModelSize, model_size
 from hybridllm.plan.placement_args import PlacementArgs
 from hybridllm.plan.plan import Plan, StagePlan, WorkerPlacement, partition
 from hybridllm.platforms.discovery import HardwareInfo
@@ -52,10 +52,17 @@ def resolve_plan_dtype(args: PlacementArgs, hw: HardwareInfo) -> str:
 
 
 def build_plan(
-    hf_config: Any, args: PlacementArgs, hw: HardwareInfo, cost: CostModel | None = None
+    hf_config: Any,
+    args: PlacementArgs,
+    hw: HardwareInfo,
+    cost: CostModel | None = None,
+    cpu_blocks: GGUFBlockSizes | None = None,
 ) -> Plan:
-    """Place the model `hf_config` describes; raises ValueError naming budgets and needs."""
-    size = model_size(hf_config, resolve_plan_dtype(args, hw))
+    """Place the model `hf_config` describes; raises ValueError naming budgets and needs.
+
+    `cpu_blocks`: the GGUF blocks an unsharded CPU worker would keep (smaller, faster to read).
+    """
+    size = model_size(hf_config, resolve_plan_dtype(args, hw), cpu_blocks)
     return _Planner(size, args, hw, cost, memory_budgets(hw, args)).build()
 
 

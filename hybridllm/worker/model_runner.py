@@ -156,7 +156,7 @@ class ModelRunner:
         """Weights and activation workspace of every CPU worker (they share the host's RAM),
         counted as the planner counts them."""
         mc, sc = self.config.model_config, self.config.scheduler_config
-        size = model_size(mc.hf_config, str(self.dtype).removeprefix("torch."))
+        size = model_size(mc.hf_config, str(self.dtype).removeprefix("torch."), mc.cpu_blocks)
         plan = self.config.plan
         weights = sum(
             worker_weight_bytes(size, plan.stage_of(w.rank), w.tp_rank) for w in cpu_workers

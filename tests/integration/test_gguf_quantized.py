@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
 from hybridllm import LLM, SamplingParams
 from hybridllm.layers.cpu_kernels import load_cpu_kernels
+from hybridllm.layers.gguf_linear import gguf_block_sizes
+from hybridllm.loader import default_model_path, open_model_source
 from hybridllm.loader.gguf_dequant import dequantize
 from hybridllm.loader.gguf_file import GGUFFile
+from hybridllm.loader.hf_folder import HFFolderSource
 from tests.gguf_helpers import tiny_hf_model, write_gguf
 
 pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="native CPU kernels unavailable")
@@ -109,3 +114,27 @@ def test_bf16_cpu_worker_reads_blocks_too(gguf_path):
         for a, b in zip(ours.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
             for tid in a.keys() & b.keys():  # bf16 activations: close, not equal
                 assert abs(a[tid].logprob - b[tid].logprob) < 0.1
+
+
+def test_planner_counts_the_blocks_a_cpu_worker_keeps(gguf_path):
+    source = open_model_source(str(gguf_path))
+    layers = source.hf_config.num_hidden_layers
+    blocks = gguf_block_sizes(source, layers)
+    infos = source.tensor_infos()
+    kinds = {n: n.split(".")[2] for n in infos if n.startswith("blk.")}
+    # kept: o (Q4_0), gate/up (Q4_1), down (Q8_0); q/k/v have mixed types and are dequantized
+    kept = [n for n, k in kinds.items() if k in ("attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+    every = kept + [n for n, k in kinds.items() if k in ("attn_q", "attn_k", "attn_v")]
+    assert blocks.kept_bytes == sum(infos[n].nbytes for n in kept)
+    assert blocks.total_params == sum(math.prod(infos[n].shape) for n in every)
+    head = infos.get("output.weight") or infos["token_embd.weight"]
+    assert blocks.lm_head_bytes == head.nbytes
+
+
+def test_planner_block_sizes_of_the_embedded_model():
+    source = open_model_source(default_model_path())
+    blocks = gguf_block_sizes(source, source.hf_config.num_hidden_layers)
+    assert blocks.kept_params == blocks.total_params  # every linear is Q4_1
+    assert blocks.kept_bytes * 32 == blocks.total_params * 20
+    assert blocks.lm_head_bytes == 49152 * 576 // 32 * 34  # the tied Q8_0 embedding
+    assert gguf_block_sizes(HFFolderSource.__new__(HFFolderSource), 30) is None  # no blocks

@@ -10,8 +10,8 @@ import transformers
 
 from hybridllm.plan.cost_model import CostModel
 from hybridllm.plan.hardware_profile import CpuRates, HardwareProfile, nominal_gpu_rates
-from hybridllm.plan.memory_budget import device_memory, fits, memory_budgets
-from hybridllm.plan.model_size import model_size
+from hybridllm.plan.memory_budget import device_memory, fits, memory_budgets, worker_weight_bytes
+from hybridllm.plan.model_size import GGUFBlockSizes, model_size
 from hybridllm.plan.placement_args import PlacementArgs, parse_memory_size
 from hybridllm.plan.plan import Plan, partition
 from hybridllm.plan.planner import build_plan, resolve_plan_dtype
@@ -303,3 +303,45 @@ def test_a_gpu_too_small_for_one_layer_leaves_everything_on_the_cpu(caplog):
     with caplog.at_level(logging.WARNING):
         plan = plan_for("llama3-8b", hw)
     assert devices(plan) == [["cpu"]] and "running on the CPU only" in caplog.text
+
+
+def q4_1_blocks(name: str) -> GGUFBlockSizes:
+    """Every layer matmul and the head as Q4_1 blocks (20 bytes per 32 weights)."""
+    size = model_size(config(name), "float32")
+    params = size.matmul_params_per_layer * size.num_layers
+    head = size.vocab_size * size.hidden_size * 20 // 32
+    return GGUFBlockSizes(params, params * 20 // 32, params, head)
+
+
+def test_gguf_blocks_shrink_unsharded_cpu_workers_only():
+    hw = machine((24,), ram_gib=64)
+    blocks = q4_1_blocks("llama3-70b")
+    # 70B at bf16 does not fit a 24 GiB GPU + 64 GiB of RAM; as 4-bit blocks on the CPU it does
+    plan = build_plan(config("llama3-70b"), PlacementArgs(), hw, cost_model(hw), blocks)
+    assert devices(plan) == [["cuda:0"], ["cpu"]] or devices(plan) == [["cpu"], ["cuda:0"]]
+    size = model_size(config("llama3-70b"), "bfloat16", blocks)
+    plain = model_size(config("llama3-70b"), "bfloat16")
+    for stage in plan.stages:
+        ours, bf16 = (worker_weight_bytes(s, stage, 0) for s in (size, plain))
+        if stage.workers[0].is_cpu:
+            assert ours < 0.35 * bf16  # 0.625 of 2 bytes per weight, plus norms
+        else:
+            assert ours == bf16
+    # a tensor-parallel CPU stage dequantizes (its shards would cut blocks): no credit
+    tp_plan = plan_for("smollm2-135m", machine(), device="cpu", tensor_parallel_size=2)
+    small, small_plain = (
+        model_size(config("smollm2-135m"), "float32", b)
+        for b in (q4_1_blocks("smollm2-135m"), None)
+    )
+    stage = tp_plan.stages[0]
+    assert worker_weight_bytes(small, stage, 0) == worker_weight_bytes(small_plain, stage, 0)
+
+
+def test_gguf_blocks_make_the_cpu_stage_faster_in_the_cost_model():
+    hw = machine()
+    plan = plan_for("llama3-8b", hw, device="cpu")
+    cost = cost_model(hw)
+    blocks = q4_1_blocks("llama3-8b")
+    plain = cost.decode_tokens_per_s(plan, model_size(config("llama3-8b"), "float32"), 1)
+    ours = cost.decode_tokens_per_s(plan, model_size(config("llama3-8b"), "float32", blocks), 1)
+    assert ours > 4 * plain  # bandwidth-bound batch 1: ~6x fewer bytes per token

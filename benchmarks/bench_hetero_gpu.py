@@ -38,6 +38,7 @@ from transformers.generation.streamers import BaseStreamer
 from hybridllm.loader.safetensors_writer import write_safetensors
 from hybridllm.plan.model_size import ModelSize, model_size
 from hybridllm.plan.placement_args import parse_memory_size
+from hybridllm.platforms.discovery import discover_hardware
 
 # The random model gets the tests' small trained tokenizer (tests/model_helpers.py).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -160,16 +161,10 @@ def machine_info() -> dict[str, Any]:
     """GPU, CPU model, cores, RAM and library versions."""
     import transformers
 
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        pass
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    hw = discover_hardware(include_gpus=False)
     return {
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "cpu": cpu, "cores": os.cpu_count(), "ram_gib": round(ram / 2**30, 1),
+        "cpu": hw.cpu_model, "cores": hw.logical_cores, "ram_gib": round(hw.total_ram / 2**30, 1),
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "transformers": transformers.__version__, "python": platform.python_version(),
     }  # fmt: skip

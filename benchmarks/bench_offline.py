@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -168,14 +167,11 @@ class HFRunner:
 
 
 def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        pass
+    from hybridllm.platforms.discovery import discover_hardware
+
+    hw = discover_hardware(include_gpus=False)
     return (
-        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
+        f"{hw.cpu_model}, {hw.logical_cores} cores, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), Python {platform.python_version()}"
     )
 

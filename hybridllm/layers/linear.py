@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -126,8 +127,9 @@ class Linear(nn.Module):
             return
         types = {q.ggml_type for q in pending.values()}
         if len(pending) == len(self.output_sizes) and len(types) == 1:
-            blocks = [pending[shard].blocks() for shard in range(len(self.output_sizes))]
-            self.qweight = torch.cat(blocks).to(self.weight.device)
+            # one copy out of the file's pages, whatever the number of stacked shards
+            raw = np.concatenate([pending[shard].raw for shard in range(len(self.output_sizes))])
+            self.qweight = torch.from_numpy(raw).to(self.weight.device)
             self.ggml_type = int(types.pop())
             # the float weight was never written (torch.empty): free its address space
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)

@@ -28,6 +28,8 @@ SOURCES = [
     Path(__file__).parent / "csrc" / "gguf_linear_cpu.cpp",
     Path(__file__).parent / "csrc" / "rms_norm_cpu.cpp",
 ]
+# Headers the sources include: part of the build's identity, like the sources.
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 # -march=native ties the binary to this CPU, so the build directory is keyed by its features.
 # No -ffast-math: on some compilers it links code that changes the whole process's denormal mode.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17"]
@@ -51,7 +53,7 @@ def load_cpu_kernels() -> bool:
         return False
     # The directory names everything the binary depends on, so a built library is loaded as is.
     digest = hashlib.sha256(" ".join(CFLAGS).encode())
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.name.encode() + b"\0" + source.read_bytes())
     source_hash = digest.hexdigest()
     tag = f"torch{torch.__version__}-{_cpu_fingerprint()}-{source_hash[:12]}".replace("+", "_")

@@ -16,9 +16,13 @@ from hybridllm.loader.gguf_dequant import dequantize
 Q = GGMLQuantizationType
 FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 # kDirectMaxRows in gguf_linear_cpu.cpp: up to this many rows of x the direct kernel runs,
-# above it the tiled GEMM path. 8 and 9 straddle its row tile (kRowTile).
+# then the panel GEMM (AVX-512) up to kPanelMaxRows, then BLAS on decoded tiles. 8 and 9
+# straddle the direct kernel's row tile, 33 the panel's 32 rows; at K = 1536 256 rows take two
+# of the panel GEMM's m-blocks.
 DIRECT_MAX_ROWS = 24
-ROW_COUNTS = [1, 2, 5, 8, 9, DIRECT_MAX_ROWS, DIRECT_MAX_ROWS + 1, 64, 300]
+PANEL_MAX_ROWS = 256
+ROW_COUNTS = [1, 2, 5, 8, 9, DIRECT_MAX_ROWS, DIRECT_MAX_ROWS + 1, 33, 64]
+ROW_COUNTS += [PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1]
 
 pytestmark = pytest.mark.skipif(os.environ.get(DISABLE_ENV) == "0", reason="kernels disabled")
 

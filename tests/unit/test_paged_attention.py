@@ -142,6 +142,25 @@ def test_long_decode_contexts(cpu_backend):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (10, 2), (4, 4)])
+@pytest.mark.parametrize("window", [None, 6])
+def test_register_blocked_decode_head_dims(head_dim, num_heads, num_kv_heads, window, cpu_backend):
+    # the native op's AVX-512 path for head_dim 64/128: query groups of 3, 5 (more rows than
+    # one register pass holds) and 1; ten sequences for whole-sequence items, three for per-head
+    specs = [(c, 1) for c in (13, 5, 32, 1, 40, 7, 16, 17, 2, 29)]
+    for batch in (specs, specs[:3]):
+        out, ref = run_case(
+            batch,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            window=window,
+            backend=cpu_backend,
+        )
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.skipif(_KERNELS_DISABLED, reason="native CPU kernels disabled")
 def test_native_op_rejects_bad_inputs():
     if not load_cpu_kernels():

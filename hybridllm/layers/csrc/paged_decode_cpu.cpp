@@ -7,10 +7,15 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -35,6 +40,88 @@ inline float exp_nonpositive(float x) {
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
+
+#if defined(__AVX512F__)
+// fp32 fast path for one work item, head_dim kDim (a multiple of 16): the G query rows of a KV
+// head keep q (pass 1) and their output accumulators (pass 2) in registers, kRows rows at a
+// time, so each key and value row is loaded once per row group and never written back.
+// Same arithmetic as the generic loop below up to summation order.
+template <int kDim>
+void decode_item_avx512(const float* qb, const float* kv, int64_t value_offset, const int32_t* table,
+                        int64_t block_size, int64_t block_stride, int64_t token_stride,
+                        int64_t head_stride, int64_t h0, int64_t heads, int64_t group,
+                        int64_t start, int64_t n, float scale, float* scores, float* ob) {
+  constexpr int kVec = kDim / 16;                      // zmm per head row
+  constexpr int kRows = kVec <= 4 ? 4 : kVec <= 8 ? 2 : 1;  // q rows a pass: <= 16 zmm of q
+  auto row_ptr = [&](int64_t t) {  // this token's row (all heads) of K; + value_offset for V
+    const int64_t pos = start + t;
+    return kv + table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
+  };
+  for (int64_t hh = 0; hh < heads; ++hh) {
+    const int64_t head_off = (h0 + hh) * head_stride;
+    for (int64_t g0 = 0; g0 < group; g0 += kRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, group - g0));
+      const int64_t r0 = hh * group + g0;  // first query row of this pass within the item
+      __m512 q[kRows][kVec];
+      for (int r = 0; r < kRows; ++r)
+        for (int i = 0; i < kVec; ++i)
+          q[r][i] = r < rows ? _mm512_mul_ps(_mm512_loadu_ps(qb + (r0 + r) * kDim + 16 * i),
+                                             _mm512_set1_ps(scale))
+                             : _mm512_setzero_ps();
+      // pass 1: scores[r, t] = q_r . k_t
+      for (int64_t t = 0; t < n; ++t) {
+        const float* k = row_ptr(t) + head_off;
+        __m512 kr[kVec];
+        for (int i = 0; i < kVec; ++i) kr[i] = _mm512_loadu_ps(k + 16 * i);
+        for (int r = 0; r < rows; ++r) {
+          __m512 s = _mm512_mul_ps(q[r][0], kr[0]);
+          for (int i = 1; i < kVec; ++i) s = _mm512_fmadd_ps(q[r][i], kr[i], s);
+          scores[(r0 + r) * n + t] = _mm512_reduce_add_ps(s);
+        }
+      }
+    }
+  }
+  // softmax numerators in place, each row divided by its sum at the end
+  const int64_t total_rows = heads * group;
+  std::vector<float> inv_sum(total_rows);
+  for (int64_t r = 0; r < total_rows; ++r) {
+    float* sr = scores + r * n;
+    float mx = sr[0];
+    for (int64_t t = 1; t < n; ++t) mx = std::max(mx, sr[t]);
+#pragma omp simd
+    for (int64_t t = 0; t < n; ++t) sr[t] = exp_nonpositive(sr[t] - mx);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) sum += sr[t];
+    inv_sum[r] = 1.f / sum;
+  }
+  // pass 2: out[r] = sum_t p[r, t] v_t / sum_r
+  for (int64_t hh = 0; hh < heads; ++hh) {
+    const int64_t head_off = value_offset + (h0 + hh) * head_stride;
+    for (int64_t g0 = 0; g0 < group; g0 += kRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, group - g0));
+      const int64_t r0 = hh * group + g0;
+      __m512 acc[kRows][kVec];
+      for (int r = 0; r < kRows; ++r)
+        for (int i = 0; i < kVec; ++i) acc[r][i] = _mm512_setzero_ps();
+      for (int64_t t = 0; t < n; ++t) {
+        const float* v = row_ptr(t) + head_off;
+        __m512 vr[kVec];
+        for (int i = 0; i < kVec; ++i) vr[i] = _mm512_loadu_ps(v + 16 * i);
+        for (int r = 0; r < rows; ++r) {
+          const __m512 p = _mm512_set1_ps(scores[(r0 + r) * n + t]);
+          for (int i = 0; i < kVec; ++i) acc[r][i] = _mm512_fmadd_ps(p, vr[i], acc[r][i]);
+        }
+      }
+      for (int r = 0; r < rows; ++r) {
+        const __m512 inv = _mm512_set1_ps(inv_sum[r0 + r]);
+        for (int i = 0; i < kVec; ++i)
+          _mm512_storeu_ps(ob + (r0 + r) * kDim + 16 * i, _mm512_mul_ps(acc[r][i], inv));
+      }
+    }
+  }
+}
+#endif
 
 // One work item is one sequence and a run of its KV heads: all of them when there are enough
 // sequences to keep every thread busy, so each token's K and V rows (all heads side by side) are
@@ -79,8 +166,17 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
       const int32_t* table = tables + b * table_stride;
       // query is contiguous [B, H, D]: this item's query heads are rows consecutive rows
       const scalar_t* qb = q + (b * num_heads + h0 * group) * head_dim;
-      for (int64_t i = 0; i < rows * head_dim; ++i) qf[i] = static_cast<float>(qb[i]) * scale;
       scores.resize(rows * n);
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<scalar_t, float> && kHeadDim > 0 && kHeadDim % 16 == 0) {
+        decode_item_avx512<kHeadDim>(qb, kv, value_offset, table, block_size, block_stride,
+                                     token_stride, head_stride, h0, heads_per_item, group, start,
+                                     n, scale, scores.data(),
+                                     o + (b * num_heads + h0 * group) * head_dim);
+        continue;
+      }
+#endif
+      for (int64_t i = 0; i < rows * head_dim; ++i) qf[i] = static_cast<float>(qb[i]) * scale;
 
       // scores[r, t] = q_r . k_t  (already scaled); query row r = hh * group + g reads KV head
       // h0 + hh

@@ -1,0 +1,139 @@
+// GGUF block formats (Q4_0, Q4_1, Q8_0) and their decoding to fp32, shared by the linear
+// kernels in gguf_linear_cpu.cpp and gguf_panel_gemm.h.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace hybridllm_gguf {
+
+// GGMLQuantizationType values of the supported formats. Every format packs 32 weights a block;
+// one weight row [K] is K/32 consecutive blocks.
+constexpr int64_t kQ4_0 = 2;  // fp16 d, 16 bytes of nibbles: w = d * (q - 8)
+constexpr int64_t kQ4_1 = 3;  // fp16 d, fp16 m, 16 bytes of nibbles: w = d * q + m
+constexpr int64_t kQ8_0 = 8;  // fp16 d, 32 int8: w = d * q
+constexpr int64_t kBlock = 32;
+
+constexpr int64_t block_bytes(int64_t type) {
+  return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : type == kQ8_0 ? 34 : 0;
+}
+
+// The first 64-byte aligned float at or after p (p is 4-byte aligned): 64-byte loads and stores
+// that straddle two cache lines cost two.
+inline float* align64(float* p) {
+  return p + (16 - reinterpret_cast<uintptr_t>(p) / 4 % 16) % 16;
+}
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// IEEE half -> float for one scale (exact).
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);  // inf / nan
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);  // rebias 15 -> 127
+  } else {
+    const float v = static_cast<float>(mantissa) * 5.9604645e-8f;  // zero / subnormal: m * 2^-24
+    return sign ? -v : v;
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+#endif
+}
+
+// The fp32 scales of `count` consecutive blocks (a run of whole weight rows: the blocks of
+// consecutive rows are evenly spaced too): d[i] = the fp16 at byte 0 of block i and, for Q4_1,
+// m[i] = the fp16 at byte 2. d and m have room for count rounded up to 16.
+template <int64_t kType>
+inline void block_scales(const uint8_t* blocks, int64_t count, float* d, float* m) {
+  constexpr int64_t bb = block_bytes(kType);
+#if defined(__AVX512F__)
+  // 16 blocks a step: one gather of each block's first 32-bit word (d in the low half, Q4_1's
+  // m in the high half), then one 16-wide fp16 -> fp32 convert. Cheaper than scalar converts,
+  // and no store-forwarding stall from writing halves one by one and reloading them as a vector.
+  const __m512i index = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int>(bb)));
+  for (int64_t i = 0; i < count; i += 16) {
+    const int64_t n = std::min<int64_t>(16, count - i);
+    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+    const __m512i words =
+        _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, index, blocks + i * bb, 1);
+    _mm512_storeu_ps(d + i, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words)));
+    if (kType == kQ4_1)
+      _mm512_storeu_ps(m + i, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16))));
+  }
+#else
+  for (int64_t i = 0; i < count; ++i) {
+    d[i] = half_to_float(load_u16(blocks + i * bb));
+    if (kType == kQ4_1) m[i] = half_to_float(load_u16(blocks + i * bb + 2));
+  }
+#endif
+}
+
+// Decodes one weight row [K] (nb blocks) into fp32, as gguf_dequant.py does (the AVX-512 Q4_1
+// path fuses d * q + m into one rounding).
+template <int64_t kType>
+void dequantize_row(const uint8_t* row, int64_t nb, float* out, float* d, float* m) {
+  constexpr int64_t bb = block_bytes(kType);
+  block_scales<kType>(row, nb, d, m);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * bb;
+    float* o = out + b * kBlock;
+#if defined(__AVX512F__)
+    if constexpr (kType == kQ8_0) {
+      const __m512 scale = _mm512_set1_ps(d[b]);
+      for (int h = 0; h < 2; ++h) {
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + 16 * h));
+        const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+        _mm512_storeu_ps(o + 16 * h, _mm512_mul_ps(qf, scale));
+      }
+    } else {
+      // table[i] = the weight a nibble i stands for; vpermps indexes it by each lane's low 4 bits
+      const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512 table =
+          kType == kQ4_1
+              ? _mm512_fmadd_ps(iota, _mm512_set1_ps(d[b]), _mm512_set1_ps(m[b]))
+              : _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.f)), _mm512_set1_ps(d[b]));
+      const __m512i q = _mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (kType == kQ4_1 ? 4 : 2))));
+      _mm512_storeu_ps(o, _mm512_permutexvar_ps(q, table));
+      _mm512_storeu_ps(o + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table));
+    }
+#else
+    if constexpr (kType == kQ8_0) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+      for (int j = 0; j < 32; ++j) o[j] = d[b] * static_cast<float>(q[j]);
+    } else {
+      const uint8_t* q = blk + (kType == kQ4_1 ? 4 : 2);
+      for (int j = 0; j < 16; ++j) {
+        if (kType == kQ4_1) {
+          o[j] = d[b] * static_cast<float>(q[j] & 15) + m[b];
+          o[j + 16] = d[b] * static_cast<float>(q[j] >> 4) + m[b];
+        } else {
+          o[j] = d[b] * static_cast<float>((q[j] & 15) - 8);
+          o[j + 16] = d[b] * static_cast<float>((q[j] >> 4) - 8);
+        }
+      }
+    }
+#endif
+  }
+}
+
+}  // namespace hybridllm_gguf

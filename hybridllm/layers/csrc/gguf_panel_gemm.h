@@ -1,0 +1,145 @@
+// The panel GEMM of hybridllm::gguf_linear for many rows of x (AVX-512 only): y = x W^T with
+// the GGUF weight rows decoded panel by panel into fp32 and an outer-product micro-kernel.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "gguf_blocks.h"
+
+#if defined(__AVX512F__)
+namespace hybridllm_gguf {
+
+// Many rows of x, AVX-512: a GEMM of our own with the weights decoded on the fly, since BLAS at
+// these shapes (M = 64, K = 576) reached only 60-70% of the FMA rate its large GEMMs reach here.
+// Vectors run along rows of x, broadcasts along weight rows, so decoded weight rows are used as
+// they are (no transpose): x is packed once per call as x^T tiles [K][kPanelM].
+constexpr int kPanelM = 32;  // rows of x a micro-kernel call: two 16-lane vectors
+constexpr int kPanelN = 12;  // weight rows a panel: 2 x 12 accumulators + 2 x vectors in 32 registers
+// Up to this many rows of x the panel GEMM runs; above, BLAS on decoded tiles, which was
+// 15-25% faster at M = 2048 (interleaved A/B in one process) while the panels were 5-40% faster
+// at M = 64 and an engine decode step at batch 64 8% faster.
+constexpr int64_t kPanelMaxRows = 256;
+// x^T tiles of one m-block: about 1 MB, so they stay in L2 while every panel passes over them.
+constexpr int64_t kPanelBlockBytes = 1 << 20;
+
+// In-register transpose of a 16 x 16 float block: r[i] lane j becomes r[j] lane i.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  // r[i + c] holds column c (of each 128-bit lane's four) for rows i..i+3
+  for (int i = 0; i < 16; i += 4) {
+    for (int j = 0; j < 2; ++j) {
+      const __m512d a = _mm512_castps_pd(t[i + j]), b = _mm512_castps_pd(t[i + j + 2]);
+      r[i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+      r[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    }
+  }
+  for (int i = 0; i < 16; i += 8) {
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xDD);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xDD);
+  }
+}
+
+// xt tile t = rows [32t, 32t + 32) of x transposed: xt[(t * K + k) * 32 + i] = x[32t + i][k],
+// zero past M.
+inline void pack_x_transposed(const float* x, int64_t M, int64_t K, float* xt) {
+  const int64_t tiles = (M + kPanelM - 1) / kPanelM;
+  at::parallel_for(0, tiles * 2, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {  // s: one 16-row half of a tile
+      const int64_t r0 = s * 16, rows = std::clamp<int64_t>(M - r0, 0, 16);
+      float* out = xt + (s / 2) * K * kPanelM + (s % 2) * 16;
+      for (int64_t k = 0; k < K; k += 16) {
+        __m512 r[16];
+        for (int i = 0; i < 16; ++i)
+          r[i] = i < rows ? _mm512_loadu_ps(x + (r0 + i) * K + k) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int i = 0; i < 16; ++i) _mm512_store_ps(out + (k + i) * kPanelM, r[i]);
+      }
+    }
+  });
+}
+
+// out[j * kPanelM + i] = dot(x row i of the tile, decoded weight row j), for kCols weight rows
+// (w: [kCols][K]) against one x^T tile ([K][kPanelM]).
+template <int kCols>
+inline void panel_kernel(const float* xt, const float* w, int64_t K, float* out) {
+  __m512 acc[kCols][2];
+  for (int j = 0; j < kCols; ++j) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 x0 = _mm512_load_ps(xt + k * kPanelM), x1 = _mm512_load_ps(xt + k * kPanelM + 16);
+#pragma GCC unroll 12
+    for (int j = 0; j < kCols; ++j) {
+      const __m512 wv = _mm512_set1_ps(w[j * K + k]);
+      acc[j][0] = _mm512_fmadd_ps(wv, x0, acc[j][0]);
+      acc[j][1] = _mm512_fmadd_ps(wv, x1, acc[j][1]);
+    }
+  }
+  for (int j = 0; j < kCols; ++j) {
+    _mm512_store_ps(out + j * kPanelM, acc[j][0]);
+    _mm512_store_ps(out + j * kPanelM + 16, acc[j][1]);
+  }
+}
+
+template <int... kCols>
+inline void panel_kernel_dispatch(int cols, const float* xt, const float* w, int64_t K, float* out,
+                                  std::integer_sequence<int, kCols...>) {
+  ((cols == kCols + 1 ? panel_kernel<kCols + 1>(xt, w, K, out) : void()), ...);
+}
+
+template <int64_t kType>
+void panel_linear(const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N, float* y) {
+  constexpr int64_t bb = block_bytes(kType);
+  const int64_t nb = K / kBlock, row_bytes = nb * bb;
+  const int64_t tiles = (M + kPanelM - 1) / kPanelM;
+  // kept by the calling thread: a fresh buffer this size would be mapped anew, and its pages
+  // faulted in, by every call
+  thread_local std::vector<float> packed;
+  packed.resize(std::max<size_t>(packed.size(), tiles * K * kPanelM + 16));
+  float* xt = align64(packed.data());
+  pack_x_transposed(x, M, K, xt);
+  const int64_t block_tiles = std::max<int64_t>(1, kPanelBlockBytes / (K * kPanelM * 4));
+  const int64_t panels = (N + kPanelN - 1) / kPanelN;
+  const int64_t threads = at::get_num_threads();
+  at::parallel_for(0, panels, (panels + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    // decoded weight rows of one panel, their block scales, one tile's results
+    thread_local std::vector<float> buffer;
+    buffer.resize(std::max<size_t>(buffer.size(), kPanelN * K + 2 * (nb + 16) + 16 + 64 * kPanelN));
+    float* w = align64(buffer.data());
+    float* d = w + kPanelN * K;
+    float* m = d + nb + 16;
+    alignas(64) float out[kPanelN * kPanelM];
+    for (int64_t t0 = 0; t0 < tiles; t0 += block_tiles) {
+      const int64_t t1 = std::min(tiles, t0 + block_tiles);
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t n0 = p * kPanelN, cols = std::min<int64_t>(kPanelN, N - n0);
+        for (int64_t j = 0; j < cols; ++j)
+          dequantize_row<kType>(qw + (n0 + j) * row_bytes, nb, w + j * K, d, m);
+        for (int64_t t = t0; t < t1; ++t) {
+          panel_kernel_dispatch(static_cast<int>(cols), xt + t * K * kPanelM, w, K, out,
+                                std::make_integer_sequence<int, kPanelN>{});
+          const int64_t rows = std::min<int64_t>(kPanelM, M - t * kPanelM);
+          float* yt = y + t * kPanelM * N + n0;
+          for (int64_t i = 0; i < rows; ++i)
+            for (int64_t j = 0; j < cols; ++j) yt[i * N + j] = out[j * kPanelM + i];
+        }
+      }
+    }
+  });
+}
+
+}  // namespace hybridllm_gguf
+#endif

@@ -1,4 +1,5 @@
-"""Optional native CPU kernels (decode attention, GGUF linear, RMSNorm), compiled on first use.
+"""Optional native CPU kernels (decode attention, GGUF linear, RMSNorm, SiLU-and-mul, argmax),
+compiled on first use.
 
 The kernels are a speed-up, never a requirement: when there is no C++ compiler, the build
 fails, or `HYBRIDLLM_CPU_KERNELS=0` is set, `load_cpu_kernels` returns False and the plain
@@ -27,6 +28,8 @@ SOURCES = [
     Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp",
     Path(__file__).parent / "csrc" / "gguf_linear_cpu.cpp",
     Path(__file__).parent / "csrc" / "rms_norm_cpu.cpp",
+    Path(__file__).parent / "csrc" / "activation_cpu.cpp",
+    Path(__file__).parent / "csrc" / "argmax_cpu.cpp",
 ]
 # Headers the sources include: part of the build's identity, like the sources.
 HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))

@@ -39,8 +39,16 @@ class GatedMLP(nn.Module):
         self.down_proj = row_linear(
             intermediate_size, cols, hidden_size, bias, dtype, device, tp_group
         )
+        self.native = False  # CPU: the compiled hybridllm::silu_and_mul (see use_native_op)
+
+    def use_native_op(self) -> None:
+        """Run the compiled CPU op: one pass over gate/up instead of F.silu, a temporary and a
+        multiply. Call only when `load_cpu_kernels()` is True."""
+        self.native = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        if self.native and gate_up.dim() == 2 and gate_up.is_contiguous():
+            return self.down_proj(torch.ops.hybridllm.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))

@@ -11,6 +11,7 @@ from torch import nn
 
 from hybridllm.layers.cpu_kernels import load_cpu_kernels
 from hybridllm.layers.linear import Linear, cpu_bf16_packing_supported
+from hybridllm.layers.mlp import GatedMLP
 from hybridllm.layers.norm import RMSNorm
 from hybridllm.layers.vocab_embedding import LMHead
 from hybridllm.loader.quantized_tensor import QuantizedTensor
@@ -207,11 +208,11 @@ class CausalLMBase(nn.Module):
         if self._weights_processed:
             return
         self._weights_processed = True
-        native_norms = self.device.type == "cpu" and load_cpu_kernels()
+        native_ops = self.device.type == "cpu" and load_cpu_kernels()
         for module in self.modules():
             if isinstance(module, Linear):
                 module.finish_loading()
-            elif isinstance(module, RMSNorm) and native_norms:
+            elif isinstance(module, (RMSNorm, GatedMLP)) and native_ops:
                 module.use_native_op()
         if self.device.type != "cpu" or self.dtype != torch.bfloat16:
             return

@@ -16,6 +16,7 @@ from hybridllm.engine.scheduler_output import (
     SchedulerOutput,
 )
 from hybridllm.layers.attention_metadata import AttentionMetadata
+from hybridllm.layers.cpu_kernels import load_cpu_kernels
 from hybridllm.plan.memory_budget import worker_weight_bytes
 from hybridllm.plan.model_size import model_size
 from hybridllm.plan.plan import StagePlan
@@ -73,7 +74,8 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
-        self.sampler = Sampler()
+        # greedy rows take the compiled argmax on a CPU last stage
+        self.sampler = Sampler(native_argmax=self.device.type == "cpu" and load_cpu_kernels())
         self.eos_token_ids = set(config.model_config.eos_token_ids)  # masked under min_tokens
 
     # ---- set-up -------------------------------------------------------------------------------

@@ -7,6 +7,8 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include "vec_math.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -20,26 +22,7 @@
 
 namespace {
 
-// exp(x) for x <= 0 (softmax numerators), written so the compiler vectorizes it: x = n*ln2 + r
-// with |r| <= ln2/2, e^r by its degree-6 Taylor polynomial (relative error < 2e-7), times 2^n
-// built in the exponent bits. Plain arithmetic, so the softmax loop vectorizes (glibc's expf
-// has no vector form without -ffast-math).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);  // below this e^x underflows fp32 anyway
-  const float n = std::nearbyint(x * 1.44269504f);
-  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;  // ln2 split in two for accuracy
-  float p = 1.f / 720;
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+using hybridllm_math::exp_nonpositive;
 
 #if defined(__AVX512F__)
 // fp32 fast path for one work item, head_dim kDim (a multiple of 16): the G query rows of a KV

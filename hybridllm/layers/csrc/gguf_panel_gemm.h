@@ -115,9 +115,9 @@ void panel_linear(const float* x, int64_t M, int64_t K, const uint8_t* qw, int64
   const int64_t panels = (N + kPanelN - 1) / kPanelN;
   const int64_t threads = at::get_num_threads();
   at::parallel_for(0, panels, (panels + threads - 1) / threads, [&](int64_t begin, int64_t end) {
-    // decoded weight rows of one panel, their block scales, one tile's results
+    // decoded weight rows of one panel and their block scales (one tile's results: `out`)
     thread_local std::vector<float> buffer;
-    buffer.resize(std::max<size_t>(buffer.size(), kPanelN * K + 2 * (nb + 16) + 16 + 64 * kPanelN));
+    buffer.resize(std::max<size_t>(buffer.size(), kPanelN * K + 2 * (nb + 16) + 16));
     float* w = align64(buffer.data());
     float* d = w + kPanelN * K;
     float* m = d + nb + 16;

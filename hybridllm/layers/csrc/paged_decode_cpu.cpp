@@ -24,6 +24,22 @@ namespace {
 
 using hybridllm_math::exp_nonpositive;
 
+// Softmax numerators in place for `rows` rows of n scores (scores[r * n + t]), and each row's
+// 1 / sum in inv_sum[r]: the division waits until the weighted sum of values is done.
+inline void softmax_numerators(float* scores, int64_t rows, int64_t n, float* inv_sum) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = scores + r * n;
+    float mx = sr[0];
+    for (int64_t t = 1; t < n; ++t) mx = std::max(mx, sr[t]);
+#pragma omp simd
+    for (int64_t t = 0; t < n; ++t) sr[t] = exp_nonpositive(sr[t] - mx);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) sum += sr[t];
+    inv_sum[r] = 1.f / sum;
+  }
+}
+
 #if defined(__AVX512F__)
 // fp32 fast path for one work item, head_dim kDim (a multiple of 16): the G query rows of a KV
 // head keep q (pass 1) and their output accumulators (pass 2) in registers, kRows rows at a
@@ -33,7 +49,8 @@ template <int kDim>
 void decode_item_avx512(const float* qb, const float* kv, int64_t value_offset, const int32_t* table,
                         int64_t block_size, int64_t block_stride, int64_t token_stride,
                         int64_t head_stride, int64_t h0, int64_t heads, int64_t group,
-                        int64_t start, int64_t n, float scale, float* scores, float* ob) {
+                        int64_t start, int64_t n, float scale, float* scores, float* inv_sum,
+                        float* ob) {
   constexpr int kVec = kDim / 16;                      // zmm per head row
   constexpr int kRows = kVec <= 4 ? 4 : kVec <= 8 ? 2 : 1;  // q rows a pass: <= 16 zmm of q
   auto row_ptr = [&](int64_t t) {  // this token's row (all heads) of K; + value_offset for V
@@ -64,20 +81,7 @@ void decode_item_avx512(const float* qb, const float* kv, int64_t value_offset, 
       }
     }
   }
-  // softmax numerators in place, each row divided by its sum at the end
-  const int64_t total_rows = heads * group;
-  std::vector<float> inv_sum(total_rows);
-  for (int64_t r = 0; r < total_rows; ++r) {
-    float* sr = scores + r * n;
-    float mx = sr[0];
-    for (int64_t t = 1; t < n; ++t) mx = std::max(mx, sr[t]);
-#pragma omp simd
-    for (int64_t t = 0; t < n; ++t) sr[t] = exp_nonpositive(sr[t] - mx);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) sum += sr[t];
-    inv_sum[r] = 1.f / sum;
-  }
+  softmax_numerators(scores, heads * group, n, inv_sum);
   // pass 2: out[r] = sum_t p[r, t] v_t / sum_r
   for (int64_t hh = 0; hh < heads; ++hh) {
     const int64_t head_off = value_offset + (h0 + hh) * head_stride;
@@ -154,7 +158,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
       if constexpr (std::is_same_v<scalar_t, float> && kHeadDim > 0 && kHeadDim % 16 == 0) {
         decode_item_avx512<kHeadDim>(qb, kv, value_offset, table, block_size, block_stride,
                                      token_stride, head_stride, h0, heads_per_item, group, start,
-                                     n, scale, scores.data(),
+                                     n, scale, scores.data(), inv_sum.data(),
                                      o + (b * num_heads + h0 * group) * head_dim);
         continue;
       }
@@ -179,18 +183,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
           }
         }
       }
-      // softmax numerators in place; the division waits until the end
-      for (int64_t r = 0; r < rows; ++r) {
-        float* sr = scores.data() + r * n;
-        float mx = sr[0];
-        for (int64_t t = 1; t < n; ++t) mx = std::max(mx, sr[t]);
-#pragma omp simd
-        for (int64_t t = 0; t < n; ++t) sr[t] = exp_nonpositive(sr[t] - mx);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < n; ++t) sum += sr[t];
-        inv_sum[r] = 1.f / sum;
-      }
+      softmax_numerators(scores.data(), rows, n, inv_sum.data());
       // acc[r] = sum_t p[r, t] * v_t
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < n; ++t) {

@@ -24,6 +24,22 @@ namespace {
 
 using hybridllm_math::exp_nonpositive;
 
+// How many tokens ahead the first pass over an item's keys asks for the key and value rows it
+// will need. Blocks are scattered, so the hardware prefetcher stops at every block's end; with
+// the context coming from DRAM (batch 64, 190 tokens, 24 rotating caches) prefetching a block
+// ahead read 14-17 GB/s against 10-11 without. 8 to 32 tokens measured alike.
+constexpr int64_t kPrefetchTokens = 16;
+
+// Both rows (key and value) of one token's heads of this item into L1: pass 2 finds the values
+// in L2 (an item's context is a few hundred KB at most, the L2 holds MBs).
+inline void prefetch_kv_row(const void* key_row, int64_t value_offset_bytes, int64_t bytes) {
+  const char* k = static_cast<const char*>(key_row);
+  for (int64_t o = 0; o < bytes; o += 64) {
+    __builtin_prefetch(k + o, 0, 3);
+    __builtin_prefetch(k + value_offset_bytes + o, 0, 3);
+  }
+}
+
 // Softmax numerators in place for `rows` rows of n scores (scores[r * n + t]), and each row's
 // 1 / sum in inv_sum[r]: the division waits until the weighted sum of values is done.
 inline void softmax_numerators(float* scores, int64_t rows, int64_t n, float* inv_sum) {
@@ -68,8 +84,12 @@ void decode_item_avx512(const float* qb, const float* kv, int64_t value_offset, 
           q[r][i] = r < rows ? _mm512_mul_ps(_mm512_loadu_ps(qb + (r0 + r) * kDim + 16 * i),
                                              _mm512_set1_ps(scale))
                              : _mm512_setzero_ps();
-      // pass 1: scores[r, t] = q_r . k_t
+      // pass 1: scores[r, t] = q_r . k_t; the first pass over the keys prefetches every row
+      const bool prefetch = hh == 0 && g0 == 0;
       for (int64_t t = 0; t < n; ++t) {
+        if (prefetch && t + kPrefetchTokens < n)
+          prefetch_kv_row(row_ptr(t + kPrefetchTokens) + h0 * head_stride,
+                          value_offset * sizeof(float), heads * kDim * sizeof(float));
         const float* k = row_ptr(t) + head_off;
         __m512 kr[kVec];
         for (int i = 0; i < kVec; ++i) kr[i] = _mm512_loadu_ps(k + 16 * i);
@@ -171,6 +191,12 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
         const int64_t pos = start + t;
         const scalar_t* k_row = kv + table[pos / block_size] * block_stride +
                                 (pos % block_size) * token_stride + h0 * head_stride;
+        if (t + kPrefetchTokens < n) {
+          const int64_t ahead = pos + kPrefetchTokens;
+          prefetch_kv_row(kv + table[ahead / block_size] * block_stride +
+                              (ahead % block_size) * token_stride + h0 * head_stride,
+                          value_offset * sizeof(scalar_t), heads_per_item * head_dim * sizeof(scalar_t));
+        }
         for (int64_t hh = 0; hh < heads_per_item; ++hh) {
           const scalar_t* k = k_row + hh * head_stride;
           for (int64_t g = 0; g < group; ++g) {

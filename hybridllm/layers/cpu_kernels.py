@@ -1,5 +1,5 @@
-"""Optional native CPU kernels (decode attention, GGUF linear, RMSNorm, SiLU-and-mul, argmax),
-compiled on first use.
+"""Optional native CPU kernels (decode attention, KV cache writes, GGUF linear, RMSNorm,
+SiLU-and-mul, rotary embedding, argmax), compiled on first use.
 
 The kernels are a speed-up, never a requirement: when there is no C++ compiler, the build
 fails, or `HYBRIDLLM_CPU_KERNELS=0` is set, `load_cpu_kernels` returns False and the plain
@@ -30,6 +30,8 @@ SOURCES = [
     Path(__file__).parent / "csrc" / "rms_norm_cpu.cpp",
     Path(__file__).parent / "csrc" / "activation_cpu.cpp",
     Path(__file__).parent / "csrc" / "argmax_cpu.cpp",
+    Path(__file__).parent / "csrc" / "rotary_cpu.cpp",
+    Path(__file__).parent / "csrc" / "kv_cache_write_cpu.cpp",
 ]
 # Headers the sources include: part of the build's identity, like the sources.
 HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))

@@ -28,7 +28,8 @@ class TorchPagedAttention:
     """Gather + SDPA implementation; one instance may serve every layer.
 
     With `native_decode`, decode rows use the compiled `hybridllm::paged_decode_attention`
-    op (CPU tensors only), which reads the blocks in place instead of gathering a padded copy.
+    op (CPU tensors only), which reads the blocks in place instead of gathering a padded copy,
+    and the step's keys and values go to the cache through `hybridllm::write_kv_cache`.
     """
 
     def __init__(self, native_decode: bool = False):
@@ -47,7 +48,10 @@ class TorchPagedAttention:
         """query [n, H, D], key/value [n, kvh, D] (this step's) -> output [n, H * D]."""
         num_tokens, num_heads, head_dim = query.shape
         if kv_cache is not None and kv_cache.numel():
-            write_kv_cache(kv_cache, key, value, prep.slot_mapping)
+            if self.native_decode:
+                torch.ops.hybridllm.write_kv_cache(key, value, kv_cache, prep.slot_mapping)
+            else:
+                write_kv_cache(kv_cache, key, value, prep.slot_mapping)
         elif prep.reads_cache:
             raise ValueError("decode rows and cached prefixes need a KV cache, got none")
         num_decodes = prep.num_decodes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,11 +59,27 @@ def _llama3_scale(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tenso
     return torch.where(is_medium, blended, scaled)
 
 
+@dataclass(frozen=True)
+class RotaryAngles:
+    """One model step's rotation: cos and signed sin of each token, each [num_tokens, 1, D]."""
+
+    cos: torch.Tensor
+    sin_signed: torch.Tensor
+    native: bool = False  # CPU: rotate with the compiled hybridllm::rotary_embedding_
+
+    def rotate_(self, x: torch.Tensor) -> None:
+        """Rotate x [num_tokens, num_heads, head_dim] (may be a strided view) in place."""
+        if self.native:
+            torch.ops.hybridllm.rotary_embedding_(x, self.cos, self.sin_signed)
+        else:
+            apply_rotary_(x, self.cos, self.sin_signed)
+
+
 class RotaryEmbedding(nn.Module):
     """Holds a [max_positions, 2, head_dim] table of (cos, signed sin) in the model dtype.
 
-    `forward(positions, max_seq_len)` gathers it once per model step; `apply_rotary_`
-    then rotates q and k of every layer in place with three kernels.
+    `forward(positions, max_seq_len)` gathers it once per model step into `RotaryAngles`,
+    which then rotate q and k of every layer in place.
     """
 
     def __init__(
@@ -75,6 +92,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.dtype = dtype
+        self.native = False  # CPU: the compiled rotation (see use_native_op)
         self.register_buffer(
             "inv_freq", compute_inv_freq(head_dim, params).to(device), persistent=False
         )
@@ -91,19 +109,22 @@ class RotaryEmbedding(nn.Module):
         sin_signed = torch.cat((-sin, sin), dim=-1)
         return torch.stack((cos_full, sin_signed), dim=1).to(self.dtype)  # [P, 2, D]
 
+    def use_native_op(self) -> None:
+        """Rotate with the compiled CPU op: one pass over q and k where torch's cat + mul_ +
+        addcmul_ make three. Call only when `load_cpu_kernels()` is True."""
+        self.native = True
+
     def ensure_capacity(self, num_positions: int) -> None:
         """Grow the table to cover positions < num_positions (host-side check, no sync)."""
         if num_positions > self.cos_sin_cache.shape[0]:
             size = max(num_positions, 2 * self.cos_sin_cache.shape[0])
             self.cos_sin_cache = self._build(size)
 
-    def forward(
-        self, positions: torch.Tensor, max_seq_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin for each token, each [num_tokens, 1, head_dim]."""
+    def forward(self, positions: torch.Tensor, max_seq_len: int) -> RotaryAngles:
+        """The rotation of each token at `positions`."""
         self.ensure_capacity(max_seq_len)
         cos_sin = self.cos_sin_cache.index_select(0, positions)  # [n, 2, D]
-        return cos_sin[:, 0:1], cos_sin[:, 1:2]
+        return RotaryAngles(cos_sin[:, 0:1], cos_sin[:, 1:2], self.native and positions.is_cpu)
 
 
 def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:

@@ -13,6 +13,7 @@ from hybridllm.layers.cpu_kernels import load_cpu_kernels
 from hybridllm.layers.linear import Linear, cpu_bf16_packing_supported
 from hybridllm.layers.mlp import GatedMLP
 from hybridllm.layers.norm import RMSNorm
+from hybridllm.layers.rotary_embedding import RotaryEmbedding
 from hybridllm.layers.vocab_embedding import LMHead
 from hybridllm.loader.quantized_tensor import QuantizedTensor
 
@@ -212,7 +213,7 @@ class CausalLMBase(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.finish_loading()
-            elif isinstance(module, (RMSNorm, GatedMLP)) and native_ops:
+            elif isinstance(module, (RMSNorm, GatedMLP, RotaryEmbedding)) and native_ops:
                 module.use_native_op()
         if self.device.type != "cpu" or self.dtype != torch.bfloat16:
             return

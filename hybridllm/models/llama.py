@@ -12,7 +12,7 @@ from hybridllm.layers.attention_metadata import AttentionMetadata
 from hybridllm.layers.mlp import GatedMLP
 from hybridllm.layers.norm import RMSNorm
 from hybridllm.layers.prepared_attention import PreparedAttention, prepare_attention
-from hybridllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary_, rope_parameters
+from hybridllm.layers.rotary_embedding import RotaryAngles, RotaryEmbedding, rope_parameters
 from hybridllm.layers.tensor_parallel import (
     attention_heads,
     column_linear,
@@ -89,8 +89,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rotary: RotaryAngles,
         kv_cache: torch.Tensor | None,
         prep: PreparedAttention,
     ) -> torch.Tensor:
@@ -99,14 +98,14 @@ class LlamaAttention(nn.Module):
         q_end, k_end = self.q_size, self.q_size + self.kv_size
         if self.q_norm is None:
             # q and k are adjacent in qkv: rotate both heads' sets in one go, in place
-            apply_rotary_(qkv[:, :k_end].view(n, -1, self.head_dim), cos, sin)
+            rotary.rotate_(qkv[:, :k_end].view(n, -1, self.head_dim))
             q = qkv[:, :q_end].view(n, self.num_heads, self.head_dim)
             k = qkv[:, q_end:k_end].view(n, self.num_kv_heads, self.head_dim)
         else:
             q = self.q_norm(qkv[:, :q_end].view(n, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, q_end:k_end].view(n, self.num_kv_heads, self.head_dim))
-            apply_rotary_(q, cos, sin)
-            apply_rotary_(k, cos, sin)
+            rotary.rotate_(q)
+            rotary.rotate_(k)
         v = qkv[:, k_end:].view(n, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, kv_cache, prep))
 
@@ -153,8 +152,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rotary: RotaryAngles,
         kv_cache: torch.Tensor | None,
         prep: PreparedAttention,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,7 +162,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, cos, sin, kv_cache, prep)
+        hidden_states = self.self_attn(hidden_states, rotary, kv_cache, prep)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -263,14 +261,14 @@ class LlamaForCausalLM(CausalLMBase):
         A later stage continues from the previous stage's (hidden_states, residual).
         """
         prep = prepare_attention(attn_metadata)
-        cos, sin = self.rotary_emb(positions, attn_metadata.max_seq_len)  # [n, 1, D] each
+        rotary = self.rotary_emb(positions, attn_metadata.max_seq_len)
         if hidden_states is None:
             if self.embed_tokens is None:
                 raise ValueError("a stage without the embedding needs hidden_states")
             hidden_states = self.embed_tokens(input_ids)  # [n, hidden]
         for i, layer in enumerate(self.layers):
             kv_cache = kv_caches[i] if kv_caches else None
-            hidden_states, residual = layer(hidden_states, residual, cos, sin, kv_cache, prep)
+            hidden_states, residual = layer(hidden_states, residual, rotary, kv_cache, prep)
         if self.norm is None:
             return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)

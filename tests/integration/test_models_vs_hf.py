@@ -237,7 +237,8 @@ def test_rotary_tables_match_hf(rope):
     positions = torch.tensor([0, 1, 17, 1000, 4095, 9000])
     hf_cos, hf_sin = LlamaRotaryEmbedding(config)(torch.zeros(1), positions[None])
     ours = RotaryEmbedding(16, rope_parameters(config), torch.float32, torch.device("cpu"))
-    cos, sin_signed = ours(positions, max_seq_len=9001)
+    angles = ours(positions, max_seq_len=9001)
+    cos, sin_signed = angles.cos, angles.sin_signed
     torch.testing.assert_close(cos[:, 0], hf_cos[0], atol=1e-6, rtol=0)
     torch.testing.assert_close(sin_signed[:, 0, 8:], hf_sin[0, :, 8:], atol=1e-6, rtol=0)
     torch.testing.assert_close(sin_signed[:, 0, :8], -hf_sin[0, :, :8], atol=1e-6, rtol=0)

@@ -1,4 +1,5 @@
-"""The compiled hybridllm::silu_and_mul and hybridllm::argmax_rows against their torch forms."""
+"""The compiled small CPU ops (silu_and_mul, argmax_rows, rotary_embedding_, write_kv_cache)
+against their torch forms."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch.nn.functional as F
 
 from hybridllm.layers.cpu_kernels import DISABLE_ENV, load_cpu_kernels
 from hybridllm.layers.mlp import GatedMLP
+from hybridllm.layers.paged_attention_cpu import write_kv_cache
+from hybridllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary_
 from hybridllm.sample.sampler import Sampler
 
 pytestmark = pytest.mark.skipif(os.environ.get(DISABLE_ENV) == "0", reason="kernels disabled")
@@ -85,3 +88,91 @@ def test_sampler_native_argmax_matches():
     torch.manual_seed(4)
     logits = torch.randn(9, 3000)
     assert torch.equal(Sampler(native_argmax=True)._argmax(logits), logits.argmax(dim=-1))
+
+
+def _rope(dtype, head_dim=64):
+    params = {"rope_theta": 10000.0, "rope_type": "default"}
+    return RotaryEmbedding(head_dim, params, dtype, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 64, 300])
+@pytest.mark.parametrize("head_dim", [64, 128, 6])
+def test_rotary_embedding_matches_torch(tokens, head_dim):
+    # q and k as the strided views of a fused qkv row that the attention layers rotate
+    torch.manual_seed(tokens)
+    heads, kv_heads = 4, 2
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    angles = _rope(torch.float32, head_dim)(torch.randint(0, 5000, (tokens,)), 5000)
+    ref, out = qkv.clone(), qkv.clone()
+    width = (heads + kv_heads) * head_dim
+    apply_rotary_(ref[:, :width].view(tokens, -1, head_dim), angles.cos, angles.sin_signed)
+    torch.ops.hybridllm.rotary_embedding_(
+        out[:, :width].view(tokens, -1, head_dim), angles.cos, angles.sin_signed
+    )
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(out[:, width:], qkv[:, width:])  # v untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rotary_embedding_half_types(dtype):
+    # computed in fp32 and rounded once (torch's mul_ then addcmul_ rounds twice)
+    torch.manual_seed(2)
+    x = torch.randn(9, 3, 64).to(dtype)
+    angles = _rope(dtype)(torch.arange(9) * 100, 1000)
+    ref = x.float() * angles.cos.float()
+    ref += torch.cat((x[..., 32:], x[..., :32]), dim=-1).float() * angles.sin_signed.float()
+    out = x.clone()
+    torch.ops.hybridllm.rotary_embedding_(out, angles.cos, angles.sin_signed)
+    torch.testing.assert_close(out, ref.to(dtype), rtol=0, atol=0)
+
+
+def test_rotary_angles_choose_the_native_op():
+    rope = _rope(torch.float32)
+    positions = torch.tensor([3, 70])
+    assert not rope(positions, 100).native
+    rope.use_native_op()
+    angles = rope(positions, 100)
+    assert angles.native
+    x = torch.randn(2, 3, 64)
+    ref = x.clone()
+    apply_rotary_(ref, angles.cos, angles.sin_signed)
+    angles.rotate_(x)
+    torch.testing.assert_close(x, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_rotary_embedding_rejects_bad_input():
+    angles = _rope(torch.float32)(torch.arange(4), 10)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        torch.ops.hybridllm.rotary_embedding_(
+            torch.zeros(4, 2, 64, dtype=torch.float64), angles.cos, angles.sin_signed
+        )
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        torch.ops.hybridllm.rotary_embedding_(torch.zeros(3, 2, 64), angles.cos, angles.sin_signed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 64, 700])
+def test_write_kv_cache_matches_index_copy(dtype, tokens):
+    torch.manual_seed(tokens)
+    kv_heads, head_dim = 3, 64
+    qkv = torch.randn(tokens, (9 + 2 * kv_heads) * head_dim).to(dtype)
+    key = qkv[:, 9 * 64 : 12 * 64].view(tokens, kv_heads, head_dim)  # strided views
+    value = qkv[:, 12 * 64 :].view(tokens, kv_heads, head_dim)
+    ref = torch.randn(2, 100, 16, kv_heads, head_dim).to(dtype)
+    out = ref.clone()
+    slots = torch.randperm(100 * 16)[:tokens]
+    write_kv_cache(ref, key, value, slots)
+    torch.ops.hybridllm.write_kv_cache(key, value, out, slots)
+    assert torch.equal(out, ref)
+
+
+def test_write_kv_cache_rejects_bad_slots_and_shapes():
+    cache = torch.zeros(2, 4, 16, 2, 8)
+    key = value = torch.ones(3, 2, 8)
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.hybridllm.write_kv_cache(key, value, cache, torch.tensor([0, 64, 1]))
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.hybridllm.write_kv_cache(key, value, cache, torch.tensor([0, -1, 1]))
+    with pytest.raises(RuntimeError, match="one row per"):
+        torch.ops.hybridllm.write_kv_cache(key, value, cache, torch.tensor([0, 1]))
+    assert not cache.any()  # nothing written before the checks failed

@@ -16,11 +16,11 @@ from hybridllm.loader.gguf_dequant import dequantize
 Q = GGMLQuantizationType
 FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 # kDirectMaxRows in gguf_linear_cpu.cpp: up to this many rows of x the direct kernel runs,
-# then the panel GEMM (AVX-512) up to kPanelMaxRows, then BLAS on decoded tiles. 8 and 9
-# straddle the direct kernel's row tile, 33 the panel's 32 rows; at K = 1536 256 rows take two
+# then the panel GEMM (AVX-512) up to kPanelMaxRows, then BLAS on decoded weights. 8 and 9
+# straddle the direct kernel's row tile, 33 the panel's 32 rows; at K = 2560 128 rows take two
 # of the panel GEMM's m-blocks.
 DIRECT_MAX_ROWS = 24
-PANEL_MAX_ROWS = 256
+PANEL_MAX_ROWS = 128
 ROW_COUNTS = [1, 2, 5, 8, 9, DIRECT_MAX_ROWS, DIRECT_MAX_ROWS + 1, 33, 64]
 ROW_COUNTS += [PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1]
 
@@ -62,7 +62,7 @@ def check(op, x, qweight, weight, fmt):
     y = op(x, qweight, int(fmt), weight.shape[0])
     assert y.dtype == torch.float32 and y.shape == (x.shape[0], weight.shape[0])
     ref = x.double() @ weight.double().T
-    # fp32 accumulation over K <= 1536 terms: each error within ~100 ulp of sum |x||w| (errors
+    # fp32 accumulation over K <= 2560 terms: each error within ~100 ulp of sum |x||w| (errors
     # seen are ~1 ulp; a single weight decoded 1% wrong already breaks this)
     bound = 1e-5 * (x.double().abs() @ weight.double().abs().T) + 1e-30
     err = (y.double() - ref).abs()
@@ -72,7 +72,7 @@ def check(op, x, qweight, weight, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-@pytest.mark.parametrize("n,k", [(37, 32), (67, 576), (130, 1536)])
+@pytest.mark.parametrize("n,k", [(37, 32), (67, 576), (130, 1536), (29, 2560)])
 def test_matches_fp64_reference(op, fmt, n, k):
     qweight, weight = quantized_weight(fmt, n, k)
     for m in ROW_COUNTS:
@@ -92,6 +92,12 @@ def test_output_rows_not_a_multiple_of_the_tile(op, m):
     # 1000 rows split into GEMM tiles / thread chunks / row pairs with remainders everywhere
     qweight, weight = quantized_weight(Q.Q4_1, 1001, 576, seed=2)
     check(op, torch.randn(m, 576), qweight, weight, Q.Q4_1)
+
+
+def test_blas_path_in_several_weight_chunks(op):
+    # dequantized_linear decodes at most 8 MB of fp32 weight rows (3640 at K = 576) per GEMM
+    qweight, weight = quantized_weight(Q.Q8_0, 4000, 576, seed=5)
+    check(op, torch.randn(PANEL_MAX_ROWS + 3, 576), qweight, weight, Q.Q8_0)
 
 
 @pytest.mark.parametrize("m", [1, 64])
@@ -141,7 +147,8 @@ def test_rejects_bad_inputs(op):
 
 @pytest.mark.parametrize("rows", [1, DIRECT_MAX_ROWS + 1, 300])
 def test_under_inference_mode(op, rows):
-    # The engine runs under inference_mode; the tiled path writes its output from pool threads.
+    # The engine runs under inference_mode; the panel path writes its output from pool threads,
+    # the BLAS path into views of it.
     qweight, weight = quantized_weight(Q.Q4_1, 1000, 64)
     with torch.inference_mode():
         check(op, torch.randn(rows, 64), qweight, weight, Q.Q4_1)

@@ -6,7 +6,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/mm.h>
-#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -25,16 +24,14 @@ using namespace hybridllm_gguf;
 
 // Up to this many rows of x the direct kernel runs (every weight block is decoded once and used
 // for all rows); above it the panel GEMM (gguf_panel_gemm.h) or, for more rows than it serves or
-// without AVX-512, tiles of decoded fp32 weights through the BLAS GEMM. The constants below were
+// without AVX-512, chunks of decoded fp32 weights through the BLAS GEMM. The constants below were
 // measured on a 2-core AVX-512 Xeon (the direct kernel was faster up to M = 24-32).
 constexpr int64_t kDirectMaxRows = 24;
 // Rows of x handled together by the direct kernel (accumulators live in registers).
 constexpr int kRowTile = 8;
-// Weight rows of one decoded fp32 tile, at most kTileMaxBytes of them: a thread's tile stays in
-// its L2 (2 MB here) while the GEMM reads it. Narrower tiles make the GEMM less efficient
-// (144-row tiles measured 20-40% slower than F.linear at M=64, 288-384 rows within ~5%).
-constexpr int64_t kTileRows = 384;
-constexpr int64_t kTileMaxBytes = 2 * 1024 * 1024;
+// Decoded fp32 weight rows a BLAS GEMM of the many-rows path takes at once: SmolLM2's largest
+// linear (3072 x 576) in one GEMM, a 49152-row LM head in 14.
+constexpr int64_t kChunkMaxBytes = 8 << 20;
 // How far ahead of its reads the direct kernel prefetches weight bytes. The hardware prefetcher
 // alone left M=1 at ~10 GB/s from DRAM (25 GB/s possible); 16 KB measured best of 2-32 KB.
 constexpr int64_t kPrefetchBytes = 16 * 1024;
@@ -256,41 +253,31 @@ void direct_linear(const float* x, int64_t M, int64_t K, const uint8_t* qw, int6
   });
 }
 
-// Many rows of x: each thread decodes tiles of weight rows into an fp32 buffer that fits its
-// L2 and multiplies with a single-threaded BLAS GEMM (a GEMM called inside the parallel region
-// runs on the calling thread), writing its columns of y. Tiles split evenly over the threads.
+// Many rows of x: the weight decoded into fp32 a chunk of rows at a time (all threads), each
+// chunk multiplied by one BLAS GEMM over all threads. At M = 2048 this ran 2-8% faster than
+// per-thread L2-sized tiles through single-threaded GEMMs (interleaved A/B, SmolLM2's shapes);
+// the decoding costs a few % of the GEMM there.
 template <int64_t kType>
-void tiled_linear(const at::Tensor& x, const uint8_t* qw, int64_t N, at::Tensor& y) {
+void dequantized_linear(const at::Tensor& x, const uint8_t* qw, int64_t N, at::Tensor& y) {
   constexpr int64_t bb = block_bytes(kType);
   const int64_t K = x.size(1), nb = K / kBlock, row_bytes = nb * bb;
-  const int64_t threads = at::get_num_threads();
-  const int64_t max_rows =
-      std::max<int64_t>(16, std::min(kTileRows, kTileMaxBytes / (4 * std::max<int64_t>(K, 1))));
-  // equal tiles, the same number for every thread (uneven shares idle a thread at the end)
-  int64_t tiles = (N + max_rows - 1) / max_rows;
-  tiles = (tiles + threads - 1) / threads * threads;
-  const int64_t rows = (N + tiles - 1) / tiles;
-  tiles = (N + rows - 1) / rows;
-  // The pool's threads do not inherit the caller's inference mode, and `y` made under it may
-  // only be written in place under it: carry the mode into the threads.
-  const bool inference_mode = c10::InferenceMode::is_enabled();
-  at::parallel_for(0, tiles, (tiles + threads - 1) / threads, [&](int64_t begin, int64_t end) {
-    c10::InferenceMode guard(inference_mode);
-    // The tile [rows, K] lives as long as the thread: a fresh buffer of this size would be
-    // mapped anew by every call, and faulting its pages in costs as much as decoding it.
-    thread_local std::vector<float> buffer;
-    buffer.resize(std::max<size_t>(buffer.size(), rows * K + 2 * (nb + 16) + 16));
-    float* tile = align64(buffer.data());  // rows start on cache lines (K % 16 == 0)
-    float* d = tile + rows * K;
-    float* m = d + nb + 16;
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * rows, count = std::min(rows, N - n0);
-      for (int64_t i = 0; i < count; ++i)
-        dequantize_row<kType>(qw + (n0 + i) * row_bytes, nb, tile + i * K, d, m);
-      at::Tensor out = y.narrow(1, n0, count);  // [M, count] with row stride N, written in place
-      at::mm_out(out, x, at::from_blob(tile, {count, K}, x.options()).t());
-    }
-  });
+  const int64_t chunk = std::max<int64_t>(1, std::min(N, kChunkMaxBytes / (4 * K)));
+  // kept by the calling thread: a fresh buffer this size would be mapped anew, and its pages
+  // faulted in, by every call
+  thread_local std::vector<float> buffer;
+  buffer.resize(std::max<size_t>(buffer.size(), chunk * K + 16));
+  float* w = align64(buffer.data());
+  for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+    const int64_t count = std::min(chunk, N - n0);
+    at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> scales(2 * (nb + 16));
+      for (int64_t i = begin; i < end; ++i)
+        dequantize_row<kType>(qw + (n0 + i) * row_bytes, nb, w + i * K, scales.data(),
+                              scales.data() + nb + 16);
+    });
+    at::Tensor out = y.narrow(1, n0, count);
+    at::mm_out(out, x, at::from_blob(w, {count, K}, x.options()).t());
+  }
 }
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t ggml_type,
@@ -330,7 +317,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
         panel_linear<kType>(xc.data_ptr<float>(), M, K, qw, N, y.data_ptr<float>());
       else
 #endif
-        tiled_linear<kType>(xc, qw, N, y);
+        dequantized_linear<kType>(xc, qw, N, y);
     }
   };
   switch (ggml_type) {

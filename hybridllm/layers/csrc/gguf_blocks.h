@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -27,6 +28,17 @@ constexpr int64_t block_bytes(int64_t type) {
 // that straddle two cache lines cost two.
 inline float* align64(float* p) {
   return p + (16 - reinterpret_cast<uintptr_t>(p) / 4 % 16) % 16;
+}
+
+// A 64-byte aligned scratch of at least n floats that the calling thread keeps from call to
+// call, grown as needed and never shrunk: a fresh buffer of these sizes would be mapped anew,
+// and its pages faulted in, by every call. kSlot tells apart the buffers a thread holds at once.
+enum ScratchSlot { kPackedXSlot, kPanelSlot, kDecodedWeightSlot };
+template <ScratchSlot kSlot>
+inline float* thread_scratch(size_t n) {
+  thread_local std::vector<float> buffer;
+  if (buffer.size() < n + 16) buffer.resize(n + 16);
+  return align64(buffer.data());
 }
 
 inline uint16_t load_u16(const uint8_t* p) {

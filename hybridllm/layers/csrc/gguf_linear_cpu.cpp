@@ -262,11 +262,7 @@ void dequantized_linear(const at::Tensor& x, const uint8_t* qw, int64_t N, at::T
   constexpr int64_t bb = block_bytes(kType);
   const int64_t K = x.size(1), nb = K / kBlock, row_bytes = nb * bb;
   const int64_t chunk = std::max<int64_t>(1, std::min(N, kChunkMaxBytes / (4 * K)));
-  // kept by the calling thread: a fresh buffer this size would be mapped anew, and its pages
-  // faulted in, by every call
-  thread_local std::vector<float> buffer;
-  buffer.resize(std::max<size_t>(buffer.size(), chunk * K + 16));
-  float* w = align64(buffer.data());
+  float* w = thread_scratch<kDecodedWeightSlot>(chunk * K);
   for (int64_t n0 = 0; n0 < N; n0 += chunk) {
     const int64_t count = std::min(chunk, N - n0);
     at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {

@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <utility>
-#include <vector>
 
 #include "gguf_blocks.h"
 
@@ -105,20 +104,14 @@ void panel_linear(const float* x, int64_t M, int64_t K, const uint8_t* qw, int64
   constexpr int64_t bb = block_bytes(kType);
   const int64_t nb = K / kBlock, row_bytes = nb * bb;
   const int64_t tiles = (M + kPanelM - 1) / kPanelM;
-  // kept by the calling thread: a fresh buffer this size would be mapped anew, and its pages
-  // faulted in, by every call
-  thread_local std::vector<float> packed;
-  packed.resize(std::max<size_t>(packed.size(), tiles * K * kPanelM + 16));
-  float* xt = align64(packed.data());
+  float* xt = thread_scratch<kPackedXSlot>(tiles * K * kPanelM);
   pack_x_transposed(x, M, K, xt);
   const int64_t block_tiles = std::max<int64_t>(1, kPanelBlockBytes / (K * kPanelM * 4));
   const int64_t panels = (N + kPanelN - 1) / kPanelN;
   const int64_t threads = at::get_num_threads();
   at::parallel_for(0, panels, (panels + threads - 1) / threads, [&](int64_t begin, int64_t end) {
     // decoded weight rows of one panel and their block scales (one tile's results: `out`)
-    thread_local std::vector<float> buffer;
-    buffer.resize(std::max<size_t>(buffer.size(), kPanelN * K + 2 * (nb + 16) + 16));
-    float* w = align64(buffer.data());
+    float* w = thread_scratch<kPanelSlot>(kPanelN * K + 2 * (nb + 16));
     float* d = w + kPanelN * K;
     float* m = d + nb + 16;
     alignas(64) float out[kPanelN * kPanelM];

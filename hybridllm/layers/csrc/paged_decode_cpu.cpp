@@ -187,16 +187,17 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
 
       // scores[r, t] = q_r . k_t  (already scaled); query row r = hh * group + g reads KV head
       // h0 + hh
+      // the key row (this item's heads side by side) of the token at pos; + value_offset: V
+      auto key_row = [&](int64_t pos) {
+        return kv + table[pos / block_size] * block_stride + (pos % block_size) * token_stride +
+               h0 * head_stride;
+      };
       for (int64_t t = 0; t < n; ++t) {
         const int64_t pos = start + t;
-        const scalar_t* k_row = kv + table[pos / block_size] * block_stride +
-                                (pos % block_size) * token_stride + h0 * head_stride;
-        if (t + kPrefetchTokens < n) {
-          const int64_t ahead = pos + kPrefetchTokens;
-          prefetch_kv_row(kv + table[ahead / block_size] * block_stride +
-                              (ahead % block_size) * token_stride + h0 * head_stride,
-                          value_offset * sizeof(scalar_t), heads_per_item * head_dim * sizeof(scalar_t));
-        }
+        const scalar_t* k_row = key_row(pos);
+        if (t + kPrefetchTokens < n)
+          prefetch_kv_row(key_row(pos + kPrefetchTokens), value_offset * sizeof(scalar_t),
+                          heads_per_item * head_dim * sizeof(scalar_t));
         for (int64_t hh = 0; hh < heads_per_item; ++hh) {
           const scalar_t* k = k_row + hh * head_stride;
           for (int64_t g = 0; g < group; ++g) {
@@ -213,9 +214,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
       // acc[r] = sum_t p[r, t] * v_t
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = start + t;
-        const scalar_t* v_row = kv + value_offset + table[pos / block_size] * block_stride +
-                                (pos % block_size) * token_stride + h0 * head_stride;
+        const scalar_t* v_row = key_row(start + t) + value_offset;
         for (int64_t hh = 0; hh < heads_per_item; ++hh) {
           const scalar_t* v = v_row + hh * head_stride;
           for (int64_t g = 0; g < group; ++g) {

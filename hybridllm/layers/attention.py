@@ -20,7 +20,7 @@ def get_attention_backend(device: torch.device) -> TorchPagedAttention:
         from hybridllm.layers.paged_attention_cuda import CudaPagedAttention
 
         return CudaPagedAttention()
-    return TorchPagedAttention(native_decode=load_cpu_kernels())
+    return TorchPagedAttention(native_ops=load_cpu_kernels())
 
 
 class PagedAttention(nn.Module):

@@ -24,17 +24,21 @@ logger = logging.getLogger(__name__)
 DISABLE_ENV = "HYBRIDLLM_CPU_KERNELS"
 NAME = "hybridllm_cpu_kernels"
 # All sources build into the one library; each registers its ops under torch.ops.hybridllm.
+CSRC = Path(__file__).parent / "csrc"
 SOURCES = [
-    Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp",
-    Path(__file__).parent / "csrc" / "gguf_linear_cpu.cpp",
-    Path(__file__).parent / "csrc" / "rms_norm_cpu.cpp",
-    Path(__file__).parent / "csrc" / "activation_cpu.cpp",
-    Path(__file__).parent / "csrc" / "argmax_cpu.cpp",
-    Path(__file__).parent / "csrc" / "rotary_cpu.cpp",
-    Path(__file__).parent / "csrc" / "kv_cache_write_cpu.cpp",
+    CSRC / name
+    for name in (
+        "paged_decode_cpu.cpp",
+        "gguf_linear_cpu.cpp",
+        "rms_norm_cpu.cpp",
+        "activation_cpu.cpp",
+        "argmax_cpu.cpp",
+        "rotary_cpu.cpp",
+        "kv_cache_write_cpu.cpp",
+    )
 ]
 # Headers the sources include: part of the build's identity, like the sources.
-HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
+HEADERS = sorted(CSRC.glob("*.h"))
 # -march=native ties the binary to this CPU, so the build directory is keyed by its features.
 # No -ffast-math: on some compilers it links code that changes the whole process's denormal mode.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17"]

@@ -27,13 +27,13 @@ def write_kv_cache(
 class TorchPagedAttention:
     """Gather + SDPA implementation; one instance may serve every layer.
 
-    With `native_decode`, decode rows use the compiled `hybridllm::paged_decode_attention`
+    With `native_ops`, decode rows use the compiled `hybridllm::paged_decode_attention`
     op (CPU tensors only), which reads the blocks in place instead of gathering a padded copy,
     and the step's keys and values go to the cache through `hybridllm::write_kv_cache`.
     """
 
-    def __init__(self, native_decode: bool = False):
-        self.native_decode = native_decode
+    def __init__(self, native_ops: bool = False):
+        self.native_ops = native_ops
 
     def forward(
         self,
@@ -48,7 +48,7 @@ class TorchPagedAttention:
         """query [n, H, D], key/value [n, kvh, D] (this step's) -> output [n, H * D]."""
         num_tokens, num_heads, head_dim = query.shape
         if kv_cache is not None and kv_cache.numel():
-            if self.native_decode:
+            if self.native_ops:
                 torch.ops.hybridllm.write_kv_cache(key, value, kv_cache, prep.slot_mapping)
             else:
                 write_kv_cache(kv_cache, key, value, prep.slot_mapping)
@@ -83,7 +83,7 @@ class TorchPagedAttention:
         sliding_window: int | None,
     ) -> torch.Tensor:
         """query [B, H, D] of single-token rows -> [B, H, D]."""
-        if self.native_decode:
+        if self.native_ops:
             return torch.ops.hybridllm.paged_decode_attention(
                 query.contiguous(),
                 kv_cache,

@@ -135,7 +135,7 @@ class CudaPagedAttention(TorchPagedAttention):
     """Triton decode when available; prefill through SDPA's fused kernels."""
 
     def __init__(self, use_triton: bool | None = None):
-        super().__init__(native_decode=False)  # the native op is registered for CPU only
+        super().__init__(native_ops=False)  # the native ops are registered for CPU only
         self.use_triton = triton_available() if use_triton is None else use_triton
         if self.use_triton and not triton_available():
             raise ValueError("use_triton=True but triton is not importable")

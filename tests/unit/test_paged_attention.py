@@ -88,10 +88,10 @@ _KERNELS_DISABLED = os.environ.get(DISABLE_ENV) == "0"
 def cpu_backend(request):
     """Both CPU decode paths: gather + SDPA, and the compiled paged-decode op."""
     if request.param == "torch":
-        return TorchPagedAttention(native_decode=False)
+        return TorchPagedAttention(native_ops=False)
     if _KERNELS_DISABLED or not load_cpu_kernels():
         pytest.skip("native CPU kernels disabled or not buildable here")
-    return TorchPagedAttention(native_decode=True)
+    return TorchPagedAttention(native_ops=True)
 
 
 @pytest.mark.skipif(
@@ -100,7 +100,7 @@ def cpu_backend(request):
 def test_native_kernels_build_with_a_compiler():
     assert load_cpu_kernels(), "a C++ compiler is present, so the CPU kernels must build"
     assert type(get_attention_backend(torch.device("cpu"))) is TorchPagedAttention
-    assert get_attention_backend(torch.device("cpu")).native_decode
+    assert get_attention_backend(torch.device("cpu")).native_ops
 
 
 @pytest.mark.parametrize(

@@ -59,7 +59,12 @@ def tokenizer_vocab() -> list[str]:
     return tokens + SPECIAL_TOKENS
 
 
-def tiny_hf_model(arch: str = "llama", tie_word_embeddings: bool = False, seed: int = 0):
+def tiny_hf_model(
+    arch: str = "llama",
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    rope_parameters: dict | None = None,
+):
     """A tiny random HF model whose vocabulary matches `tokenizer_vocab()`."""
     torch.manual_seed(seed)
     common = dict(
@@ -71,7 +76,7 @@ def tiny_hf_model(arch: str = "llama", tie_word_embeddings: bool = False, seed: 
         num_key_value_heads=2,
         max_position_embeddings=256,
         rms_norm_eps=1e-5,
-        rope_theta=50000.0,
+        rope_parameters=rope_parameters or dict(rope_type="default", rope_theta=50000.0),
         tie_word_embeddings=tie_word_embeddings,
         bos_token_id=len(tokenizer_vocab()) - 2,
         eos_token_id=len(tokenizer_vocab()) - 1,
@@ -81,6 +86,25 @@ def tiny_hf_model(arch: str = "llama", tie_word_embeddings: bool = False, seed: 
     if arch == "qwen3":
         return Qwen3ForCausalLM(Qwen3Config(head_dim=32, **common)).eval()
     raise ValueError(arch)
+
+
+def llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
+    """The `rope_freqs` divisors llama.cpp's converter writes for Llama 3.1 rope scaling."""
+    base = rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    low_wavelen = rope["original_max_position_embeddings"] / rope["low_freq_factor"]
+    high_wavelen = rope["original_max_position_embeddings"] / rope["high_freq_factor"]
+    factors = []
+    for wavelen in 2 * np.pi * base:
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(rope["factor"])
+        else:
+            smooth = (
+                rope["original_max_position_embeddings"] / wavelen - rope["low_freq_factor"]
+            ) / (rope["high_freq_factor"] - rope["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def write_gguf(
@@ -102,7 +126,11 @@ def write_gguf(
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "llama3":  # no scaling metadata: a rope_freqs tensor instead
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(rope, head_dim))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     if arch == "qwen3":

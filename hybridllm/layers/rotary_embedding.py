@@ -1,4 +1,5 @@
-"""Rotary position embedding (RoPE, rotate-half layout) with default, linear and llama3 scaling."""
+"""Rotary position embedding (RoPE, rotate-half layout) with default, linear and llama3 scaling,
+and GGUF's per-frequency divisors (`freq_factors`, from a `rope_freqs` tensor)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
 
 
 def compute_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] (fp32), scaled as `params["rope_type"]` says."""
+    """Inverse frequencies [head_dim // 2] (fp32), scaled as `params["rope_type"]` says, then
+    divided by `params["freq_factors"]` when given (llama.cpp's rope_freqs)."""
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
@@ -38,9 +40,17 @@ def compute_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (float(params["rope_theta"]) ** exponents)
     if rope_type == "linear":
-        return inv_freq / float(params["factor"])
-    if rope_type == "llama3":
-        return _llama3_scale(inv_freq, params)
+        inv_freq = inv_freq / float(params["factor"])
+    elif rope_type == "llama3":
+        inv_freq = _llama3_scale(inv_freq, params)
+    factors = params.get("freq_factors")
+    if factors is not None:
+        if len(factors) != head_dim // 2:
+            raise ValueError(
+                f"rope freq_factors has {len(factors)} entries, head_dim {head_dim} needs "
+                f"{head_dim // 2}"
+            )
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
     return inv_freq
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -10,8 +9,6 @@ from typing import Any
 import numpy as np
 
 from hybridllm.loader.model_source import ModelLoadError
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -50,7 +47,8 @@ _BLOCK_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 # Present in some files but not model parameters (llama 3.1 stores its rope factors as a tensor).
-_IGNORED_TENSORS = {"rope_freqs.weight"}
+ROPE_FREQS_TENSOR = "rope_freqs.weight"  # per-frequency divisors (Llama 3.1+ rope scaling)
+_IGNORED_TENSORS = {ROPE_FREQS_TENSOR}  # read into the config, not a weight
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 
@@ -129,8 +127,6 @@ def hf_config_kwargs(
     rope_scaling = _rope_scaling(get)
     if rope_scaling:
         kwargs["rope_scaling"] = rope_scaling
-    if "rope_freqs.weight" in tensor_names:
-        logger.warning("%s: rope_freqs tensor (llama 3.1 rope scaling) is not applied", path)
     return arch, kwargs
 
 

@@ -16,6 +16,7 @@ from hybridllm.loader.gguf_cache import GGUFConversionCache
 from hybridllm.loader.gguf_dequant import decoded_dtype, dequantize
 from hybridllm.loader.gguf_file import GGUFFile, GGUFTensorInfo
 from hybridllm.loader.gguf_mapping import (
+    ROPE_FREQS_TENSOR,
     GGUFArch,
     generation_config_from_metadata,
     hf_config_kwargs,
@@ -71,6 +72,14 @@ class GGUFSource(ModelSource):
     def _init_from_gguf(self) -> None:
         self._gguf = GGUFFile(self.path)
         arch, kwargs = hf_config_kwargs(self._gguf.metadata, set(self._gguf.tensors), self.path)
+        rope_freqs = self._gguf.tensors.get(ROPE_FREQS_TENSOR)
+        if rope_freqs is not None:
+            # llama.cpp's converter stores Llama 3.1 rope scaling as these divisors, not metadata
+            factors = dequantize(
+                self._gguf.raw_rows(rope_freqs), rope_freqs.ggml_type, rope_freqs.shape
+            )
+            scaling = kwargs.setdefault("rope_scaling", {"rope_type": "default"})
+            scaling["freq_factors"] = factors.flatten().tolist()
         self.arch = arch
         self.hf_config = HFConfig({"model_type": arch.model_type, **kwargs}, origin=self.path)
         self.generation_config = generation_config_from_metadata(self._gguf.metadata)

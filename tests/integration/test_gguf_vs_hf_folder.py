@@ -8,11 +8,26 @@ from hybridllm import LLM, SamplingParams
 from hybridllm.loader import open_model_source
 from tests.gguf_helpers import tiny_hf_model, write_gguf
 
+# Llama 3.1 rope scaling with a short original context, so that it moves most frequencies
+# within the prompt: GGUF files carry it as a rope_freqs tensor, HF folders as rope_parameters.
+LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    rope_theta=50000.0,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=16,
+)
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_same_logits_from_gguf_and_hf_folder(tmp_path, monkeypatch, arch):
+
+@pytest.mark.parametrize(
+    ("arch", "rope"),
+    [("llama", None), ("llama", LLAMA3_ROPE), ("qwen3", None)],
+    ids=["llama", "llama3.1-rope", "qwen3"],
+)
+def test_same_logits_from_gguf_and_hf_folder(tmp_path, monkeypatch, arch, rope):
     monkeypatch.setenv("HYBRIDLLM_CACHE_DIR", str(tmp_path / "cache"))
-    model = tiny_hf_model(arch, tie_word_embeddings=(arch == "qwen3"))
+    model = tiny_hf_model(arch, tie_word_embeddings=(arch == "qwen3"), rope_parameters=rope)
     gguf_path = write_gguf(tmp_path / "tiny.gguf", model, arch=arch)
     folder = tmp_path / "hf"
     model.save_pretrained(folder)

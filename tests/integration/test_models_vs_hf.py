@@ -216,6 +216,17 @@ def test_registry_and_bad_weights():
         get_model_class("LlamaForCausalLM")(tiny_config("llama"), torch.float32, "cpu", 2, 2)
 
 
+def test_rope_freq_factors_divide_the_frequencies():
+    from hybridllm.layers.rotary_embedding import compute_inv_freq
+
+    plain = compute_inv_freq(8, dict(rope_type="default", rope_theta=100.0))
+    factors = [1.0, 2.0, 4.0, 8.0]
+    scaled = compute_inv_freq(8, dict(rope_type="default", rope_theta=100.0, freq_factors=factors))
+    torch.testing.assert_close(scaled, plain / torch.tensor(factors))
+    with pytest.raises(ValueError, match="freq_factors has 3 entries, head_dim 8 needs 4"):
+        compute_inv_freq(8, dict(rope_type="default", rope_theta=100.0, freq_factors=[1.0] * 3))
+
+
 @pytest.mark.parametrize(
     "rope",
     [

@@ -62,17 +62,12 @@ inline void softmax_numerators(float* scores, int64_t rows, int64_t n, float* in
 // time, so each key and value row is loaded once per row group and never written back.
 // Same arithmetic as the generic loop below up to summation order.
 template <int kDim>
-void decode_item_avx512(const float* qb, const float* kv, int64_t value_offset, const int32_t* table,
-                        int64_t block_size, int64_t block_stride, int64_t token_stride,
-                        int64_t head_stride, int64_t h0, int64_t heads, int64_t group,
-                        int64_t start, int64_t n, float scale, float* scores, float* inv_sum,
-                        float* ob) {
+void decode_item_avx512(const float* qb, const float* const* token_rows, int64_t value_offset,
+                        int64_t head_stride, int64_t h0, int64_t heads, int64_t group, int64_t n,
+                        float scale, float* scores, float* inv_sum, float* ob) {
   constexpr int kVec = kDim / 16;                      // zmm per head row
   constexpr int kRows = kVec <= 4 ? 4 : kVec <= 8 ? 2 : 1;  // q rows a pass: <= 16 zmm of q
-  auto row_ptr = [&](int64_t t) {  // this token's row (all heads) of K; + value_offset for V
-    const int64_t pos = start + t;
-    return kv + table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
-  };
+  auto row_ptr = [&](int64_t t) { return token_rows[t]; };  // K row (all heads); + value_offset: V
   for (int64_t hh = 0; hh < heads; ++hh) {
     const int64_t head_off = (h0 + hh) * head_stride;
     for (int64_t g0 = 0; g0 < group; g0 += kRows) {
@@ -130,6 +125,24 @@ void decode_item_avx512(const float* qb, const float* kv, int64_t value_offset, 
 }
 #endif
 
+// The K row address (all heads side by side) of each of a sequence's n context tokens from
+// position `start`, walking its block table once. Computed per token and pass instead, the
+// position's block (a 64-bit division) cost more than the dot products beside it.
+template <typename scalar_t>
+void fill_token_rows(const scalar_t** rows, const scalar_t* kv, const int32_t* table,
+                     int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t start,
+                     int64_t n) {
+  int64_t block = start / block_size, offset = start % block_size;
+  const scalar_t* base = kv + table[block] * block_stride;
+  for (int64_t t = 0; t < n; ++t) {
+    rows[t] = base + offset * token_stride;
+    if (++offset == block_size && t + 1 < n) {
+      offset = 0;
+      base = kv + table[++block] * block_stride;
+    }
+  }
+}
+
 // One work item is one sequence and a run of its KV heads: all of them when there are enough
 // sequences to keep every thread busy, so each token's K and V rows (all heads side by side) are
 // read as one contiguous stream; one head per item for small batches. The G query heads of a KV
@@ -165,6 +178,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
   const int64_t grain = total_keys * num_kv_heads < 512 ? items : 1;
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qf(rows * head_dim), acc(rows * head_dim), inv_sum(rows);
+    std::vector<const scalar_t*> token_rows;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / chunks, h0 = (item % chunks) * heads_per_item;
       const int64_t len = lens[b];
@@ -174,12 +188,13 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
       // query is contiguous [B, H, D]: this item's query heads are rows consecutive rows
       const scalar_t* qb = q + (b * num_heads + h0 * group) * head_dim;
       scores.resize(rows * n);
+      token_rows.resize(n);
+      fill_token_rows(token_rows.data(), kv, table, block_size, block_stride, token_stride, start, n);
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<scalar_t, float> && kHeadDim > 0 && kHeadDim % 16 == 0) {
-        decode_item_avx512<kHeadDim>(qb, kv, value_offset, table, block_size, block_stride,
-                                     token_stride, head_stride, h0, heads_per_item, group, start,
-                                     n, scale, scores.data(), inv_sum.data(),
-                                     o + (b * num_heads + h0 * group) * head_dim);
+        decode_item_avx512<kHeadDim>(qb, token_rows.data(), value_offset, head_stride, h0,
+                                     heads_per_item, group, n, scale, scores.data(),
+                                     inv_sum.data(), o + (b * num_heads + h0 * group) * head_dim);
         continue;
       }
 #endif
@@ -187,16 +202,12 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
 
       // scores[r, t] = q_r . k_t  (already scaled); query row r = hh * group + g reads KV head
       // h0 + hh
-      // the key row (this item's heads side by side) of the token at pos; + value_offset: V
-      auto key_row = [&](int64_t pos) {
-        return kv + table[pos / block_size] * block_stride + (pos % block_size) * token_stride +
-               h0 * head_stride;
-      };
+      // the key row (this item's heads side by side) of token t; + value_offset: V
+      auto key_row = [&](int64_t t) { return token_rows[t] + h0 * head_stride; };
       for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = start + t;
-        const scalar_t* k_row = key_row(pos);
+        const scalar_t* k_row = key_row(t);
         if (t + kPrefetchTokens < n)
-          prefetch_kv_row(key_row(pos + kPrefetchTokens), value_offset * sizeof(scalar_t),
+          prefetch_kv_row(key_row(t + kPrefetchTokens), value_offset * sizeof(scalar_t),
                           heads_per_item * head_dim * sizeof(scalar_t));
         for (int64_t hh = 0; hh < heads_per_item; ++hh) {
           const scalar_t* k = k_row + hh * head_stride;
@@ -214,7 +225,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
       // acc[r] = sum_t p[r, t] * v_t
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < n; ++t) {
-        const scalar_t* v_row = key_row(start + t) + value_offset;
+        const scalar_t* v_row = key_row(t) + value_offset;
         for (int64_t hh = 0; hh < heads_per_item; ++hh) {
           const scalar_t* v = v_row + hh * head_stride;
           for (int64_t g = 0; g < group; ++g) {

@@ -67,7 +67,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         "-ngl",
         type=int,
         default=None,
-        help="like llama.cpp -ngl: the first N layers on the GPU, the rest on the CPU",
+        help="like llama.cpp -ngl: the last N layers and the LM head on the GPU, the rest on the CPU",
     )
     parser.add_argument(
         "--max-gpu-memory", type=_parse_memory_size, default=None, help="cap per GPU, e.g. 8GiB"

@@ -42,7 +42,7 @@ class PlacementArgs:
     device: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    gpu_layers: int | None = None  # like llama.cpp -ngl: the first N layers on the GPU
+    gpu_layers: int | None = None  # like llama.cpp -ngl: the last N layers (and LM head) on the GPU
     max_gpu_memory: int | None = None  # bytes, per GPU
     max_cpu_memory: int | None = None  # bytes, all CPU workers together
     gpu_memory_utilization: float = 0.9

@@ -3,7 +3,8 @@
 Modes, in order of precedence:
 - `device="cpu"`: every worker on the CPU (tp x pp as asked).
 - `device="cuda"`: every worker on its own GPU; more ranks than GPUs is an error.
-- `gpu_layers=N` (llama.cpp's -ngl): the first N layers on a GPU stage, the rest on a CPU stage.
+- `gpu_layers=N` (llama.cpp's -ngl): the last N layers, the final norm and the LM head on a GPU
+  stage after a CPU stage with the embedding and the rest (the head is cheapest on the GPU).
 - tp/pp/layer_split given (auto/heterogeneous): rank r runs on cuda:r while r < #GPUs, on the
   CPU beyond (as in the seeds); without a layer split, GPU stages take what their budget holds.
 - nothing given: the whole model on cuda:0 when weights + KV reserve + activations fit (a model
@@ -146,11 +147,12 @@ class _Planner:
             return self._all_cuda()
         if pp not in (1, 2):
             raise ValueError(
-                f"gpu_layers={n} makes two stages (GPU, then CPU) but pipeline_parallel_size is "
+                f"gpu_layers={n} makes two stages (CPU, then GPU) but pipeline_parallel_size is "
                 f"{pp}; give an explicit layer_split for more stages"
             )
-        devices = [[f"cuda:{j}" for j in range(tp)], ["cpu"] * tp]
-        plan = self._layout(devices, [n, total - n])
+        # As llama.cpp offloads the last N layers; the LM head, read in full every step, joins them
+        devices = [["cpu"] * tp, [f"cuda:{j}" for j in range(tp)]]
+        plan = self._layout(devices, [total - n, n])
         check_fits(plan, self.size, self.budgets, f"lower --gpu-layers (now {n})")
         return plan
 

@@ -99,7 +99,7 @@ def test_plan_of_the_default_model_fits_the_gpu(capsys, monkeypatch, cache_dir):
     "flags, devices, first_stage",
     [
         (["--fake-gpu", "H100:80", "--max-gpu-memory", "8GiB"], ["cpu", "cuda:0"], None),
-        (["--fake-gpu", "H100:80", "--gpu-layers", "10"], ["cuda:0", "cpu"], "[0, 10)"),
+        (["--fake-gpu", "H100:80", "--gpu-layers", "10"], ["cpu", "cuda:0"], "[0, 22)"),
         (["--fake-gpu", "H100:80", "--device", "heterogeneous", "--layer-split", "12,20"],
          ["cuda:0", "cpu"], "[0, 12)"),
         (["--device", "cpu", "-pp", "2", "--dtype", "bfloat16"], ["cpu", "cpu"], "[0, 16)"),

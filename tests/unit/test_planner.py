@@ -115,10 +115,10 @@ def test_the_chosen_stage_order_is_the_faster_one():
     auto = plan_for("llama3-8b", hw)
     # The other order, with as many GPU layers as that order's budget allows.
     gpu_first = next(
-        plan_for("llama3-8b", hw, gpu_layers=n)
+        plan
         for n in range(31, 0, -1)
         if fits(
-            Plan.uniform([["cuda:0"], ["cpu"]], 32, [n, 32 - n]).stages,
+            (plan := Plan.uniform([["cuda:0"], ["cpu"]], 32, [n, 32 - n])).stages,
             size,
             memory_budgets(hw, PlacementArgs()),
         )
@@ -145,14 +145,15 @@ def test_the_kv_reserve_counts_against_the_gpu_budget():
     assert len(plan_for("llama3-8b", hw, kv_reserve_tokens=32768).stages) == 2
 
 
-@pytest.mark.parametrize("n, expect", [(0, [["cpu"]]), (10, [["cuda:0"], ["cpu"]]),
+@pytest.mark.parametrize("n, expect", [(0, [["cpu"]]), (10, [["cpu"], ["cuda:0"]]),
                                        (32, [["cuda:0"]]), (99, [["cuda:0"]])])  # fmt: skip
 def test_gpu_layers_is_honoured(n, expect):
     hw = machine((80,))
     plan = plan_for("llama3-8b", hw, gpu_layers=n)
     assert devices(plan) == expect
     if len(expect) == 2:
-        assert (plan.stages[0].layer_start, plan.stages[0].layer_end) == (0, n)
+        assert (plan.stages[1].layer_start, plan.stages[1].layer_end) == (32 - n, 32)
+        assert plan.stages[1].has_lm_head
 
 
 def test_too_many_gpu_layers_names_the_budget_and_the_need():

@@ -6,19 +6,39 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridllm.layers.gguf_linear import gguf_linear
+from hybridllm.layers.gguf_linear import dequantize_rows, gguf_linear
 from hybridllm.layers.linear import pack_linear_weight, packed_linear
 from hybridllm.loader.quantized_tensor import QuantizedTensor
 
 
 class VocabEmbedding(nn.Module):
+    """The token embedding table, or its GGUF blocks (rows decoded as they are looked up)."""
+
     def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
+        self.vocab_size, self.dim, self.dtype = vocab_size, dim, dtype
         self.weight = nn.Parameter(
             torch.empty(vocab_size, dim, dtype=dtype, device=device), requires_grad=False
         )
+        # GGUF blocks [vocab, bytes_per_row] uint8, when rows are decoded from them
+        self.register_buffer("qweight", None, persistent=False)
+        self.ggml_type = -1
+
+    def use_blocks(self, qweight: torch.Tensor, ggml_type: int, name: str) -> None:
+        """Look rows up in GGUF blocks (Q8_0, Q4_0 or Q4_1) and drop the float table: a
+        tied LM head passes its own blocks, so the table is held once, in 4-8 bits."""
+        if qweight.shape[0] != self.vocab_size:
+            raise ValueError(
+                f"weight {name}: expected {self.vocab_size} rows, got {qweight.shape[0]}"
+            )
+        self.qweight = qweight.to(self.weight.device)
+        self.ggml_type = int(ggml_type)
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            rows = self.qweight.index_select(0, input_ids)  # [num_tokens, bytes_per_row]
+            return dequantize_rows(rows, self.ggml_type, self.dim).to(self.dtype)
         return F.embedding(input_ids, self.weight)  # [num_tokens, dim]
 
 
@@ -47,15 +67,14 @@ class LMHead(nn.Module):
         self.ggml_type = -1
 
     def load_blocks(self, blocks: QuantizedTensor, name: str) -> None:
-        """Project from GGUF blocks; a tied embedding still holds (and looks up) the float table."""
+        """Project from GGUF blocks (a tied embedding then looks its rows up in them too)."""
         if tuple(blocks.shape) != tuple(self.weight.shape):
             raise ValueError(
                 f"weight {name}: expected shape {tuple(self.weight.shape)}, got {blocks.shape}"
             )
         self.qweight = blocks.blocks().to(self.weight.device)
         self.ggml_type = int(blocks.ggml_type)
-        if not self.tied:
-            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def pack_for_cpu(self) -> None:
         """Use oneDNN's prepacked bf16 layout; a tied head packs a copy (the embedding

@@ -14,7 +14,7 @@ from hybridllm.layers.linear import Linear, cpu_bf16_packing_supported
 from hybridllm.layers.mlp import GatedMLP
 from hybridllm.layers.norm import RMSNorm
 from hybridllm.layers.rotary_embedding import RotaryEmbedding
-from hybridllm.layers.vocab_embedding import LMHead
+from hybridllm.layers.vocab_embedding import LMHead, VocabEmbedding
 from hybridllm.loader.quantized_tensor import QuantizedTensor
 
 if TYPE_CHECKING:
@@ -41,17 +41,30 @@ def copy_loader(param: torch.Tensor, name: str) -> WeightLoader:
 
 
 def vocab_loader(module: nn.Module, name: str) -> WeightLoader:
-    """A loader for an embedding table or LM head; a vocab-parallel one keeps its rows."""
+    """A loader for an embedding table or LM head; a vocab-parallel one keeps its rows, a
+    plain embedding GGUF blocks it is given."""
     load_full = getattr(module, "load_full", None)
     if load_full is not None:
         return lambda loaded: load_full(loaded, name)
-    return copy_loader(module.weight, name)
+    float_loader = copy_loader(module.weight, name)
+    if type(module) is not VocabEmbedding:
+        return float_loader
+
+    def load(loaded: torch.Tensor | QuantizedTensor) -> None:
+        if isinstance(loaded, QuantizedTensor):
+            module.use_blocks(loaded.blocks(), loaded.ggml_type, name)
+        else:
+            float_loader(loaded)
+
+    load.accepts_quantized = True  # type: ignore[attr-defined]
+    return load
 
 
 def head_loader(head: nn.Module, name: str, embedding: nn.Module | None = None) -> WeightLoader:
     """The loader of the LM head's weight `name`, which also fills a tied `embedding`.
 
-    A plain LMHead keeps GGUF blocks and projects from them; the embedding gets floats.
+    A plain LMHead keeps GGUF blocks and projects from them; a plain tied embedding looks its
+    rows up in the same blocks (a vocab-parallel one gets floats).
     """
     float_loader = vocab_loader(head if embedding is None else embedding, name)
     if type(head) is not LMHead:
@@ -62,7 +75,9 @@ def head_loader(head: nn.Module, name: str, embedding: nn.Module | None = None) 
             float_loader(loaded)
             return
         head.load_blocks(loaded, name)
-        if embedding is not None:
+        if type(embedding) is VocabEmbedding:
+            embedding.use_blocks(head.qweight, head.ggml_type, name)
+        elif embedding is not None:
             float_loader(loaded.dequantize())
 
     load.accepts_quantized = True  # type: ignore[attr-defined]

@@ -55,13 +55,16 @@ class ModelSize:
             return self
         bytes_per_param = blocks.matmul_bytes_per_param(self.dtype_bytes)
         head = self.lm_head_bytes if blocks.lm_head_bytes is None else blocks.lm_head_bytes
+        embedding = (
+            self.embedding_bytes if blocks.embedding_bytes is None else blocks.embedding_bytes
+        )
         return dataclasses.replace(
             self,
             layer_bytes=round(self.matmul_params_per_layer * bytes_per_param)
             + self.layer_other_bytes,
             lm_head_bytes=head,
-            # a head kept as blocks is a second copy beside the float embedding table
-            tied_embeddings=self.tied_embeddings and blocks.lm_head_bytes is None,
+            embedding_bytes=embedding,
+            # a tied head and the embedding share one table, blocks or floats
             cpu_blocks=None,
             matmul_bytes_per_param=bytes_per_param,
         )
@@ -121,6 +124,7 @@ class GGUFBlockSizes:
     kept_bytes: int  # their bytes as blocks
     total_params: int  # all decoder-layer matmul parameters (the rest are dequantized)
     lm_head_bytes: int | None  # the head's blocks; None when the head is dequantized
+    embedding_bytes: int | None = None  # the token embedding's blocks; None: dequantized
 
     def matmul_bytes_per_param(self, dtype_bytes: int) -> float:
         dequantized = self.total_params - self.kept_params

@@ -61,11 +61,17 @@ def test_blocks_kept_where_a_kernel_reads_them(gguf_path):
         assert layer.mlp.gate_up_proj.ggml_type == Q.Q4_1
         assert layer.mlp.down_proj.ggml_type == Q.Q8_0
         assert model.lm_head.qweight is not None
-        # the embedding table is float, decoded from the same Q8_0 blocks the head reads
+        # the embedding looks its rows up in its Q8_0 blocks (a tied head's own) and holds no
+        # float table; every row decodes to the table dequantized at load
+        embedding = model.embed_tokens
+        assert embedding.ggml_type == Q.Q8_0 and embedding.weight.numel() == 0
+        tied = model.lm_head.tied
+        assert (embedding.qweight is model.lm_head.qweight) == tied
         gguf = GGUFFile(str(gguf_path))
         info = gguf.tensors["token_embd.weight"]
         table = dequantize(gguf.raw_rows(info), info.ggml_type, info.shape)
-        assert torch.equal(model.embed_tokens.weight, table)
+        ids = torch.arange(table.shape[0]).flip(0)
+        assert torch.equal(embedding(ids), table[ids])
     finally:
         llm.shutdown()
 

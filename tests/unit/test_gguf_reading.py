@@ -53,6 +53,25 @@ def test_dequantize_matches_gguf(qtype):
     assert torch.equal(ours.float(), reference)  # bit-identical, not just close
 
 
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_dequantize_rows_in_torch_matches_gguf(qtype):
+    # the embedding's lookup decodes only the rows it gathers, in torch
+    from hybridllm.layers.gguf_linear import dequantize_rows
+
+    rng = np.random.default_rng(1)
+    values = rng.standard_normal((24, 96)).astype(np.float32)
+    values[5] = 0.0
+    raw = np.ascontiguousarray(gguf.quants.quantize(values, qtype)).view(np.uint8)
+    reference = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32))
+    rows = torch.tensor([7, 5, 0, 23, 7])
+    ours = dequantize_rows(torch.from_numpy(raw.reshape(24, -1))[rows], int(qtype), 96)
+    assert torch.equal(ours, reference[rows])  # bit-identical
+    with pytest.raises(ValueError, match="cannot decode rows"):
+        dequantize_rows(torch.from_numpy(raw.reshape(24, -1)), int(qtype), 64)
+    with pytest.raises(ValueError, match="ggml type 12"):
+        dequantize_rows(torch.from_numpy(raw.reshape(24, -1)), int(Q.Q4_K), 96)
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_dequantize_k_quants_from_random_blocks(qtype):
     # gguf cannot quantize K formats in Python; any bytes are valid blocks (scales may be NaN).

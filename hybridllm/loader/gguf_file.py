@@ -22,6 +22,7 @@ from hybridllm.loader.model_source import ModelLoadError
 GGUF_MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
 _MAX_COUNT = 1 << 24  # more keys or tensors than this means a garbage header
+_LENGTH = struct.Struct("<Q")  # a string's byte length
 
 # Fixed-size scalar value types: struct format and numpy dtype (little-endian).
 _SCALARS: dict[GGUFValueType, tuple[str, str]] = {
@@ -77,6 +78,25 @@ class _HeaderCursor:
         except UnicodeDecodeError:
             raise self.fail("string is not UTF-8") from None
 
+    def strings(self, count: int) -> list[str]:
+        """`count` strings in a row: a vocabulary (~100k for tokens + merges) is most of a
+        header, so this loop avoids string()'s per-item method calls (about 3x faster)."""
+        buf, pos, size, out = self.buf, self.pos, self.size, []
+        unpack_length, append = _LENGTH.unpack_from, out.append
+        for _ in range(count):
+            end = pos + 8 + (unpack_length(buf, pos)[0] if pos + 8 <= size else 0)
+            if end > size:
+                self.pos = pos
+                raise self.fail(f"truncated: needs {end - pos} bytes")
+            try:
+                append(buf[pos + 8 : end].decode("utf-8"))
+            except UnicodeDecodeError:
+                self.pos = pos
+                raise self.fail("string is not UTF-8") from None
+            pos = end
+        self.pos = pos
+        return out
+
     def value(self, vtype: int) -> Any:
         try:
             vtype = GGUFValueType(vtype)
@@ -93,7 +113,7 @@ class _HeaderCursor:
         if count > self.size:
             raise self.fail(f"array of {count} items")
         if item_type == GGUFValueType.STRING:
-            return [self.string() for _ in range(count)]
+            return self.strings(count)
         scalar = _SCALARS.get(item_type)  # type: ignore[call-overload]
         if scalar is None:  # arrays of arrays: rare, decoded item by item
             return [self.value(item_type) for _ in range(count)]

@@ -162,20 +162,32 @@ def test_corrupted_safetensors(tmp_path, damage):
         list(source.iter_weights())
 
 
-@pytest.mark.parametrize("damage", ["empty", "garbage", "truncated_header", "truncated_data"])
+def _inside_token_list(data: bytes) -> int:
+    """A byte offset inside the vocabulary's string array (just past the token "he")."""
+    return data.index(b"\x02\x00\x00\x00\x00\x00\x00\x00he") + 9
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["empty", "garbage", "truncated_header", "truncated_vocab", "vocab_not_utf8", "truncated_data"],
+)
 def test_bad_gguf(tmp_path, damage):
     good = write_gguf(tmp_path / "good.gguf", tiny_hf_model("llama"))
     data = good.read_bytes()
+    vocab = _inside_token_list(data)
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(
         {
             "empty": b"",
             "garbage": os.urandom(4096),
             "truncated_header": data[:200],
+            "truncated_vocab": data[:vocab],
+            "vocab_not_utf8": data[:vocab] + b"\xff" + data[vocab + 1 :],
             "truncated_data": data[: len(data) - 100],
         }[damage]
     )
-    with pytest.raises(ModelLoadError, match=str(bad)):
+    message = {"truncated_vocab": "truncated", "vocab_not_utf8": "not UTF-8"}.get(damage, "")
+    with pytest.raises(ModelLoadError, match=f"{bad}.*{message}"):
         open_model_source(str(bad))
 
 

@@ -1,4 +1,5 @@
-"""Linear layers computed straight from GGUF blocks by the native op `hybridllm::gguf_linear`."""
+"""Linear layers computed straight from GGUF blocks by the native op `hybridllm::gguf_linear`,
+and the torch decoding of gathered block rows an embedding lookup needs."""
 
 from __future__ import annotations
 

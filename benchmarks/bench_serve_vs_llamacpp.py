@@ -1,7 +1,7 @@
 """Serving benchmark, side by side in one run: `hybridllm serve` vs llama-cpp-python's OpenAI server.
 
-Both serve the same embedded SmolLM2 GGUF (we dequantize to fp32; llama.cpp reads the 4-bit
-weights). Each server runs alone while it is measured; `hybridllm bench serve` drives both with
+Both serve the same embedded SmolLM2 GGUF and read its quantized blocks (hybridllm's CPU worker
+computes from them in fp32). Each server runs alone while it is measured; `hybridllm bench serve` drives both with
 random 128-token prompts and 128 output tokens (ignore_eos) at several concurrencies.
 
     python benchmarks/bench_serve_vs_llamacpp.py --llamacpp-python /path/to/venv/bin/python \

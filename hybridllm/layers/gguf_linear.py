@@ -1,5 +1,4 @@
-"""Linear layers computed straight from GGUF blocks by the native op `hybridllm::gguf_linear`,
-and the torch decoding of gathered block rows an embedding lookup needs."""
+"""Linear layers computed straight from GGUF blocks by the native op `hybridllm::gguf_linear`."""
 
 from __future__ import annotations
 
@@ -17,11 +16,6 @@ GGUF_KERNEL_TYPES: frozenset[int] = frozenset(
     {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
 )
 
-_BLOCK_BYTES = {
-    GGMLQuantizationType.Q8_0: 34,
-    GGMLQuantizationType.Q4_0: 18,
-    GGMLQuantizationType.Q4_1: 20,
-}
 
 # GGUF tensors stacked into one Linear: they are kept as blocks only if they share one type.
 _STACKED = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
@@ -78,26 +72,3 @@ def gguf_linear(
         x.reshape(-1, x.shape[-1]).float(), qweight, ggml_type, out_features
     )
     return out.view(*lead, out_features).to(x.dtype)
-
-
-def dequantize_rows(rows: torch.Tensor, ggml_type: int, dim: int) -> torch.Tensor:
-    """Decode GGUF rows [n, dim / 32 * block_bytes] uint8 of type Q8_0, Q4_0 or Q4_1 into float32
-    [n, dim], with the arithmetic (and so the bits) of `gguf.quants.dequantize`."""
-    block_bytes = _BLOCK_BYTES.get(ggml_type)
-    if block_bytes is None or rows.shape[-1] * 32 != dim * block_bytes:
-        raise ValueError(
-            f"cannot decode rows {tuple(rows.shape)} of ggml type {ggml_type} to {dim}"
-        )
-    blocks = rows.reshape(-1, block_bytes)  # [n * dim / 32, block_bytes]
-    if ggml_type == GGMLQuantizationType.Q8_0:  # f16 d, 32 x int8 q: d * q
-        d = blocks[:, :2].contiguous().view(torch.float16).float()
-        out = blocks[:, 2:].view(torch.int8).float() * d
-    else:  # f16 d (, f16 m), 16 bytes of nibbles: low ones are values 0-15, high ones 16-31
-        scales = blocks[:, : block_bytes - 16].contiguous().view(torch.float16).float()
-        packed = blocks[:, block_bytes - 16 :]
-        q = torch.cat((packed & 15, packed >> 4), dim=1).float()
-        if ggml_type == GGMLQuantizationType.Q4_0:  # d * (q - 8)
-            out = (q - 8) * scales[:, 0:1]
-        else:  # d * q + m
-            out = q * scales[:, 0:1] + scales[:, 1:2]
-    return out.view(rows.shape[0], dim)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
-from hybridllm.layers.gguf_linear import dequantize_rows, gguf_linear
+from hybridllm.layers.gguf_linear import gguf_linear
 from hybridllm.layers.linear import pack_linear_weight, packed_linear
+from hybridllm.loader.gguf_dequant import dequantize
 from hybridllm.loader.quantized_tensor import QuantizedTensor
 
 
@@ -25,20 +27,24 @@ class VocabEmbedding(nn.Module):
         self.ggml_type = -1
 
     def use_blocks(self, qweight: torch.Tensor, ggml_type: int, name: str) -> None:
-        """Look rows up in GGUF blocks (Q8_0, Q4_0 or Q4_1) and drop the float table: a
+        """Look rows up in GGUF blocks [vocab, bytes_per_row] and drop the float table: a
         tied LM head passes its own blocks, so the table is held once, in 4-8 bits."""
-        if qweight.shape[0] != self.vocab_size:
+        block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        expected = (self.vocab_size, self.dim // block_size * type_size)
+        if tuple(qweight.shape) != expected or self.dim % block_size:
             raise ValueError(
-                f"weight {name}: expected {self.vocab_size} rows, got {qweight.shape[0]}"
+                f"weight {name}: expected blocks {expected} for a [{self.vocab_size}, {self.dim}] "
+                f"table, got {tuple(qweight.shape)}"
             )
         self.qweight = qweight.to(self.weight.device)
-        self.ggml_type = int(ggml_type)
+        self.ggml_type = GGMLQuantizationType(ggml_type)
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             rows = self.qweight.index_select(0, input_ids)  # [num_tokens, bytes_per_row]
-            return dequantize_rows(rows, self.ggml_type, self.dim).to(self.dtype)
+            table = dequantize(rows.numpy(), self.ggml_type, (rows.shape[0], self.dim))
+            return table.to(self.dtype)  # [num_tokens, dim]
         return F.embedding(input_ids, self.weight)  # [num_tokens, dim]
 
 

@@ -54,22 +54,25 @@ def test_dequantize_matches_gguf(qtype):
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
-def test_dequantize_rows_in_torch_matches_gguf(qtype):
-    # the embedding's lookup decodes only the rows it gathers, in torch
-    from hybridllm.layers.gguf_linear import dequantize_rows
+def test_embedding_rows_from_blocks_match_gguf(qtype):
+    # an embedding kept in GGUF blocks decodes only the rows it looks up
+    from hybridllm.layers.vocab_embedding import VocabEmbedding
 
     rng = np.random.default_rng(1)
     values = rng.standard_normal((24, 96)).astype(np.float32)
     values[5] = 0.0
     raw = np.ascontiguousarray(gguf.quants.quantize(values, qtype)).view(np.uint8)
     reference = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32))
+    blocks = torch.from_numpy(raw.reshape(24, -1))
+    embedding = VocabEmbedding(24, 96, torch.float32, torch.device("cpu"))
+    embedding.use_blocks(blocks, int(qtype), "t")
     rows = torch.tensor([7, 5, 0, 23, 7])
-    ours = dequantize_rows(torch.from_numpy(raw.reshape(24, -1))[rows], int(qtype), 96)
-    assert torch.equal(ours, reference[rows])  # bit-identical
-    with pytest.raises(ValueError, match="cannot decode rows"):
-        dequantize_rows(torch.from_numpy(raw.reshape(24, -1)), int(qtype), 64)
-    with pytest.raises(ValueError, match="ggml type 12"):
-        dequantize_rows(torch.from_numpy(raw.reshape(24, -1)), int(Q.Q4_K), 96)
+    assert torch.equal(embedding(rows), reference[rows])  # bit-identical
+    assert embedding.weight.numel() == 0  # no float table kept
+    with pytest.raises(ValueError, match=r"weight t: expected blocks .* for a \[24, 64\] table"):
+        VocabEmbedding(24, 64, torch.float32, torch.device("cpu")).use_blocks(blocks, qtype, "t")
+    with pytest.raises(ValueError, match="weight t: expected blocks"):
+        VocabEmbedding(23, 96, torch.float32, torch.device("cpu")).use_blocks(blocks, qtype, "t")
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)

@@ -75,10 +75,8 @@ def head_loader(head: nn.Module, name: str, embedding: nn.Module | None = None) 
             float_loader(loaded)
             return
         head.load_blocks(loaded, name)
-        if type(embedding) is VocabEmbedding:
+        if embedding is not None:  # a plain head's tied embedding is a plain VocabEmbedding
             embedding.use_blocks(head.qweight, head.ggml_type, name)
-        elif embedding is not None:
-            float_loader(loaded.dequantize())
 
     load.accepts_quantized = True  # type: ignore[attr-defined]
     return load

@@ -63,8 +63,7 @@ class ModelSize:
             layer_bytes=round(self.matmul_params_per_layer * bytes_per_param)
             + self.layer_other_bytes,
             lm_head_bytes=head,
-            embedding_bytes=embedding,
-            # a tied head and the embedding share one table, blocks or floats
+            embedding_bytes=embedding,  # tied_embeddings stays: head and embedding share one table
             cpu_blocks=None,
             matmul_bytes_per_param=bytes_per_param,
         )

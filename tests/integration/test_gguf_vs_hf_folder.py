@@ -7,17 +7,12 @@ import pytest
 from hybridllm import LLM, SamplingParams
 from hybridllm.loader import open_model_source
 from tests.gguf_helpers import tiny_hf_model, write_gguf
+from tests.model_helpers import tiny_config
 
-# Llama 3.1 rope scaling with a short original context, so that it moves most frequencies
-# within the prompt: GGUF files carry it as a rope_freqs tensor, HF folders as rope_parameters.
-LLAMA3_ROPE = dict(
-    rope_type="llama3",
-    rope_theta=50000.0,
-    factor=8.0,
-    low_freq_factor=1.0,
-    high_freq_factor=4.0,
-    original_max_position_embeddings=16,
-)
+# The tiny llama3's rope scaling with a short original context, so that it moves most
+# frequencies within the prompt: GGUF files carry it as a rope_freqs tensor, HF folders as
+# rope_parameters.
+LLAMA3_ROPE = dict(tiny_config("llama3").rope_parameters, original_max_position_embeddings=16)
 
 
 @pytest.mark.parametrize(

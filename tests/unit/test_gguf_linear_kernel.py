@@ -16,7 +16,8 @@ from hybridllm.loader.gguf_dequant import dequantize
 Q = GGMLQuantizationType
 FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 # kDirectMaxRows in gguf_linear_cpu.cpp: up to this many rows of x the direct kernel runs,
-# then the panel GEMM (AVX-512) up to kPanelMaxRows, then BLAS on decoded weights. 8 and 9
+# then the panel GEMM (AVX-512) up to kPanelMaxRows, then, on an Intel CPU, BLAS on decoded
+# weights (elsewhere the panels serve every row count). 8 and 9
 # straddle the direct kernel's row tile, 33 the panel's 32 rows; at K = 2560 128 rows take two
 # of the panel GEMM's m-blocks.
 DIRECT_MAX_ROWS = 24
@@ -98,6 +99,14 @@ def test_blas_path_in_several_weight_chunks(op):
     # dequantized_linear decodes at most 8 MB of fp32 weight rows (3640 at K = 576) per GEMM
     qweight, weight = quantized_weight(Q.Q8_0, 4000, 576, seed=5)
     check(op, torch.randn(PANEL_MAX_ROWS + 3, 576), qweight, weight, Q.Q8_0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_prefill_row_counts(op, fmt):
+    # a prefill chunk: the panel GEMM (or, on an Intel CPU, BLAS) over several of its ~1 MB
+    # m-blocks of x, with a partial 32-row tile at the end
+    qweight, weight = quantized_weight(fmt, 100, 576, seed=6)
+    check(op, torch.randn(1000, 576), qweight, weight, fmt)
 
 
 @pytest.mark.parametrize("m", [1, 64])

@@ -309,7 +309,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
       direct_linear<kType>(xc.data_ptr<float>(), M, K, qw, N, y.data_ptr<float>());
     } else {
 #if defined(__AVX512F__)
-      if (M <= kPanelMaxRows)
+      if (M <= panel_max_rows())
         panel_linear<kType>(xc.data_ptr<float>(), M, K, qw, N, y.data_ptr<float>());
       else
 #endif

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <cpuid.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -20,9 +21,26 @@ namespace hybridllm_gguf {
 constexpr int kPanelM = 32;  // rows of x a micro-kernel call: two 16-lane vectors
 constexpr int kPanelN = 12;  // weight rows a panel: 2 x 12 accumulators + 2 x vectors in 32 registers
 // Up to this many rows of x the panel GEMM runs; above, BLAS on decoded weights (see
-// dequantized_linear). Interleaved A/B over SmolLM2's four linear shapes: panels 2.38 vs 3.27 ms
-// at M = 64, even at 96-128, BLAS 2-7% ahead from 160 rows on.
+// dequantized_linear), where torch's BLAS is MKL on an Intel CPU. Interleaved A/B over SmolLM2's
+// four linear shapes on a Xeon: panels 2.38 vs 3.27 ms at M = 64, even at 96-128, BLAS 2-7% ahead
+// from 160 rows on.
 constexpr int64_t kPanelMaxRows = 128;
+
+// MKL runs its AVX-512 sgemm kernels only on Intel CPUs; elsewhere it takes its AVX2 ones, half
+// the FMA width. On a 2-core AMD EPYC (Zen 5) it reached 190-210 GFLOP/s at SmolLM2's shapes at
+// every M, the panel GEMM 400-450 from M = 64 to 2048, so there the panels serve every M.
+inline bool blas_has_avx512_kernels() {
+  static const bool intel = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    __get_cpuid(0, &eax, &ebx, &ecx, &edx);
+    return ebx == 0x756e6547 && edx == 0x49656e69 && ecx == 0x6c65746e;  // "GenuineIntel"
+  }();
+  return intel;
+}
+
+inline int64_t panel_max_rows() {
+  return blas_has_avx512_kernels() ? kPanelMaxRows : INT64_MAX;
+}
 // x^T tiles of one m-block: about 1 MB, so they stay in L2 while every panel passes over them.
 constexpr int64_t kPanelBlockBytes = 1 << 20;
 

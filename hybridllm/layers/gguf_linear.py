@@ -62,6 +62,19 @@ def gguf_kernel_types(device: torch.device, tp_size: int) -> frozenset[int]:
     return GGUF_KERNEL_TYPES if load_cpu_kernels() else frozenset()
 
 
+# GGML's type id of plain fp32 tensors: the op reads an fp32 weight's own bytes as 32-float blocks.
+GGML_F32 = int(GGMLQuantizationType.F32)
+
+
+def own_f32_gemm_preferred() -> bool:
+    """Whether CPU workers should compute fp32 linears with the native op instead of F.linear.
+
+    Torch's BLAS on x86 is MKL, which runs AVX-512 sgemm kernels on Intel CPUs only; elsewhere
+    (AMD EPYC here) it ran at half the op's rate from decode to prefill shapes.
+    """
+    return load_cpu_kernels() and not torch.ops.hybridllm.blas_has_avx512_kernels()
+
+
 def gguf_linear(
     x: torch.Tensor, qweight: torch.Tensor, ggml_type: int, out_features: int
 ) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridllm.layers.gguf_linear import gguf_linear
+from hybridllm.layers.gguf_linear import GGML_F32, gguf_linear
 from hybridllm.loader.quantized_tensor import QuantizedTensor
 
 
@@ -38,6 +38,19 @@ def packed_linear(
 ) -> torch.Tensor:
     # bf16 on CPU: about twice F.linear's speed for decode-sized inputs (memory-bound GEMV)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+def f32_kernel_applies(weight: torch.Tensor | None, qweight: torch.Tensor | None) -> bool:
+    """An fp32 CPU weight not already computed from blocks, its rows whole 32-float blocks."""
+    return (
+        qweight is None
+        and weight is not None
+        and weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.shape[1] % 32 == 0
+        and weight.is_contiguous()
+    )
 
 
 class Linear(nn.Module):
@@ -72,18 +85,29 @@ class Linear(nn.Module):
             else None
         )
         self.packed = False
-        # GGUF blocks [out, bytes_per_row] uint8, when the weight is computed from them
+        # GGUF blocks [out, bytes_per_row] uint8, when the weight is computed from them (for an
+        # fp32 weight the native op reads: its own bytes, ggml_type F32)
         self.register_buffer("qweight", None, persistent=False)
         self.ggml_type = -1
         self._pending_blocks: dict[int, QuantizedTensor] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.local_linear(x, self.bias)
+
+    def local_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`x @ W.T + bias` from whichever form of the weight this layer holds."""
         if self.qweight is not None:
             y = gguf_linear(x, self.qweight, self.ggml_type, self.out_features)
-            return y if self.bias is None else y + self.bias
+            return y if bias is None else y + bias
         if self.packed:
-            return packed_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return packed_linear(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
+
+    def use_f32_kernel(self) -> None:
+        """Compute an fp32 weight with the native op (after loading; no loads afterwards)."""
+        if f32_kernel_applies(self.weight, self.qweight):
+            self.qweight = self.weight.detach().view(torch.uint8)  # [out, in * 4], shared
+            self.ggml_type = GGML_F32
 
     def pack_for_cpu(self) -> None:
         """Switch to oneDNN's prepacked bf16 layout (after loading; no loads afterwards)."""

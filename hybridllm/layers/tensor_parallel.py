@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from hybridllm.layers.linear import Linear, packed_linear
+from hybridllm.layers.linear import Linear
 from hybridllm.layers.vocab_embedding import LMHead, VocabEmbedding
 from hybridllm.plan.plan import partition
 
@@ -169,11 +169,8 @@ class RowParallelLinear(Linear):
         super().load_shard(kind, shard, loaded, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias if self.adds_bias else None
-        if self.packed:
-            partial = packed_linear(x, self.weight, bias)
-        else:
-            partial = F.linear(x, self.weight, bias)  # [n, out], this rank's share of the sum
+        # [n, out], this rank's share of the sum
+        partial = self.local_linear(x, self.bias if self.adds_bias else None)
         return self.communicator.all_reduce(partial)
 
 

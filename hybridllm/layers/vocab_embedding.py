@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
-from hybridllm.layers.gguf_linear import gguf_linear
-from hybridllm.layers.linear import pack_linear_weight, packed_linear
+from hybridllm.layers.gguf_linear import GGML_F32, gguf_linear
+from hybridllm.layers.linear import f32_kernel_applies, pack_linear_weight, packed_linear
 from hybridllm.loader.gguf_dequant import dequantize
 from hybridllm.loader.quantized_tensor import QuantizedTensor
 
@@ -81,6 +81,13 @@ class LMHead(nn.Module):
         self.qweight = blocks.blocks().to(self.weight.device)
         self.ggml_type = int(blocks.ggml_type)
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def use_f32_kernel(self) -> None:
+        """Project with the native op from the fp32 table's own bytes (shared with a tied
+        embedding)."""
+        if f32_kernel_applies(self.weight, self.qweight):
+            self.qweight = self.weight.detach().view(torch.uint8)  # [vocab, dim * 4]
+            self.ggml_type = GGML_F32
 
     def pack_for_cpu(self) -> None:
         """Use oneDNN's prepacked bf16 layout; a tied head packs a copy (the embedding

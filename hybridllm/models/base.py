@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hybridllm.layers.cpu_kernels import load_cpu_kernels
+from hybridllm.layers.gguf_linear import own_f32_gemm_preferred
 from hybridllm.layers.linear import Linear, cpu_bf16_packing_supported
 from hybridllm.layers.mlp import GatedMLP
 from hybridllm.layers.norm import RMSNorm
@@ -214,7 +215,8 @@ class CausalLMBase(nn.Module):
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:
         """Call once after load_weights: linears keep or decode GGUF blocks, CPU norms switch
-        to the compiled op when there is one; bf16 on CPU repacks every float linear for oneDNN.
+        to the compiled op when there is one, fp32 CPU linears to the native GEMM where torch's
+        BLAS lacks AVX-512 kernels; bf16 on CPU repacks every float linear for oneDNN.
 
         Decode on CPU is bound by reading weights; oneDNN's blocked bf16 layout reads them
         about twice as fast as F.linear does; the packing is skipped for other dtypes and devices.
@@ -228,6 +230,10 @@ class CausalLMBase(nn.Module):
                 module.finish_loading()
             elif isinstance(module, (RMSNorm, GatedMLP, RotaryEmbedding)) and native_ops:
                 module.use_native_op()
+        if native_ops and own_f32_gemm_preferred():
+            for module in self.modules():
+                if isinstance(module, (Linear, LMHead)):
+                    module.use_f32_kernel()
         if self.device.type != "cpu" or self.dtype != torch.bfloat16:
             return
         if not cpu_bf16_packing_supported():

@@ -56,7 +56,9 @@ def test_blocks_kept_where_a_kernel_reads_them(gguf_path):
     try:
         model = llm.llm_engine.executor.workers[0].model_runner.model
         layer = model.layers[0]
-        assert layer.self_attn.qkv_proj.qweight is None  # q/k Q4_1 beside v Q8_0: floats
+        qkv = layer.self_attn.qkv_proj  # q/k Q4_1 beside v Q8_0: decoded to floats
+        assert qkv.weight.dtype == torch.float32 and qkv.weight.numel() > 0
+        assert qkv.ggml_type in (-1, Q.F32)  # F32: the native op on the floats (non-Intel CPUs)
         assert layer.self_attn.o_proj.ggml_type == Q.Q4_0
         assert layer.mlp.gate_up_proj.ggml_type == Q.Q4_1
         assert layer.mlp.down_proj.ggml_type == Q.Q8_0

@@ -109,6 +109,41 @@ def test_prefill_row_counts(op, fmt):
     check(op, torch.randn(1000, 576), qweight, weight, fmt)
 
 
+@pytest.mark.parametrize("n,k", [(67, 576), (130, 1536)])
+def test_f32_weights(op, n, k):
+    # an fp32 weight's own bytes as F32 "blocks" (the unquantized CPU linears on some CPUs)
+    weight = torch.randn(n, k)
+    for m in ROW_COUNTS + [1000]:
+        check(op, torch.randn(m, k), weight.view(torch.uint8), weight, Q.F32)
+
+
+def test_linear_module_on_the_f32_kernel(op):
+    from hybridllm.layers.linear import Linear
+    from hybridllm.layers.vocab_embedding import LMHead, VocabEmbedding
+
+    linear = Linear(64, (96, 32), bias=True, dtype=torch.float32, device=torch.device("cpu"))
+    linear.weight.copy_(torch.randn(128, 64))
+    linear.bias.copy_(torch.randn(128))
+    x = torch.randn(5, 3, 64)
+    expected = torch.nn.functional.linear(x, linear.weight, linear.bias)
+    linear.use_f32_kernel()
+    assert linear.ggml_type == Q.F32 and linear.qweight.data_ptr() == linear.weight.data_ptr()
+    torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
+
+    embedding = VocabEmbedding(100, 64, torch.float32, torch.device("cpu"))
+    embedding.weight.copy_(torch.randn(100, 64))
+    head = LMHead(100, 64, torch.float32, torch.device("cpu"), tied_to=embedding)
+    h = torch.randn(4, 64)
+    expected = h @ embedding.weight.T
+    head.use_f32_kernel()
+    assert head.qweight.data_ptr() == embedding.weight.data_ptr()  # no second copy of the table
+    torch.testing.assert_close(head(h), expected, rtol=1e-5, atol=1e-5)
+
+    odd = Linear(48, 8, bias=False, dtype=torch.float32, device=torch.device("cpu"))
+    odd.use_f32_kernel()  # rows of 48 floats are not whole blocks: stays on F.linear
+    assert odd.qweight is None
+
+
 @pytest.mark.parametrize("m", [1, 64])
 def test_single_output_feature(op, m):
     qweight, weight = quantized_weight(Q.Q4_0, 1, 32, seed=4)

@@ -14,14 +14,16 @@
 namespace hybridllm_gguf {
 
 // GGMLQuantizationType values of the supported formats. Every format packs 32 weights a block;
-// one weight row [K] is K/32 consecutive blocks.
+// one weight row [K] is K/32 consecutive blocks. Plain fp32 weights are "blocks" of 32 floats
+// with no scale, so the same kernels serve unquantized CPU linears.
+constexpr int64_t kF32 = 0;   // 32 floats: w = the float
 constexpr int64_t kQ4_0 = 2;  // fp16 d, 16 bytes of nibbles: w = d * (q - 8)
 constexpr int64_t kQ4_1 = 3;  // fp16 d, fp16 m, 16 bytes of nibbles: w = d * q + m
 constexpr int64_t kQ8_0 = 8;  // fp16 d, 32 int8: w = d * q
 constexpr int64_t kBlock = 32;
 
 constexpr int64_t block_bytes(int64_t type) {
-  return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : type == kQ8_0 ? 34 : 0;
+  return type == kF32 ? 128 : type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : type == kQ8_0 ? 34 : 0;
 }
 
 // The first 64-byte aligned float at or after p (p is 4-byte aligned): 64-byte loads and stores
@@ -75,6 +77,7 @@ inline float half_to_float(uint16_t h) {
 template <int64_t kType>
 inline void block_scales(const uint8_t* blocks, int64_t count, float* d, float* m) {
   constexpr int64_t bb = block_bytes(kType);
+  if constexpr (kType == kF32) return;
 #if defined(__AVX512F__)
   // 16 blocks a step: one gather of each block's first 32-bit word (d in the low half, Q4_1's
   // m in the high half), then one 16-wide fp16 -> fp32 convert. Cheaper than scalar converts,
@@ -104,6 +107,10 @@ inline void block_scales(const uint8_t* blocks, int64_t count, float* d, float* 
 template <int64_t kType>
 void dequantize_row(const uint8_t* row, int64_t nb, float* out, float* d, float* m) {
   constexpr int64_t bb = block_bytes(kType);
+  if constexpr (kType == kF32) {
+    std::memcpy(out, row, nb * bb);
+    return;
+  }
   block_scales<kType>(row, nb, d, m);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * bb;

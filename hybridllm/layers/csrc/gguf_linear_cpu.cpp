@@ -68,6 +68,11 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
 #pragma GCC unroll 4
     for (int c = 0; c < kCols; ++c) {
       const uint8_t* blk = w + c * row_bytes + b * bb;
+      if constexpr (kType == kF32) {
+        lo[c] = _mm512_loadu_ps(reinterpret_cast<const float*>(blk));
+        hi[c] = _mm512_loadu_ps(reinterpret_cast<const float*>(blk) + 16);
+        continue;
+      }
       const float scale = d[c * nb + b];
       if constexpr (kType == kQ8_0) {
         lo[c] = _mm512_cvtepi32_ps(
@@ -149,11 +154,14 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
     float acc[kRows] = {};
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = w + c * row_bytes + b * bb;
-      const float scale = d[c * nb + b];
-      if constexpr (kType == kQ8_0) {
+      if constexpr (kType == kF32) {
+        std::memcpy(wf, blk, sizeof(wf));
+      } else if constexpr (kType == kQ8_0) {
+        const float scale = d[c * nb + b];
         const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
         for (int j = 0; j < 32; ++j) wf[j] = scale * static_cast<float>(q[j]);
       } else {
+        const float scale = d[c * nb + b];
         const uint8_t* q = blk + (kType == kQ4_1 ? 4 : 2);
         const float shift = kType == kQ4_1 ? 0.f : 8.f;
         const float low = kType == kQ4_1 ? m[c * nb + b] : 0.f;
@@ -288,7 +296,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
               qweight.scalar_type());
   const int64_t bb = block_bytes(ggml_type);
   TORCH_CHECK(bb > 0, "gguf_linear: unsupported ggml_type ", ggml_type,
-              " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
+              " (supported: F32=0, Q4_0=2, Q4_1=3, Q8_0=8)");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   TORCH_CHECK(K % kBlock == 0, "gguf_linear: in_features K=", K,
               " is not a multiple of the block size 32");
@@ -317,6 +325,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
     }
   };
   switch (ggml_type) {
+    case kF32: run(std::integral_constant<int64_t, kF32>{}); break;
     case kQ4_0: run(std::integral_constant<int64_t, kQ4_0>{}); break;
     case kQ4_1: run(std::integral_constant<int64_t, kQ4_1>{}); break;
     default: run(std::integral_constant<int64_t, kQ8_0>{});
@@ -328,6 +337,15 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
 
 TORCH_LIBRARY_FRAGMENT(hybridllm, m) {
   m.def("gguf_linear(Tensor x, Tensor qweight, int ggml_type, int out_features) -> Tensor");
+  // Whether this CPU's BLAS (MKL) runs AVX-512 sgemm kernels; where not, CPU workers send their
+  // fp32 linears through gguf_linear (type F32) too.
+  m.def("blas_has_avx512_kernels() -> bool", [] {
+#if defined(__AVX512F__)
+    return blas_has_avx512_kernels();
+#else
+    return true;  // no AVX-512 kernels of our own to prefer
+#endif
+  });
 }
 
 TORCH_LIBRARY_IMPL(hybridllm, CPU, m) {

@@ -137,10 +137,14 @@ void panel_linear(const float* x, int64_t M, int64_t K, const uint8_t* qw, int64
       const int64_t t1 = std::min(tiles, t0 + block_tiles);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * kPanelN, cols = std::min<int64_t>(kPanelN, N - n0);
-        for (int64_t j = 0; j < cols; ++j)
-          dequantize_row<kType>(qw + (n0 + j) * row_bytes, nb, w + j * K, d, m);
+        const float* panel = w;  // fp32 weight rows are used where they lie
+        if constexpr (kType == kF32)
+          panel = reinterpret_cast<const float*>(qw + n0 * row_bytes);
+        else
+          for (int64_t j = 0; j < cols; ++j)
+            dequantize_row<kType>(qw + (n0 + j) * row_bytes, nb, w + j * K, d, m);
         for (int64_t t = t0; t < t1; ++t) {
-          panel_kernel_dispatch(static_cast<int>(cols), xt + t * K * kPanelM, w, K, out,
+          panel_kernel_dispatch(static_cast<int>(cols), xt + t * K * kPanelM, panel, K, out,
                                 std::make_integer_sequence<int, kPanelN>{});
           const int64_t rows = std::min<int64_t>(kPanelM, M - t * kPanelM);
           float* yt = y + t * kPanelM * N + n0;

@@ -21,7 +21,8 @@ from hybridllm.platforms.discovery import GpuInfo, HardwareInfo
 logger = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "HYBRIDLLM_CACHE_DIR"
-_PROFILE_VERSION = 1
+# 2: the fp32 rate is that of the GEMM a CPU worker runs (the native op on non-Intel CPUs)
+_PROFILE_VERSION = 2
 GiB = 1 << 30
 
 # Spec-sheet peaks (dense, no sparsity): (HBM bytes/s, bf16 FLOP/s, fp32 FLOP/s, PCIe bytes/s
@@ -185,10 +186,24 @@ def measure_cpu_rates(threads: int, budget_s: float = 2.0) -> CpuRates:
             # Constant values: GEMM speed does not depend on them, and filling is cheaper.
             a = torch.full((64, 4096), 0.5, dtype=dtype)  # [batch, in]
             w = torch.full((4096, 4096), 0.01, dtype=dtype)  # [out, in]
-            rates[dtype] = gemm_flops / best_time(lambda a=a, w=w: a @ w.t(), 5, budget_s * 0.3)
+            rates[dtype] = gemm_flops / best_time(
+                lambda a=a, w=w: cpu_matmul(a, w), 5, budget_s * 0.3
+            )
         return CpuRates(bandwidth, rates[torch.float32], rates[torch.bfloat16], threads)
     finally:
         torch.set_num_threads(saved)
+
+
+def cpu_matmul(a, w):
+    """`a @ w.T` as a CPU worker computes it: fp32 through the native op where the model
+    would use it (see `own_f32_gemm_preferred`), else torch's BLAS."""
+    import torch
+
+    from hybridllm.layers.gguf_linear import GGML_F32, own_f32_gemm_preferred
+
+    if a.dtype == torch.float32 and own_f32_gemm_preferred():
+        return torch.ops.hybridllm.gguf_linear(a, w.view(torch.uint8), GGML_F32, w.shape[0])
+    return a @ w.t()
 
 
 def measure_gpu_rates(index: int) -> GpuRates:

@@ -1,6 +1,8 @@
 """Micro-benchmark: hybridllm::gguf_linear (GGUF blocks) vs F.linear on the fp32-dequantized weight.
 
-SmolLM2-135M's linear shapes (Q4_1; the tied LM head is Q8_0) at several batch sizes M. "GB/s"
+SmolLM2-135M's linear shapes (Q4_1; the tied LM head is Q8_0) at several batch sizes M, then the
+same shapes as plain fp32 weights (the op's F32 type, which CPU workers use where torch's BLAS
+lacks AVX-512 kernels: `own_f32_gemm_preferred`). "GB/s"
 is the op's quantized-weight read rate at M=1: "hot" calls one weight again and again (it stays
 in cache), "cold" cycles through copies larger than the last-level cache, as a decode step does.
 Run: `PYTHONPATH=. python benchmarks/bench_gguf_linear.py [--cold-mb 512]`.
@@ -28,7 +30,8 @@ SHAPES = [
     ("down", 1536, 576, Q.Q4_1),
     ("lm_head", 576, 49152, Q.Q8_0),
 ]
-M_VALUES = [1, 4, 16, 64, 512]
+SHAPES += [(name, k, n, Q.F32) for name, k, n, _ in SHAPES]
+M_VALUES = [1, 4, 16, 64, 512, 2048]
 
 
 def seconds_per_call(fn, min_time: float) -> float:
@@ -51,10 +54,16 @@ def seconds_per_call(fn, min_time: float) -> float:
 
 def bench_shape(op, name: str, k: int, n: int, fmt: Q, args: argparse.Namespace) -> None:
     """One table row per M for the weight shape [n, k] in format fmt."""
-    raw = quantize(torch.randn(n, k).numpy() * 0.05, fmt)
+    if fmt == Q.F32:
+        weight = torch.randn(n, k) * 0.05
+        raw = weight.view(torch.uint8).numpy()  # the op reads the floats' own bytes
+    else:
+        raw = quantize(torch.randn(n, k).numpy() * 0.05, fmt)
+        weight = dequantize(raw, fmt, (n, k))  # fp32 [N, K]
     qweight = torch.from_numpy(raw)
-    weight = dequantize(raw, fmt, (n, k))  # fp32 [N, K]
     for m in M_VALUES:
+        if n > 10_000 and m > 512:
+            continue  # the LM head runs on sampling rows only, never a whole prefill chunk
         x = torch.randn(m, k)
         t_op = seconds_per_call(lambda x=x: op(x, qweight, int(fmt), n), args.min_time)
         t_ref = seconds_per_call(lambda x=x: F.linear(x, weight), args.min_time)
@@ -79,7 +88,9 @@ def main() -> None:
     args = parser.parse_args()
     assert load_cpu_kernels(), "native CPU kernels unavailable (no compiler, or disabled)"
     torch.manual_seed(0)
-    print(f"threads={torch.get_num_threads()}  ms per call (fastest batch); ratio = op / F.linear")
+    blas = "AVX-512" if torch.ops.hybridllm.blas_has_avx512_kernels() else "no AVX-512"
+    print(f"threads={torch.get_num_threads()}, BLAS kernels: {blas}")
+    print("ms per call (fastest batch); ratio = op / F.linear")
     print(f"{'shape':>9} {'K->N':>11} {'fmt':>4} {'M':>4} {'op':>8} {'F.linear':>8} {'ratio':>6}")
     for name, k, n, fmt in SHAPES:
         bench_shape(torch.ops.hybridllm.gguf_linear, name, k, n, fmt, args)

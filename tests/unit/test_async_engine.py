@@ -138,3 +138,34 @@ def test_shutdown_aborts_requests_that_outlive_the_timeout():
 
     run(main())
     assert engine.shut_down and "long" in engine.aborted
+
+
+def test_launch_builds_the_engine_on_the_thread_that_runs_it():
+    built_on = []
+
+    def build():
+        built_on.append(threading.get_ident())
+        return ScriptedEngine()
+
+    ae = AsyncEngine.launch(build)
+    engine = ae.engine
+
+    async def main():
+        ae.start()
+        outs = [o async for o in ae.generate("r", [1], SamplingParams(max_tokens=3))]
+        assert outs[-1].outputs[0].token_ids == [1, 2, 3]
+        await ae.shutdown(timeout=1)
+
+    run(main())
+    assert engine.shut_down
+    # loading and every later engine call on one thread (torch's OpenMP pool is per thread)
+    assert engine.calling_threads == set(built_on)
+    assert threading.get_ident() not in built_on
+
+
+def test_launch_raises_what_building_raised():
+    def build():
+        raise FileNotFoundError("model path /nope does not exist")
+
+    with pytest.raises(FileNotFoundError, match="/nope"):
+        AsyncEngine.launch(build)

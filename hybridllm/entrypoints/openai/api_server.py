@@ -207,7 +207,9 @@ def run_server(args: argparse.Namespace) -> None:
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout=args.shutdown_timeout,
     )
-    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    engine_args = EngineArgs.from_cli_args(args)
+    async_engine = AsyncEngine.launch(lambda: LLMEngine.from_engine_args(engine_args))
+    engine = async_engine.engine
     config = engine.model_config
     model = ServedModel(
         names=served_model_names(args.served_model_name, config.model),
@@ -217,7 +219,7 @@ def run_server(args: argparse.Namespace) -> None:
     )
     # The engine thread detokenizes with its tokenizer; the event loop gets its own copy.
     tokenizer = copy.deepcopy(engine.get_tokenizer())
-    app = build_app(AsyncEngine(engine), tokenizer, model, options)
+    app = build_app(async_engine, tokenizer, model, options)
     logger.info(
         "listening on http://%s:%d (model '%s')", options.host, options.port, model.names[0]
     )

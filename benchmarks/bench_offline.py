@@ -5,8 +5,8 @@ Measures: cold load time (fresh processes), single-stream decode tokens/s and ti
 tokens each (transformers batched generate at batch 8), and the bandwidth floor. hybridllm runs
 twice: as it runs by default (the GGUF's Q4_1/Q8_0 linears computed from their blocks, fp32
 arithmetic) and with `quantization="none"` (every weight dequantized to fp32, as transformers
-holds them). Single-stream figures are the best of 3 rounds in which the engines alternate;
-throughput the best of 2 such rounds, each on its own 64 prompts.
+holds them). Single-stream figures are the best of 3 rounds in which the engines alternate,
+each round on a fresh prompt; throughput the best of 2 such rounds, each on its own 64 prompts.
 
     python benchmarks/bench_offline.py [--skip-hf] [--json out.json]
 """
@@ -184,23 +184,25 @@ def main() -> None:
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
 
-    single = random_prompts(2, PROMPT_LEN, seed=1)
+    # A fresh prompt each round: a repeated one would hit hybridllm's prefix cache, and its
+    # time to first token would then skip the prefill (as it did in runs before 2026-11-23).
+    single = random_prompts(1 + ROUNDS, PROMPT_LEN, seed=1)
     results = {"machine": machine()}
     cold_load_seconds(HYBRID_LOAD)  # first run may build the conversion cache
     results["hybridllm_cold_load_s"] = cold_load_seconds(HYBRID_LOAD)
     runners: dict = {
-        "hybridllm": HybridRunner(single[1], "auto"),
-        "hybridllm_fp32_weights": HybridRunner(single[1], "none"),
+        "hybridllm": HybridRunner(single[0], "auto"),
+        "hybridllm_fp32_weights": HybridRunner(single[0], "none"),
     }
     if not args.skip_hf:
         results["transformers_cold_load_s"] = cold_load_seconds(HF_LOAD)
-        runners["transformers"] = HFRunner(single[1])
+        runners["transformers"] = HFRunner(single[0])
     # Single stream, engines alternating, best of ROUNDS each: the machine's speed drifts
     # (shared VM), and alternating exposes both engines to the same drift.
     rounds: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
-    for _ in range(ROUNDS):
+    for r in range(ROUNDS):
         for name, runner in runners.items():
-            rounds[name].append(runner.single(single[0]))
+            rounds[name].append(runner.single(single[1 + r]))
     # Throughput the same way, each round on fresh prompts (no prefix-cache hits across rounds).
     throughput: dict[str, list[float]] = {name: [] for name in runners}
     for r in range(THROUGHPUT_ROUNDS):

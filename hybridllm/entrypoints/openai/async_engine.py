@@ -95,7 +95,9 @@ class AsyncEngine:
     # ---- lifecycle ----
 
     @classmethod
-    def launch(cls, build_engine: Callable[[], Any], metrics: ServerMetrics | None = None):
+    def launch(
+        cls, build_engine: Callable[[], Any], metrics: ServerMetrics | None = None
+    ) -> AsyncEngine:
         """Build the engine on a new engine thread, which then serves it; returns once built
         (raising what building raised). Call `start` from the event loop before submitting.
 

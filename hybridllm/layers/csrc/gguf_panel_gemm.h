@@ -3,7 +3,6 @@
 #pragma once
 
 #include <ATen/Parallel.h>
-#include <cpuid.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -12,6 +11,8 @@
 #include "gguf_blocks.h"
 
 #if defined(__AVX512F__)
+#include <cpuid.h>
+
 namespace hybridllm_gguf {
 
 // Many rows of x, AVX-512: a GEMM of our own with the weights decoded on the fly, since BLAS at

@@ -105,29 +105,32 @@ def triton_paged_decode(
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
-    _paged_decode_kernel[(batch, num_kv_heads)](
-        out,
-        query,
-        kv_cache,
-        block_tables,
-        seq_lens,
-        scale,
-        _NO_WINDOW if sliding_window is None else sliding_window,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
-        block_tables.stride(0),
-        GROUP=group,
-        GROUP_PAD=max(triton.next_power_of_2(group), 1),
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size,
-    )
+    # Triton launches on the current device, not the tensors': under the uni executor a worker
+    # on cuda:1 shares a process whose current device is cuda:0.
+    with torch.cuda.device(query.device):
+        _paged_decode_kernel[(batch, num_kv_heads)](
+            out,
+            query,
+            kv_cache,
+            block_tables,
+            seq_lens,
+            scale,
+            _NO_WINDOW if sliding_window is None else sliding_window,
+            query.stride(0),
+            query.stride(1),
+            out.stride(0),
+            out.stride(1),
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            kv_cache.stride(2),
+            kv_cache.stride(3),
+            block_tables.stride(0),
+            GROUP=group,
+            GROUP_PAD=max(triton.next_power_of_2(group), 1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+            BLOCK_SIZE=block_size,
+        )
     return out
 
 

@@ -124,8 +124,14 @@ class ModelRunner:
         per_block = self.kv_cache_bytes_per_block()
         if self.device.type == "cuda":
             free, total = self.platform.free_and_total_memory()
-            # Activations of one full step, measured by a profiling forward pass.
-            peak = self._profile_activation_bytes()
+            if any(w.is_cpu for w in self.stage.workers):
+                # The CPU ranks of a mixed tensor-parallel group size their KV cache without a
+                # forward pass, so a profiling forward here would wait in its collectives for
+                # them forever: take the planner's estimate of one full step's activations.
+                peak = self._estimated_activation_bytes()
+            else:
+                # Activations of one full step, measured by a profiling forward pass.
+                peak = self._profile_activation_bytes()
             budget = gpu_kv_budget(
                 total,
                 free,
@@ -155,11 +161,21 @@ class ModelRunner:
             )
         return int(num_blocks)
 
+    def _model_size(self):
+        mc = self.config.model_config
+        return model_size(mc.hf_config, str(self.dtype).removeprefix("torch."), mc.cpu_blocks)
+
+    def _estimated_activation_bytes(self) -> int:
+        """The planner's bound on one full step's activations."""
+        return self._model_size().activation_bytes(
+            self.config.scheduler_config.max_num_batched_tokens
+        )
+
     def _cpu_fixed_bytes(self, cpu_workers) -> int:
         """Weights and activation workspace of every CPU worker (they share the host's RAM),
         counted as the planner counts them."""
-        mc, sc = self.config.model_config, self.config.scheduler_config
-        size = model_size(mc.hf_config, str(self.dtype).removeprefix("torch."), mc.cpu_blocks)
+        sc = self.config.scheduler_config
+        size = self._model_size()
         plan = self.config.plan
         weights = sum(
             worker_weight_bytes(size, plan.stage_of(w.rank), w.tp_rank) for w in cpu_workers

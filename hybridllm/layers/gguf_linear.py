@@ -80,6 +80,8 @@ def gguf_linear(
 ) -> torch.Tensor:
     """`x @ W.T` for `x` [..., in] and `qweight` [out, in / 32 * block_bytes] uint8; the
     result has x's dtype (the op computes in fp32)."""
+    if x.dim() == 2 and x.dtype == torch.float32:  # the common case: no reshapes or casts
+        return torch.ops.hybridllm.gguf_linear(x, qweight, ggml_type, out_features)
     lead = x.shape[:-1]
     out = torch.ops.hybridllm.gguf_linear(
         x.reshape(-1, x.shape[-1]).float(), qweight, ggml_type, out_features

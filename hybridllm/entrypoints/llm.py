@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import sys
+import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +17,8 @@ from hybridllm.outputs import CompletionOutput, RequestOutput
 from hybridllm.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
+
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -33,6 +37,11 @@ class LLM:
         args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(args, show_progress=self._default_tqdm)
         self._counter = itertools.count()
+        # In-process CPU workers compute through torch's OpenMP pool, which belongs to the
+        # thread that loaded them: stepping from another thread measured half the speed.
+        self._loading_thread = threading.get_ident()
+        workers = getattr(self.llm_engine.executor, "workers", ())
+        self._warn_other_thread = any(w.device.type == "cpu" for w in workers)
         # Free the workers on garbage collection and at interpreter exit.
         self._finalizer = weakref.finalize(self, self.llm_engine.shutdown)
 
@@ -63,6 +72,13 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        if self._warn_other_thread and threading.get_ident() != self._loading_thread:
+            self._warn_other_thread = False  # once
+            logger.warning(
+                "LLM.generate called from another thread than the one that created the LLM: "
+                "its CPU workers compute about 2x slower there (torch's OpenMP pool belongs to "
+                "the loading thread); create the LLM on the thread that generates"
+            )
         engine = self.llm_engine
         results: dict[str, RequestOutput] = {}
         order = []

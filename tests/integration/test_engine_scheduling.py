@@ -140,3 +140,25 @@ def test_max_cpu_memory_bounds_the_kv_cache(model_path):
         assert len(out[0].outputs[0].token_ids) == 4
     finally:
         llm.shutdown()
+
+
+def test_generate_from_another_thread_warns_once_and_still_works(
+    model_path, prompts, reference, caplog
+):
+    import threading
+
+    llm = LLM(model_path, dtype="float32", max_model_len=128, block_size=4, use_tqdm=False)
+    try:
+        with caplog.at_level("WARNING", logger="hybridllm.entrypoints.llm"):
+            llm.generate(prompts[:1], PARAMS)  # the loading thread: no warning
+            assert not caplog.records
+            outs = []
+            for _ in range(2):
+                t = threading.Thread(target=lambda: outs.append(llm.generate(prompts, PARAMS)))
+                t.start()
+                t.join()
+        warnings = [r for r in caplog.records if "another thread" in r.getMessage()]
+        assert len(warnings) == 1 and "create the LLM on the thread" in warnings[0].getMessage()
+        assert [o.outputs[0].token_ids for o in outs[1]] == reference
+    finally:
+        llm.shutdown()

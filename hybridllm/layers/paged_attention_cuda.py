@@ -6,6 +6,8 @@ gather path of `TorchPagedAttention`, so this module is safe to import on any ma
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -106,8 +108,8 @@ def triton_paged_decode(
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
     # Triton launches on the current device, not the tensors': under the uni executor a worker
-    # on cuda:1 shares a process whose current device is cuda:0.
-    with torch.cuda.device(query.device):
+    # on cuda:1 shares a process whose current device is cuda:0. (CPU tensors: the interpreter.)
+    with torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext():
         _paged_decode_kernel[(batch, num_kv_heads)](
             out,
             query,

@@ -199,10 +199,10 @@ def cpu_matmul(a, w):
     would use it (see `own_f32_gemm_preferred`), else torch's BLAS."""
     import torch
 
-    from hybridllm.layers.gguf_linear import GGML_F32, own_f32_gemm_preferred
+    from hybridllm.layers.gguf_linear import GGML_F32, gguf_linear, own_f32_gemm_preferred
 
     if a.dtype == torch.float32 and own_f32_gemm_preferred():
-        return torch.ops.hybridllm.gguf_linear(a, w.view(torch.uint8), GGML_F32, w.shape[0])
+        return gguf_linear(a, w.view(torch.uint8), GGML_F32, w.shape[0])
     return a @ w.t()
 
 

@@ -7,8 +7,11 @@ twice: as it runs by default (the GGUF's Q4_1/Q8_0 linears computed from their b
 arithmetic) and with `quantization="none"` (every weight dequantized to fp32, as transformers
 holds them). Single-stream figures are the best of 3 rounds in which the engines alternate,
 each round on a fresh prompt; throughput the best of 2 such rounds, each on its own 64 prompts.
+With --llamacpp-python, llama.cpp (llama-cpp-python's `Llama` on the same GGUF, as many threads)
+joins the rounds from a process of that Python (benchmarks/llamacpp_worker.py); it generates one
+sequence at a time, so its throughput is the 64 prompts one after another.
 
-    python benchmarks/bench_offline.py [--skip-hf] [--json out.json]
+    python benchmarks/bench_offline.py [--skip-hf] [--llamacpp-python PY] [--json out.json]
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import platform
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -168,6 +172,47 @@ class HFRunner:
         return generated / (time.perf_counter() - t)
 
 
+class LlamaCppRunner:
+    """llama.cpp through llama-cpp-python, in a process of another Python (its own venv)."""
+
+    def __init__(self, python: str, warmup_prompt: list[int]):
+        from hybridllm.loader import default_model_path
+
+        worker = Path(__file__).with_name("llamacpp_worker.py")
+        context = str(2 * (PROMPT_LEN + NEW_TOKENS))
+        threads = str(torch.get_num_threads())
+        self.proc = subprocess.Popen(
+            [python, str(worker), str(default_model_path()), threads, context],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self._read()  # {"ready": true}
+        self.single(warmup_prompt)
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"llamacpp_worker.py exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def _ask(self, request: dict) -> dict:
+        self.proc.stdin.write(json.dumps({**request, "new_tokens": NEW_TOKENS}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def single(self, prompt: list[int]) -> tuple[float, float]:
+        reply = self._ask({"single": prompt})
+        return reply["ttft_s"], reply["decode_tok_s"]
+
+    def throughput(self, prompts: list[list[int]]) -> float:
+        return self._ask({"throughput": prompts})["tok_s"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
 def machine() -> str:
     from hybridllm.platforms.discovery import discover_hardware
 
@@ -182,6 +227,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip-hf", action="store_true", help="only measure hybridllm")
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--llamacpp-python", help="a Python with llama-cpp-python: add llama.cpp")
     args = ap.parse_args()
 
     # A fresh prompt each round: a repeated one would hit hybridllm's prefix cache, and its
@@ -197,6 +243,8 @@ def main() -> None:
     if not args.skip_hf:
         results["transformers_cold_load_s"] = cold_load_seconds(HF_LOAD)
         runners["transformers"] = HFRunner(single[0])
+    if args.llamacpp_python:
+        runners["llama.cpp"] = LlamaCppRunner(args.llamacpp_python, single[0])
     # Single stream, engines alternating, best of ROUNDS each: the machine's speed drifts
     # (shared VM), and alternating exposes both engines to the same drift.
     rounds: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
@@ -223,6 +271,8 @@ def main() -> None:
         results[name]["weight_bytes_per_token"] = runners[name].weight_bytes
         results[name]["bandwidth_floor_tok_s"] = bw * 1e9 / runners[name].weight_bytes
         runners[name].close()
+    if "llama.cpp" in runners:
+        runners["llama.cpp"].close()
 
     print(json.dumps(results, indent=2))
     if args.json:

@@ -22,7 +22,7 @@ _STACKED = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_
 
 
 def gguf_block_sizes(source: ModelSource, num_layers: int) -> GGUFBlockSizes | None:
-    """What an unsharded CPU worker keeps of `source` as GGUF blocks, for the planner's budgets
+    """What a CPU worker keeps of `source` as GGUF blocks (all layers, unsharded), for the budgets
     and cost model; None for other formats, without the native op, or an unknown layout."""
     tensor_infos = getattr(source, "tensor_infos", None)
     if tensor_infos is None or not load_cpu_kernels():
@@ -51,13 +51,13 @@ def gguf_block_sizes(source: ModelSource, num_layers: int) -> GGUFBlockSizes | N
     return GGUFBlockSizes(kept_params, kept_bytes, total_params, head, embedding)
 
 
-def gguf_kernel_types(device: torch.device, tp_size: int) -> frozenset[int]:
-    """The GGUF types a worker keeps quantized: CPU workers with unsharded weights.
+def gguf_kernel_types(device: torch.device) -> frozenset[int]:
+    """The GGUF types a worker keeps quantized: CPU workers (tensor-parallel ones their slices).
 
     Any activation dtype: the op computes in fp32 (a bf16 CPU stage of a GPU+CPU run reads
     its layers' 4-bit blocks, as llama.cpp's partial offload does).
     """
-    if device.type != "cpu" or tp_size != 1:
+    if device.type != "cpu":
         return frozenset()
     return GGUF_KERNEL_TYPES if load_cpu_kernels() else frozenset()
 

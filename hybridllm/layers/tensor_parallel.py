@@ -3,7 +3,7 @@
 Layers are built already sharded (no full weight is ever allocated): each rank holds the
 rows or columns `partition(total, tp_weights, align)` gives it, so shards may be unequal (a
 GPU rank can take a larger share than a CPU rank). `load_shard` / `load_full` take the full
-HF tensor and copy this rank's slice. The builders return the plain single-worker layer
+HF tensor, or the GGUF blocks a CPU rank keeps, and copy or keep this rank's slice. The builders return the plain single-worker layer
 when `tp_group` is None, so a single worker runs exactly the code it always ran.
 """
 
@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from hybridllm.layers.linear import Linear
 from hybridllm.layers.vocab_embedding import LMHead, VocabEmbedding
+from hybridllm.loader.quantized_tensor import QuantizedTensor
 from hybridllm.plan.plan import partition
 
 if TYPE_CHECKING:
@@ -128,14 +128,17 @@ class ColumnParallelLinear(Linear):
         self.full_sizes = tuple(full_sizes)
         self.row_ranges = tuple(row_ranges)
 
-    def load_shard(self, kind: str, shard: int, loaded: torch.Tensor, name: str = "") -> None:
+    def load_shard(
+        self, kind: str, shard: int, loaded: torch.Tensor | QuantizedTensor, name: str = ""
+    ) -> None:
         full = self.full_sizes[shard]
         if loaded.shape[0] != full:
             raise ValueError(
                 f"weight {name or kind}: expected {full} rows (full tensor), got {tuple(loaded.shape)}"
             )
         start, end = self.row_ranges[shard]
-        super().load_shard(kind, shard, loaded[start:end], name)
+        rows = loaded.rows(start, end) if isinstance(loaded, QuantizedTensor) else loaded[start:end]
+        super().load_shard(kind, shard, rows, name)
 
 
 class RowParallelLinear(Linear):
@@ -158,14 +161,21 @@ class RowParallelLinear(Linear):
         self.adds_bias = tp_group.rank == 0
         self.communicator = tp_group.communicator
 
-    def load_shard(self, kind: str, shard: int, loaded: torch.Tensor, name: str = "") -> None:
+    def load_shard(
+        self, kind: str, shard: int, loaded: torch.Tensor | QuantizedTensor, name: str = ""
+    ) -> None:
         if kind == "weight":
-            if loaded.dim() != 2 or loaded.shape[1] != self.full_in_features:
+            if len(loaded.shape) != 2 or loaded.shape[1] != self.full_in_features:
                 raise ValueError(
                     f"weight {name or kind}: expected {self.full_in_features} columns "
                     f"(full tensor), got {tuple(loaded.shape)}"
                 )
-            loaded = loaded[:, self.in_range[0] : self.in_range[1]]
+            start, end = self.in_range
+            if isinstance(loaded, QuantizedTensor):
+                columns = loaded.columns(start, end)  # None unless on block boundaries
+                loaded = loaded.dequantize()[:, start:end] if columns is None else columns
+            else:
+                loaded = loaded[:, start:end]
         super().load_shard(kind, shard, loaded, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -206,7 +216,7 @@ def row_linear(
     )
 
 
-def _check_vocab_rows(loaded: torch.Tensor, vocab_size: int, name: str) -> None:
+def _check_vocab_rows(loaded: torch.Tensor | QuantizedTensor, vocab_size: int, name: str) -> None:
     if loaded.shape[0] != vocab_size:
         raise ValueError(
             f"weight {name}: expected {vocab_size} vocabulary rows (full tensor), "
@@ -226,14 +236,18 @@ class VocabParallelEmbedding(VocabEmbedding):
         self.vocab_size, self.vocab_start, self.vocab_end = vocab_size, start, end
         self.communicator = tp_group.communicator
 
-    def load_full(self, loaded: torch.Tensor, name: str) -> None:
+    def load_full(self, loaded: torch.Tensor | QuantizedTensor, name: str) -> None:
         _check_vocab_rows(loaded, self.vocab_size, name)
-        self.weight.copy_(loaded[self.vocab_start : self.vocab_end])
+        if isinstance(loaded, QuantizedTensor):
+            rows = loaded.rows(self.vocab_start, self.vocab_end)
+            self.use_blocks(rows.blocks(), rows.ggml_type, name)
+        else:
+            self.weight.copy_(loaded[self.vocab_start : self.vocab_end])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.vocab_start  # [n]
         outside = (local < 0) | (local >= self.vocab_end - self.vocab_start)
-        hidden = F.embedding(local.masked_fill(outside, 0), self.weight)  # [n, dim]
+        hidden = super().forward(local.masked_fill(outside, 0))  # [n, dim]
         hidden.masked_fill_(outside.unsqueeze(-1), 0)
         return self.communicator.all_reduce(hidden)
 
@@ -258,9 +272,17 @@ class ParallelLMHead(LMHead):
         self.vocab_sizes = [e - s for s, e in ranges]  # every rank's logits width
         self.communicator = tp_group.communicator
 
-    def load_full(self, loaded: torch.Tensor, name: str) -> None:
+    def load_full(self, loaded: torch.Tensor | QuantizedTensor, name: str) -> None:
+        if isinstance(loaded, QuantizedTensor):
+            self.load_blocks(loaded, name)
+            return
         _check_vocab_rows(loaded, self.vocab_size, name)
         self.weight.copy_(loaded[self.vocab_start : self.vocab_end])
+
+    def load_blocks(self, blocks: QuantizedTensor, name: str) -> None:
+        """Keep this rank's rows of the full table's GGUF blocks."""
+        _check_vocab_rows(blocks, self.vocab_size, name)
+        super().load_blocks(blocks.rows(self.vocab_start, self.vocab_end), name)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = super().forward(hidden_states)  # [n, local vocab] float32

@@ -19,6 +19,7 @@ class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.vocab_size, self.dim, self.dtype = vocab_size, dim, dtype
+        self.num_rows = vocab_size  # rows held (a vocab-parallel shard: its own rows only)
         self.weight = nn.Parameter(
             torch.empty(vocab_size, dim, dtype=dtype, device=device), requires_grad=False
         )
@@ -30,10 +31,10 @@ class VocabEmbedding(nn.Module):
         """Look rows up in GGUF blocks [vocab, bytes_per_row] and drop the float table: a
         tied LM head passes its own blocks, so the table is held once, in 4-8 bits."""
         block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-        expected = (self.vocab_size, self.dim // block_size * type_size)
+        expected = (self.num_rows, self.dim // block_size * type_size)
         if tuple(qweight.shape) != expected or self.dim % block_size:
             raise ValueError(
-                f"weight {name}: expected blocks {expected} for a [{self.vocab_size}, {self.dim}] "
+                f"weight {name}: expected blocks {expected} for a [{self.num_rows}, {self.dim}] "
                 f"table, got {tuple(qweight.shape)}"
             )
         self.qweight = qweight.to(self.weight.device)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from hybridllm.loader.gguf_dequant import dequantize
 
@@ -26,6 +26,19 @@ class QuantizedTensor:
     def blocks(self) -> torch.Tensor:
         """A copy of the blocks as a uint8 tensor [rows, bytes_per_row]."""
         return torch.from_numpy(np.array(self.raw, dtype=np.uint8, copy=True))
+
+    def rows(self, start: int, end: int) -> QuantizedTensor:
+        """Output rows [start, end): a view, since every row is its own run of blocks."""
+        return QuantizedTensor(self.raw[start:end], self.ggml_type, (end - start, self.shape[1]))
+
+    def columns(self, start: int, end: int) -> QuantizedTensor | None:
+        """Input columns [start, end), a view, when both ends fall on block boundaries; else
+        None (a block's 32 weights share one scale and cannot be split)."""
+        block, type_size = GGML_QUANT_SIZES[self.ggml_type]
+        if start % block or end % block:
+            return None
+        raw = self.raw[:, start // block * type_size : end // block * type_size]
+        return QuantizedTensor(raw, self.ggml_type, (self.shape[0], end - start))
 
     def dequantize(self) -> torch.Tensor:
         """The float32 tensor [rows, cols] these blocks encode."""

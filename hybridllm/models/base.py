@@ -42,11 +42,16 @@ def copy_loader(param: torch.Tensor, name: str) -> WeightLoader:
 
 
 def vocab_loader(module: nn.Module, name: str) -> WeightLoader:
-    """A loader for an embedding table or LM head; a vocab-parallel one keeps its rows, a
-    plain embedding GGUF blocks it is given."""
+    """A loader for an embedding table or LM head; a vocab-parallel one keeps its rows (of
+    floats or GGUF blocks), a plain embedding GGUF blocks it is given."""
     load_full = getattr(module, "load_full", None)
     if load_full is not None:
-        return lambda loaded: load_full(loaded, name)
+
+        def load_rows(loaded: torch.Tensor | QuantizedTensor) -> None:
+            load_full(loaded, name)
+
+        load_rows.accepts_quantized = True  # type: ignore[attr-defined]
+        return load_rows
     float_loader = copy_loader(module.weight, name)
     if type(module) is not VocabEmbedding:
         return float_loader
@@ -64,19 +69,17 @@ def vocab_loader(module: nn.Module, name: str) -> WeightLoader:
 def head_loader(head: nn.Module, name: str, embedding: nn.Module | None = None) -> WeightLoader:
     """The loader of the LM head's weight `name`, which also fills a tied `embedding`.
 
-    A plain LMHead keeps GGUF blocks and projects from them; a plain tied embedding looks its
-    rows up in the same blocks (a vocab-parallel one gets floats).
+    The head keeps GGUF blocks (a vocab-parallel one its rows of them) and projects from
+    them; a tied embedding looks its rows up in the same blocks.
     """
     float_loader = vocab_loader(head if embedding is None else embedding, name)
-    if type(head) is not LMHead:
-        return float_loader  # vocab-parallel heads take float weights only
 
     def load(loaded: torch.Tensor | QuantizedTensor) -> None:
         if not isinstance(loaded, QuantizedTensor):
             float_loader(loaded)
             return
         head.load_blocks(loaded, name)
-        if embedding is not None:  # a plain head's tied embedding is a plain VocabEmbedding
+        if embedding is not None:
             embedding.use_blocks(head.qweight, head.ggml_type, name)
 
     load.accepts_quantized = True  # type: ignore[attr-defined]

@@ -39,7 +39,7 @@ class ModelSize:
     kv_bytes_per_token_per_layer: int  # K and V of one token in one layer, all KV heads
     mlp_matrices: int  # 3 for a gated MLP (gate, up, down), 2 for OPT's fc1, fc2
     layer_other_bytes: int  # norms and biases of one layer (counted whole on every shard)
-    # A GGUF file's blocks as a CPU worker without tensor parallelism keeps them (see
+    # A GGUF file's blocks as a CPU worker keeps them (a tensor-parallel one its share; see
     # `GGUFBlockSizes`); None: every worker holds dtype-sized weights.
     cpu_blocks: GGUFBlockSizes | None = None
     matmul_bytes_per_param: float | None = None  # set on the CPU view only; else dtype bytes
@@ -49,9 +49,9 @@ class ModelSize:
         return DTYPE_BYTES[self.dtype]
 
     def for_worker(self, stage: StagePlan, tp_rank: int) -> ModelSize:
-        """The sizes worker `tp_rank` of `stage` holds: GGUF blocks on an unsharded CPU worker."""
+        """The sizes worker `tp_rank` of `stage` holds: GGUF blocks on a CPU worker."""
         blocks = self.cpu_blocks
-        if blocks is None or not stage.workers[tp_rank].is_cpu or len(stage.workers) > 1:
+        if blocks is None or not stage.workers[tp_rank].is_cpu:
             return self
         bytes_per_param = blocks.matmul_bytes_per_param(self.dtype_bytes)
         head = self.lm_head_bytes if blocks.lm_head_bytes is None else blocks.lm_head_bytes

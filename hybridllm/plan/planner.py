@@ -61,7 +61,7 @@ def build_plan(
 ) -> Plan:
     """Place the model `hf_config` describes; raises ValueError naming budgets and needs.
 
-    `cpu_blocks`: the GGUF blocks an unsharded CPU worker would keep (smaller, faster to read).
+    `cpu_blocks`: the GGUF blocks a CPU worker keeps (smaller, faster to read).
     """
     size = model_size(hf_config, resolve_plan_dtype(args, hw), cpu_blocks)
     return _Planner(size, args, hw, cost, memory_budgets(hw, args)).build()

@@ -95,10 +95,7 @@ class ModelRunner:
         with torch.device(self.device):
             model = model_cls(mc.hf_config, self.dtype, self.device, start, end, **extra)
         # On a CPU worker GGUF linears stay in their blocks (read ~6x fewer bytes per token).
-        keep = ()
-        if mc.quantization == "auto":
-            tp_size = 1 if self.tp_group is None else self.tp_group.size
-            keep = gguf_kernel_types(self.device, tp_size)
+        keep = gguf_kernel_types(self.device) if mc.quantization == "auto" else ()
         weights = source.iter_weights(model.owns_weight, keep)
         if self.show_progress:
             from tqdm import tqdm

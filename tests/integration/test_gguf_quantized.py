@@ -146,3 +146,26 @@ def test_planner_block_sizes_of_the_embedded_model():
     assert blocks.kept_bytes * 32 == blocks.total_params * 20
     assert blocks.lm_head_bytes == 49152 * 576 // 32 * 34  # the tied Q8_0 embedding
     assert gguf_block_sizes(HFFolderSource.__new__(HFFolderSource), 30) is None  # no blocks
+
+
+def test_tensor_parallel_cpu_ranks_compute_from_blocks(gguf_path):
+    # Two CPU ranks (`mp`) keep their slices of the blocks: the single worker's generation.
+    results = {}
+    for tp in (1, 2):
+        llm = LLM(
+            str(gguf_path),
+            dtype="float32",
+            tensor_parallel_size=tp,
+            distributed_executor_backend="mp" if tp > 1 else "uni",
+            use_tqdm=False,
+            max_model_len=128,
+        )
+        try:
+            results[tp] = _generate(llm)
+        finally:
+            llm.shutdown()
+    for ours, ref in zip(results[2], results[1]):
+        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
+        for a, b in zip(ours.outputs[0].logprobs, ref.outputs[0].logprobs):
+            for tid in a.keys() & b.keys():
+                assert abs(a[tid].logprob - b[tid].logprob) < 1e-4

@@ -7,13 +7,18 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from hybridllm.distributed.parallel_groups import destroy_groups, init_tp_group
+from hybridllm.layers.cpu_kernels import load_cpu_kernels
+from hybridllm.layers.gguf_linear import gguf_kernel_types
 from hybridllm.layers.linear import cpu_bf16_packing_supported
 from hybridllm.layers.tensor_parallel import HeadShard, shard_align, split_attention_heads
+from hybridllm.loader import open_model_source
 from hybridllm.models.registry import get_model_class
 from hybridllm.plan.plan import Plan
 from tests.dist_pool import RankPool
+from tests.gguf_helpers import tiny_hf_model, write_gguf
 from tests.model_helpers import (
     StepSequence,
     allocate_kv_caches,
@@ -27,11 +32,11 @@ NUM_BLOCKS, BLOCK_SIZE = 32, 4
 ATOL = 1e-4
 
 
-def _steps() -> list[list[StepSequence]]:
+def _steps(vocab: int = 320) -> list[list[StepSequence]]:
     """Two prompts prefilled together, then three steps decoding both (fixed next tokens)."""
     tables = scattered_block_tables(2, 6, NUM_BLOCKS, seed=3)
     gen = torch.Generator().manual_seed(11)
-    a, b = (torch.randint(3, 320, (n,), generator=gen).tolist() for n in (13, 7))
+    a, b = (torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (13, 7))
     steps = [[StepSequence(a, 0, tables[0]), StepSequence(b, 0, tables[1])]]
     for i in range(3):
         steps.append(
@@ -43,10 +48,10 @@ def _steps() -> list[list[StepSequence]]:
     return steps
 
 
-def _run_steps(model) -> list[np.ndarray]:
+def _run_steps(model, vocab: int = 320) -> list[np.ndarray]:
     caches = allocate_kv_caches(model, NUM_BLOCKS, BLOCK_SIZE)
     out = []
-    for seqs in _steps():
+    for seqs in _steps(vocab):
         input_ids, positions, meta = make_step(seqs, BLOCK_SIZE)
         with torch.inference_mode():
             out.append(model.compute_logits(model(input_ids, positions, caches, meta)).numpy())
@@ -80,6 +85,39 @@ def _case_tp_models(rank, init_method, weights, models, dtype):
     tp.close()
     destroy_groups()
     return results
+
+
+def _load_gguf(path: str, tp_group=None):
+    """Our model of a GGUF file as a CPU worker loads it: blocks kept where the op reads them."""
+    source = open_model_source(path)
+    config = source.hf_config
+    extra = {} if tp_group is None else {"tp_group": tp_group}
+    cpu = torch.device("cpu")
+    model = get_model_class(config.architectures[0])(config, torch.float32, cpu, **extra)
+    loaded = model.load_weights(source.iter_weights(model.owns_weight, gguf_kernel_types(cpu)))
+    assert not model.expected_weight_names() - loaded
+    model.process_weights_after_loading()
+    return model
+
+
+def _case_tp_gguf(rank, init_method, weights, path):
+    """Each rank keeps its slices of the file's blocks: the types it holds, and its logits."""
+    tp = init_tp_group(_plan(weights), rank, init_method, torch.device("cpu"))
+    model = _load_gguf(path, tp)
+    layer = model.layers[0]
+    linears = {
+        "qkv": layer.self_attn.qkv_proj,
+        "o": layer.self_attn.o_proj,
+        "gate_up": layer.mlp.gate_up_proj,
+        "down": layer.mlp.down_proj,
+        "lm_head": model.lm_head,
+        "embedding": model.embed_tokens,
+    }
+    kept = {name: (None if m.qweight is None else int(m.ggml_type)) for name, m in linears.items()}
+    logits = _run_steps(model, model.hf_config.vocab_size)
+    tp.close()
+    destroy_groups()
+    return kept, logits
 
 
 def _tiny_models(archs):
@@ -147,6 +185,39 @@ def test_tp2_bf16_packed_linears(pool):
         for got, want in zip(per_arch["qwen2"][1], expected):
             assert np.abs(got - want).max() < 0.03 * np.abs(want).max()
     np.testing.assert_array_equal(results[0]["qwen2"][1][0], results[1]["qwen2"][1][0])
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def gguf_path(request, tmp_path_factory):
+    model = tiny_hf_model("llama", tie_word_embeddings=request.param)
+    quantize = {"model.embed_tokens.weight": Q.Q8_0, "lm_head.weight": Q.Q4_1}
+    for i in range(model.config.num_hidden_layers):
+        for proj, kind in (("q", Q.Q4_1), ("k", Q.Q4_1), ("v", Q.Q4_1), ("o", Q.Q4_0)):
+            quantize[f"model.layers.{i}.self_attn.{proj}_proj.weight"] = kind
+        for proj in ("gate", "up", "down"):
+            quantize[f"model.layers.{i}.mlp.{proj}_proj.weight"] = Q.Q8_0
+    return str(write_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", model, quantize=quantize))
+
+
+@pytest.mark.skipif(not load_cpu_kernels(), reason="native CPU kernels unavailable")
+def test_tp2_ranks_keep_their_gguf_blocks(pool, gguf_path):
+    """CPU ranks compute from their slices of the file's blocks, as a single worker does.
+
+    Column-parallel rows and vocabulary rows are whole block rows; a row-parallel slice is
+    kept where it falls on 32-column block boundaries (o: 32 of 64 columns a rank) and
+    decoded to floats where it does not (down: 48 of 96).
+    """
+    single = _load_gguf(gguf_path)
+    expected = _run_steps(single, single.hf_config.vocab_size)
+    results = pool.run(_case_tp_gguf, 2, (1.0, 1.0), gguf_path)
+    for kept, logits in results:
+        assert kept == {
+            "qkv": Q.Q4_1, "o": Q.Q4_0, "gate_up": Q.Q8_0, "down": None,
+            "lm_head": Q.Q8_0 if single.lm_head.tied else Q.Q4_1, "embedding": Q.Q8_0,
+        }  # fmt: skip
+        for step, (got, want) in enumerate(zip(logits, expected)):
+            err = float(np.abs(got - want).max())
+            assert err <= ATOL, f"step {step}: max error {err}"
 
 
 def test_split_attention_heads():

@@ -314,7 +314,7 @@ def q4_1_blocks(name: str) -> GGUFBlockSizes:
     return GGUFBlockSizes(params, params * 20 // 32, params, head)
 
 
-def test_gguf_blocks_shrink_unsharded_cpu_workers_only():
+def test_gguf_blocks_shrink_cpu_workers_only():
     hw = machine((24,), ram_gib=64)
     blocks = q4_1_blocks("llama3-70b")
     # 70B at bf16 does not fit a 24 GiB GPU + 64 GiB of RAM; as 4-bit blocks on the CPU it does
@@ -328,14 +328,18 @@ def test_gguf_blocks_shrink_unsharded_cpu_workers_only():
             assert ours < 0.35 * bf16  # 0.625 of 2 bytes per weight, plus norms
         else:
             assert ours == bf16
-    # a tensor-parallel CPU stage dequantizes (its shards would cut blocks): no credit
+    # the ranks of a tensor-parallel CPU stage keep their slices of the blocks
     tp_plan = plan_for("smollm2-135m", machine(), device="cpu", tensor_parallel_size=2)
     small, small_plain = (
         model_size(config("smollm2-135m"), "float32", b)
         for b in (q4_1_blocks("smollm2-135m"), None)
     )
     stage = tp_plan.stages[0]
-    assert worker_weight_bytes(small, stage, 0) == worker_weight_bytes(small_plain, stage, 0)
+    shards = [worker_weight_bytes(small, stage, rank) for rank in (0, 1)]
+    for rank, ours in enumerate(shards):
+        assert ours < 0.35 * worker_weight_bytes(small_plain, stage, rank)
+    whole = plan_for("smollm2-135m", machine(), device="cpu").stages[0]
+    assert sum(shards) == pytest.approx(worker_weight_bytes(small, whole, 0), rel=0.01)
 
 
 def test_gguf_blocks_make_the_cpu_stage_faster_in_the_cost_model():

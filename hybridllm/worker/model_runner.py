@@ -186,11 +186,23 @@ class ModelRunner:
         ]
 
     def _profile_activation_bytes(self) -> int:
-        n = min(self.config.scheduler_config.max_num_batched_tokens, 4096)
-        blocks = -(-n // self.block_size)
-        self.initialize_kv_cache(blocks)
+        """Peak device memory of `profile_forward` beyond what was allocated before it."""
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
+        self.profile_forward()
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    def profile_forward(self) -> int:
+        """One step of the largest batch the scheduler may send, for its memory peak: a prefill
+        of max_num_batched_tokens (at most 4096) through this stage's layers, on a temporary KV
+        cache; on the last stage logits for max_num_seqs rows and the sampler's most costly
+        path over them (top-k, top-p, penalties, logprobs). Returns the tokens run."""
+        sc = self.config.scheduler_config
+        n = min(sc.max_num_batched_tokens, 4096)
+        blocks = -(-n // self.block_size)
+        self.initialize_kv_cache(blocks)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
         md = self._metadata([], [(0, n, n)], [list(range(blocks))], pos.cpu().numpy())
@@ -202,12 +214,17 @@ class ModelRunner:
         with torch.inference_mode():
             hidden = self.model(ids, pos, self.kv_caches, md, **stage_inputs)
             if self.is_last_stage:
-                num_rows = min(n, self.config.scheduler_config.max_num_seqs)
-                self.model.compute_logits(hidden[-num_rows:])
-        peak = torch.cuda.max_memory_allocated(self.device) - base
+                num_rows = min(n, sc.max_num_seqs)
+                logits = self.model.compute_logits(hidden[-num_rows:])  # [num_rows, vocab]
+                params = SamplingParams(
+                    temperature=1.0, top_k=50, top_p=0.9, repetition_penalty=1.1, logprobs=5
+                )
+                sampling_md = SamplingMetadata.build(
+                    [params] * num_rows, [[0]] * num_rows, [[0]] * num_rows, self.device
+                )
+                self.sampler(logits, sampling_md)
         self.kv_caches = []
-        torch.cuda.empty_cache()
-        return int(peak)
+        return n
 
     # ---- one step -----------------------------------------------------------------------------
 

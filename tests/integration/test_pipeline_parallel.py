@@ -123,6 +123,18 @@ def test_micro_batches_overlap_and_abort_in_flight(model_path, reference):
         llm.shutdown()
 
 
+def test_profile_forward_runs_on_every_stage(model_path):
+    """The forward a GPU worker profiles for its memory peak (the biggest step, then the
+    sampler's costliest path on the last stage) runs on any stage and drops its KV cache."""
+    llm = LLM(model_path, pipeline_parallel_size=2, **ENGINE_KWARGS)
+    try:
+        runners = [w.model_runner for w in llm.llm_engine.executor.workers]
+        assert [r.profile_forward() for r in runners] == [16, 16]  # max_num_batched_tokens
+        assert all(r.kv_caches == [] for r in runners)
+    finally:
+        llm.shutdown()
+
+
 def test_parallel_flags_build_the_plan(model_path):
     import argparse
 

@@ -32,9 +32,17 @@ constexpr int kRowTile = 8;
 // Decoded fp32 weight rows a BLAS GEMM of the many-rows path takes at once: SmolLM2's largest
 // linear (3072 x 576) in one GEMM, a 49152-row LM head in 14.
 constexpr int64_t kChunkMaxBytes = 8 << 20;
-// How far ahead of its reads the direct kernel prefetches weight bytes. The hardware prefetcher
-// alone left M=1 at ~10 GB/s from DRAM (25 GB/s possible); 16 KB measured best of 2-32 KB.
-constexpr int64_t kPrefetchBytes = 16 * 1024;
+// How far ahead of its reads the direct kernel prefetches weight bytes: a sixteenth of the
+// bytes its thread reads, from 16 to 128 KB, never past them. At M = 1 from DRAM on a 2-core
+// Zen 5, Llama-3-8B-sized Q4_1 linears streamed 14-18 GB/s at 16 KB and 32-38 at 128 KB, while
+// SmolLM2's (a few hundred KB a thread) lost up to a third at 128 KB; 16 KB was tuned on a Xeon.
+constexpr int64_t kMinPrefetchBytes = 16 * 1024, kMaxPrefetchBytes = 128 * 1024;
+
+// Where a thread's direct-kernel calls prefetch: `distance` bytes ahead, up to `stop`.
+struct PrefetchWindow {
+  int64_t distance;
+  const char* stop;
+};
 // Below this many (block x row-of-x) products, waking the thread pool costs more than it saves.
 constexpr int64_t kSerialWork = 2048;
 
@@ -47,7 +55,8 @@ constexpr int64_t kSerialWork = 2048;
 // every row of x uses; each x load feeds kCols FMAs.
 template <int64_t kType, int kRows, int kCols>
 inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_t nb,
-                     const float* d, const float* m, float* y, int64_t ldy) {
+                     const float* d, const float* m, float* y, int64_t ldy,
+                     PrefetchWindow prefetch) {
   constexpr int64_t bb = block_bytes(kType);
   // FMA latency is 4 cycles: with few accumulators, elements 0-15 and 16-31 get separate chains
   constexpr int kChains = kRows * kCols <= 4 ? 2 : 1;
@@ -62,9 +71,11 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
     const float* xb = x + b * kRows * kBlock;
     __m512 lo[kCols], hi[kCols];  // block b's 32 weights of each weight row
     // The call reads kCols * row_bytes contiguous bytes, kCols * bb a step: fetch as many bytes
-    // kPrefetchBytes ahead, so the next calls' rows arrive from memory before they are needed.
-    const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchBytes + b * kCols * bb;
-    for (int64_t o = 0; o < kCols * bb; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+    // prefetch.distance ahead (not past the end of this thread's rows), so the next calls'
+    // rows arrive from memory before they are needed.
+    const char* ahead = reinterpret_cast<const char*>(w) + prefetch.distance + b * kCols * bb;
+    if (ahead < prefetch.stop)
+      for (int64_t o = 0; o < kCols * bb; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
 #pragma GCC unroll 4
     for (int c = 0; c < kCols; ++c) {
       const uint8_t* blk = w + c * row_bytes + b * bb;
@@ -147,7 +158,7 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
 // Portable version of the above: decode each block to fp32, then plain dot products.
 template <int64_t kType, int kRows, int kCols>
 inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_t nb,
-                     const float* d, const float* m, float* y, int64_t ldy) {
+                     const float* d, const float* m, float* y, int64_t ldy, PrefetchWindow) {
   constexpr int64_t bb = block_bytes(kType);
   float wf[kBlock];
   for (int c = 0; c < kCols; ++c) {
@@ -185,20 +196,21 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
 
 template <int64_t kType, int kCols>
 inline void dot_rows_dispatch(int rows, const float* x, const uint8_t* w, int64_t row_bytes,
-                              int64_t nb, const float* d, const float* m, float* y, int64_t ldy) {
+                              int64_t nb, const float* d, const float* m, float* y, int64_t ldy,
+                              PrefetchWindow prefetch) {
   if constexpr (kCols == 4) {  // only used with 1-2 rows of x
-    if (rows == 1) return dot_rows<kType, 1, 4>(x, w, row_bytes, nb, d, m, y, ldy);
-    return dot_rows<kType, 2, 4>(x, w, row_bytes, nb, d, m, y, ldy);
+    if (rows == 1) return dot_rows<kType, 1, 4>(x, w, row_bytes, nb, d, m, y, ldy, prefetch);
+    return dot_rows<kType, 2, 4>(x, w, row_bytes, nb, d, m, y, ldy, prefetch);
   }
   switch (rows) {
-    case 1: return dot_rows<kType, 1, kCols>(x, w, row_bytes, nb, d, m, y, ldy);
-    case 2: return dot_rows<kType, 2, kCols>(x, w, row_bytes, nb, d, m, y, ldy);
-    case 3: return dot_rows<kType, 3, kCols>(x, w, row_bytes, nb, d, m, y, ldy);
-    case 4: return dot_rows<kType, 4, kCols>(x, w, row_bytes, nb, d, m, y, ldy);
-    case 5: return dot_rows<kType, 5, kCols>(x, w, row_bytes, nb, d, m, y, ldy);
-    case 6: return dot_rows<kType, 6, kCols>(x, w, row_bytes, nb, d, m, y, ldy);
-    case 7: return dot_rows<kType, 7, kCols>(x, w, row_bytes, nb, d, m, y, ldy);
-    default: return dot_rows<kType, 8, kCols>(x, w, row_bytes, nb, d, m, y, ldy);
+    case 1: return dot_rows<kType, 1, kCols>(x, w, row_bytes, nb, d, m, y, ldy, prefetch);
+    case 2: return dot_rows<kType, 2, kCols>(x, w, row_bytes, nb, d, m, y, ldy, prefetch);
+    case 3: return dot_rows<kType, 3, kCols>(x, w, row_bytes, nb, d, m, y, ldy, prefetch);
+    case 4: return dot_rows<kType, 4, kCols>(x, w, row_bytes, nb, d, m, y, ldy, prefetch);
+    case 5: return dot_rows<kType, 5, kCols>(x, w, row_bytes, nb, d, m, y, ldy, prefetch);
+    case 6: return dot_rows<kType, 6, kCols>(x, w, row_bytes, nb, d, m, y, ldy, prefetch);
+    case 7: return dot_rows<kType, 7, kCols>(x, w, row_bytes, nb, d, m, y, ldy, prefetch);
+    default: return dot_rows<kType, 8, kCols>(x, w, row_bytes, nb, d, m, y, ldy, prefetch);
   }
 }
 
@@ -226,6 +238,17 @@ void direct_linear(const float* x, int64_t M, int64_t K, const uint8_t* qw, int6
   const int64_t threads = at::get_num_threads();
   const int64_t grain = nb * M * N < kSerialWork ? N : (N + threads - 1) / threads;
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    const char* first = reinterpret_cast<const char*>(qw + begin * row_bytes);
+    const int64_t range_bytes = (end - begin) * row_bytes;
+    const PrefetchWindow prefetch{
+        std::clamp(range_bytes / 16, kMinPrefetchBytes, kMaxPrefetchBytes), first + range_bytes};
+#if defined(__AVX512F__)
+    // the calls prefetch that far ahead of themselves: ask for the bytes before it now (a
+    // short range keeps the 16 KB that was tuned without this)
+    if (prefetch.distance > kMinPrefetchBytes)
+      for (const char* p = first; p < first + prefetch.distance; p += 64)
+        _mm_prefetch(p, _MM_HINT_T0);
+#endif
     // scales of kScaleRows weight rows at a time: whole 16-wide gathers even for short rows
     constexpr int64_t kScaleRows = 16;
     std::vector<float> scales(2 * (kScaleRows * nb + 16));
@@ -246,13 +269,16 @@ void direct_linear(const float* x, int64_t M, int64_t K, const uint8_t* qw, int6
           float* yr = y + r0 * N + n0 + i;
           const int64_t left = count - i;
           if (cols == 4 && left >= 4) {
-            dot_rows_dispatch<kType, 4>(rows, xr, w, row_bytes, nb, d + i * nb, m + i * nb, yr, N);
+            dot_rows_dispatch<kType, 4>(rows, xr, w, row_bytes, nb, d + i * nb, m + i * nb, yr, N,
+                                        prefetch);
             i += 4;
           } else if (left >= 2) {
-            dot_rows_dispatch<kType, 2>(rows, xr, w, row_bytes, nb, d + i * nb, m + i * nb, yr, N);
+            dot_rows_dispatch<kType, 2>(rows, xr, w, row_bytes, nb, d + i * nb, m + i * nb, yr, N,
+                                        prefetch);
             i += 2;
           } else {
-            dot_rows_dispatch<kType, 1>(rows, xr, w, row_bytes, nb, d + i * nb, m + i * nb, yr, N);
+            dot_rows_dispatch<kType, 1>(rows, xr, w, row_bytes, nb, d + i * nb, m + i * nb, yr, N,
+                                        prefetch);
             i += 1;
           }
         }

@@ -99,10 +99,10 @@ class HybridRunner:
     """hybridllm on the embedded model, fp32 activations; `quantization="none"` also
     dequantizes the weights to fp32 (auto computes the GGUF linears from their blocks)."""
 
-    def __init__(self, warmup_prompt: list[int], quantization: str):
+    def __init__(self, warmup_prompt: list[int], quantization: str, model: str | None = None):
         from hybridllm import LLM, SamplingParams
 
-        self.llm = LLM(dtype="float32", quantization=quantization, use_tqdm=False)
+        self.llm = LLM(model, dtype="float32", quantization=quantization, use_tqdm=False)
         self.params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
         self.llm.generate([{"prompt_token_ids": warmup_prompt}], self.params)
         model = self.llm.llm_engine.executor.workers[0].model_runner.model
@@ -175,14 +175,14 @@ class HFRunner:
 class LlamaCppRunner:
     """llama.cpp through llama-cpp-python, in a process of another Python (its own venv)."""
 
-    def __init__(self, python: str, warmup_prompt: list[int]):
+    def __init__(self, python: str, warmup_prompt: list[int], model: str | None = None):
         from hybridllm.loader import default_model_path
 
         worker = Path(__file__).with_name("llamacpp_worker.py")
         context = str(2 * (PROMPT_LEN + NEW_TOKENS))
         threads = str(torch.get_num_threads())
         self.proc = subprocess.Popen(
-            [python, str(worker), str(default_model_path()), threads, context],
+            [python, str(worker), model or str(default_model_path()), threads, context],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

@@ -1,0 +1,111 @@
+"""CPU decode of a larger Llama-shaped GGUF than the embedded model, hybridllm vs llama.cpp in one run.
+
+Writes a random LlamaForCausalLM of the chosen shape as a GGUF the way llama.cpp's converter does
+(tests/gguf_helpers.py: permuted q/k, the tests' small tokenizer, so the LM head is tiny and the
+decoder layers are nearly all the bytes), every linear in one block type, and measures hybridllm
+(the CPU worker computing from the blocks) and llama.cpp (llama-cpp-python's `Llama`, same
+threads) on it: time to first token of a 128-token prompt and decode tokens/s of 128 new tokens,
+best of 3 alternating rounds with a fresh prompt each, and the bandwidth floor of hybridllm's
+weight bytes a token.
+
+    python benchmarks/bench_cpu_gguf.py --llamacpp-python PY [--shape 1b] [--type Q4_1] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_offline import (  # noqa: E402
+    HybridRunner,
+    LlamaCppRunner,
+    machine,
+    memory_bandwidth_gbs,
+)
+from tests.gguf_helpers import tokenizer_vocab, write_gguf  # noqa: E402
+
+# Llama-3.2-1B's decoder (its 128k vocabulary aside); "small" checks the script in seconds.
+SHAPES = {
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8),
+    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2),
+}  # fmt: skip
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ROUNDS = 3
+
+
+def write_model(path: Path, shape: str, block_type: GGMLQuantizationType) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab = len(tokenizer_vocab())
+    config = LlamaConfig(
+        vocab_size=vocab, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        bos_token_id=vocab - 2, eos_token_id=vocab - 1, tie_word_embeddings=True, **SHAPES[shape],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    quantize = {
+        f"model.layers.{i}.{part}.{proj}.weight": block_type
+        for i in range(config.num_hidden_layers)
+        for part, projs in (("self_attn", PROJECTIONS[:4]), ("mlp", PROJECTIONS[4:]))
+        for proj in projs
+    }
+    return write_gguf(path, model, quantize=quantize)
+
+
+def prompts(n: int, vocab: int, length: int = 128) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab - 3, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--llamacpp-python", help="a Python with llama-cpp-python (else hybridllm only)"
+    )
+    ap.add_argument("--shape", default="1b", choices=list(SHAPES))
+    ap.add_argument("--type", default="Q4_1", choices=["Q4_0", "Q4_1", "Q8_0"])
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(
+            write_model(Path(tmp) / "model.gguf", args.shape, GGMLQuantizationType[args.type])
+        )
+        warmup, *fresh = prompts(1 + ROUNDS, len(tokenizer_vocab()))
+        runners = {"hybridllm": HybridRunner(warmup, "auto", path)}
+        if args.llamacpp_python:
+            runners["llama.cpp"] = LlamaCppRunner(args.llamacpp_python, warmup, path)
+        rounds = {name: [] for name in runners}
+        for prompt in fresh:
+            for name, runner in runners.items():
+                rounds[name].append(runner.single(prompt))
+        results = {"machine": machine(), "shape": args.shape, "type": args.type}
+        for name in runners:
+            results[name] = {
+                "ttft_s": min(t for t, _ in rounds[name]),
+                "decode_tok_s": max(d for _, d in rounds[name]),
+                "decode_tok_s_rounds": [round(d, 1) for _, d in rounds[name]],
+            }
+        bandwidth = memory_bandwidth_gbs()
+        weight_bytes = runners["hybridllm"].weight_bytes
+        results.update(memory_bandwidth_gbs=bandwidth, weight_bytes_per_token=weight_bytes)
+        results["bandwidth_floor_tok_s"] = bandwidth * 1e9 / weight_bytes
+        for runner in runners.values():
+            runner.close()
+    print(json.dumps(results, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -34,10 +34,12 @@ HOP_LATENCY_S = 30e-6
 GPU_ALLREDUCE_LATENCY_S = 10e-6
 # Sampling reads the fp32 logits a few times (softmax, top-k/p).
 SAMPLING_PASSES = 3
-# Fixed cost of running one layer whatever its size: eager PyTorch dispatches ~15 ops per
+# Fixed cost of running one layer whatever its size: eager PyTorch dispatches ~20 ops per
 # decoder layer (a few us each on the CPU; kernel launches on a GPU without graph capture).
-# Estimates, not measured; they matter only for small models.
-CPU_LAYER_OVERHEAD_S = 40e-6
+# CPU: SmolLM2's decode steps on a 2-core Zen 5 took 6.1 ms, of which 2.7 ms reading blocks
+# and 0.1 ms of KV: about 100 us for each of its 30 layers and LM head. GPU: an estimate.
+# They matter only for small models.
+CPU_LAYER_OVERHEAD_S = 100e-6
 GPU_LAYER_OVERHEAD_S = 15e-6
 # Query tokens a fused attention kernel serves per pass over a sequence's KV.
 ATTENTION_QUERY_TILE = 128
@@ -48,6 +50,7 @@ class DeviceRates:
     read_bandwidth: float  # bytes/s
     matmul_flops: float  # FLOP/s at the model's dtype
     link_bandwidth: float  # bytes/s to and from the host (a CPU reaches its own RAM)
+    block_read_bandwidth: float  # bytes/s of GGUF blocks a CPU computes from (else read_bandwidth)
 
 
 @dataclass(frozen=True)
@@ -70,13 +73,17 @@ class CostModel:
         if device == "cpu":
             cpu = self.profile.cpu
             flops = cpu.fp32_flops if dtype == "float32" else cpu.bf16_flops
+            blocks = min(cpu.block_read_bandwidth or cpu.read_bandwidth, cpu.read_bandwidth)
             return DeviceRates(
-                cpu.read_bandwidth / sharing, flops / sharing, cpu.read_bandwidth / 2
+                cpu.read_bandwidth / sharing,
+                flops / sharing,
+                cpu.read_bandwidth / 2,
+                blocks / sharing,
             )
         index = int(device.partition(":")[2] or 0)
         gpu = self.profile.gpu(index)
         flops = gpu.fp32_flops if dtype == "float32" else gpu.bf16_flops
-        return DeviceRates(gpu.read_bandwidth, flops, gpu.h2d_bandwidth)
+        return DeviceRates(gpu.read_bandwidth, flops, gpu.h2d_bandwidth, gpu.read_bandwidth)
 
     def worker_time(
         self,
@@ -99,7 +106,8 @@ class CostModel:
         query_tiles = -(-num_tokens // (num_seqs * ATTENTION_QUERY_TILE))
         kv_reads = num_seqs * query_tiles * context_len
         layer_bytes = size.shard_layer_bytes(shard.q_heads, shard.kv_heads, shard.intermediate)
-        bytes_read = layers * (layer_bytes + kv_reads * kv_per_layer)
+        weight_bytes = layers * layer_bytes
+        bytes_read = layers * kv_reads * kv_per_layer
         # Matmuls at 2 FLOPs per multiply-add, and attention's QK^T and PV.
         matmul = size.shard_matmul_params(shard.q_heads, shard.kv_heads, shard.intermediate)
         q_dim = shard.q_heads * size.head_dim
@@ -109,12 +117,16 @@ class CostModel:
         if stage.has_lm_head:
             # Logits are computed for sampled rows only, but the whole matrix is read each step.
             vocab_share = shard.vocab / size.vocab_size
-            bytes_read += int(size.lm_head_bytes * vocab_share) + size.final_norm_bytes
+            weight_bytes += int(size.lm_head_bytes * vocab_share) + size.final_norm_bytes
             bytes_read += num_seqs * shard.vocab * 4 * SAMPLING_PASSES
             flops += 2 * num_seqs * shard.vocab * size.hidden_size
         overhead = CPU_LAYER_OVERHEAD_S if worker.is_cpu else GPU_LAYER_OVERHEAD_S
         fixed = overhead * (layers + stage.has_lm_head)
-        return fixed + max(bytes_read / rates.read_bandwidth, flops / rates.matmul_flops)
+        # the GGUF blocks a CPU worker keeps are read as fast as the op decodes them
+        blocks = worker.is_cpu and size.matmul_bytes_per_param is not None
+        weight_rate = rates.block_read_bandwidth if blocks else rates.read_bandwidth
+        read_s = weight_bytes / weight_rate + bytes_read / rates.read_bandwidth
+        return fixed + max(read_s, flops / rates.matmul_flops)
 
     def allreduce_time(self, stage: StagePlan, size: ModelSize, num_tokens: int) -> float:
         """Two all-reduces per layer (attention and MLP outputs) of [num_tokens, hidden]."""

@@ -43,6 +43,8 @@ def describe_hardware(hw: HardwareInfo, profile: HardwareProfile | None = None) 
             f"; measured: {cpu.read_bandwidth / 1e9:.1f} GB/s, "
             f"{cpu.fp32_flops / 1e9:.0f} fp32 / {cpu.bf16_flops / 1e9:.0f} bf16 GFLOP/s"
         )
+        if cpu.block_read_bandwidth is not None:
+            line += f", Q4_1 blocks at {cpu.block_read_bandwidth / 1e9:.1f} GB/s"
     lines.append(line)
     return "hardware:\n" + "\n".join(lines)
 

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "HYBRIDLLM_CACHE_DIR"
 # 2: the fp32 rate is that of the GEMM a CPU worker runs (the native op on non-Intel CPUs)
-_PROFILE_VERSION = 2
+_PROFILE_VERSION = 3
 GiB = 1 << 30
 
 # Spec-sheet peaks (dense, no sparsity): (HBM bytes/s, bf16 FLOP/s, fp32 FLOP/s, PCIe bytes/s
@@ -50,6 +50,9 @@ class CpuRates:
     fp32_flops: float  # FLOP/s of a batch-64 GEMM
     bf16_flops: float
     threads: int  # threads the numbers were measured with
+    # bytes/s of GGUF Q4_1 blocks the native op computes from at batch 1, out of DRAM: decoding
+    # the blocks, not the memory, may set the pace; None without the op
+    block_read_bandwidth: float | None = None
 
 
 @dataclass(frozen=True)
@@ -189,9 +192,33 @@ def measure_cpu_rates(threads: int, budget_s: float = 2.0) -> CpuRates:
             rates[dtype] = gemm_flops / best_time(
                 lambda a=a, w=w: cpu_matmul(a, w), 5, budget_s * 0.3
             )
-        return CpuRates(bandwidth, rates[torch.float32], rates[torch.bfloat16], threads)
+        blocks = measure_block_read_rate(budget_s * 0.1)
+        return CpuRates(bandwidth, rates[torch.float32], rates[torch.bfloat16], threads, blocks)
     finally:
         torch.set_num_threads(saved)
+
+
+def measure_block_read_rate(budget_s: float) -> float | None:
+    """Bytes/s of Q4_1 blocks `gguf_linear` reads at batch 1 from 128 MiB of them (a decode
+    step of a CPU worker on a 4-bit GGUF); None where the native op is unavailable."""
+    import torch
+
+    from hybridllm.layers.cpu_kernels import load_cpu_kernels
+    from hybridllm.layers.gguf_linear import gguf_linear
+
+    if not load_cpu_kernels():
+        return None
+    in_features, block_bytes = 4096, 20  # Q4_1: fp16 d, fp16 m, 16 bytes of nibbles
+    blocks_per_row = in_features // 32
+    rows = (128 << 20) // (blocks_per_row * block_bytes)
+    # Every block d = 1.0 (fp16 0x3C00), m = 0 and zero nibbles: speed does not depend on them.
+    blocks = torch.zeros(rows, blocks_per_row, block_bytes, dtype=torch.uint8)
+    blocks[..., 1] = 0x3C
+    qweight = blocks.view(rows, blocks_per_row * block_bytes)  # [out, bytes a row]
+    x = torch.full((1, in_features), 0.5)  # [1, in]
+    q4_1 = 3
+    seconds = best_time(lambda: gguf_linear(x, qweight, q4_1, rows), 5, budget_s)
+    return qweight.nbytes / seconds
 
 
 def cpu_matmul(a, w):

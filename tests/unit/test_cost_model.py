@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers
 
+from hybridllm.layers.cpu_kernels import load_cpu_kernels
 from hybridllm.plan.cost_model import CPU_LAYER_OVERHEAD_S, CostModel
 from hybridllm.plan.hardware_profile import (
     CpuRates,
@@ -167,6 +168,9 @@ def test_profile_is_measured_once_then_read_from_the_cache(tmp_path):
         "total_ram", "available_ram")])  # fmt: skip
     first = load_or_measure_profile(hw, cache_dir=str(tmp_path))
     assert first.cpu.read_bandwidth > 1e8 and first.cpu.fp32_flops > 1e8
+    # the native op's Q4_1 block rate, where the op builds
+    assert (first.cpu.block_read_bandwidth is None) == (not load_cpu_kernels())
+    assert first.cpu.block_read_bandwidth is None or first.cpu.block_read_bandwidth > 1e8
     assert first.gpus == (nominal_gpu_rates("H200"),)  # simulated GPUs are never measured
     (cache_file,) = tmp_path.iterdir()
     record = json.loads(cache_file.read_text())

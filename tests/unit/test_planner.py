@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 
@@ -350,3 +351,25 @@ def test_gguf_blocks_make_the_cpu_stage_faster_in_the_cost_model():
     plain = cost.decode_tokens_per_s(plan, model_size(config("llama3-8b"), "float32"), 1)
     ours = cost.decode_tokens_per_s(plan, model_size(config("llama3-8b"), "float32", blocks), 1)
     assert ours > 4 * plain  # bandwidth-bound batch 1: ~6x fewer bytes per token
+
+
+def test_cpu_blocks_are_read_at_the_measured_block_rate():
+    # where decoding the blocks is slower than the memory, the blocks set the pace; floats
+    # (and any GPU) keep the memory's
+    hw = machine()
+    plan = plan_for("llama3-8b", hw, device="cpu")
+    blocks = model_size(config("llama3-8b"), "float32", q4_1_blocks("llama3-8b"))
+    plain = model_size(config("llama3-8b"), "float32")
+    cpu = CpuRates(read_bandwidth=50e9, fp32_flops=1e12, bf16_flops=1e12, threads=32)
+    cost = {
+        rate: CostModel(HardwareProfile(dataclasses.replace(cpu, block_read_bandwidth=rate)))
+        for rate in (None, 50e9, 25e9)
+    }
+    step = {rate: 1 / c.decode_tokens_per_s(plan, blocks, 1) for rate, c in cost.items()}
+    assert step[None] == step[50e9]  # not measured: the memory's rate
+    stage = plan.stages[0]
+    # every weight byte but the embedding table's (a step gathers a few rows of it)
+    weights = worker_weight_bytes(blocks, stage, 0) - blocks.for_worker(stage, 0).embedding_bytes
+    assert step[25e9] - step[50e9] == pytest.approx(weights / 25e9 - weights / 50e9, rel=0.01)
+    same = {c.decode_tokens_per_s(plan, plain, 1) for c in cost.values()}
+    assert len(same) == 1

@@ -2,7 +2,8 @@
 
 Writes a random LlamaForCausalLM of the chosen shape as a GGUF the way llama.cpp's converter does
 (tests/gguf_helpers.py: permuted q/k, the tests' small tokenizer, so the LM head is tiny and the
-decoder layers are nearly all the bytes), every linear in one block type, and measures hybridllm
+decoder layers are nearly all the bytes), every linear in one block type (Q4_K: random super-blocks,
+since gguf cannot quantize to it), and measures hybridllm
 (the CPU worker computing from the blocks) and llama.cpp (llama-cpp-python's `Llama`, same
 threads) on it: time to first token of a 128-token prompt and decode tokens/s of 128 new tokens,
 best of 3 alternating rounds with a fresh prompt each, and the bandwidth floor of hybridllm's
@@ -72,7 +73,7 @@ def main() -> None:
         "--llamacpp-python", help="a Python with llama-cpp-python (else hybridllm only)"
     )
     ap.add_argument("--shape", default="1b", choices=list(SHAPES))
-    ap.add_argument("--type", default="Q4_1", choices=["Q4_0", "Q4_1", "Q8_0"])
+    ap.add_argument("--type", default="Q4_1", choices=["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
 

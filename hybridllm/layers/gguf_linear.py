@@ -13,7 +13,12 @@ from hybridllm.plan.model_size import GGUFBlockSizes
 
 # Block formats the native op reads; other GGUF types are dequantized at load time.
 GGUF_KERNEL_TYPES: frozenset[int] = frozenset(
-    {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
+    {
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q4_K,
+    }
 )
 
 

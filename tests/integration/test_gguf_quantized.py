@@ -169,3 +169,43 @@ def test_tensor_parallel_cpu_ranks_compute_from_blocks(gguf_path):
         for a, b in zip(ours.outputs[0].logprobs, ref.outputs[0].logprobs):
             for tid in a.keys() & b.keys():
                 assert abs(a[tid].logprob - b[tid].logprob) < 1e-4
+
+
+def test_q4_k_linears_computed_from_their_super_blocks(tmp_path):
+    # A model whose every linear is Q4_K (random super-blocks: gguf cannot quantize to Q4_K)
+    # gives the tokens and logprobs of the same file dequantized at load.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.gguf_helpers import tokenizer_vocab
+
+    vocab = len(tokenizer_vocab())
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=vocab - 2, eos_token_id=vocab - 1, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    quantize = {
+        name: Q.Q4_K
+        for name in model.state_dict()
+        if name.endswith("proj.weight")  # every q/k/v/o and gate/up/down
+    }
+    path = write_gguf(tmp_path / "q4_k.gguf", model, quantize=quantize)
+    results = {}
+    for quantization in ("auto", "none"):
+        llm = LLM(
+            str(path), dtype="float32", quantization=quantization, use_tqdm=False, max_model_len=128
+        )
+        try:
+            layer = llm.llm_engine.executor.workers[0].model_runner.model.layers[0]
+            kept = layer.mlp.down_proj.ggml_type == Q.Q4_K
+            assert kept == (quantization == "auto")
+            results[quantization] = _generate(llm)
+        finally:
+            llm.shutdown()
+    for ours, ref in zip(results["auto"], results["none"]):
+        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
+        for a, b in zip(ours.outputs[0].logprobs, ref.outputs[0].logprobs):
+            for tid in a.keys() & b.keys():
+                assert abs(a[tid].logprob - b[tid].logprob) < 1e-4

@@ -1,4 +1,4 @@
-"""The native hybridllm::gguf_linear op (linear layer on GGUF Q4_0/Q4_1/Q8_0 blocks) vs fp64."""
+"""The native hybridllm::gguf_linear op (linear layer on GGUF Q4_0/Q4_1/Q8_0/Q4_K blocks) vs fp64."""
 
 from __future__ import annotations
 
@@ -50,9 +50,10 @@ def quantized_weight(fmt, n, k, seed=0):
 def random_blocks(fmt, n, k, seed=0):
     """Uniformly random block bytes (every nibble / int8 pattern) with sane fp16 scales."""
     rng = np.random.default_rng(seed)
-    _, block_bytes = GGML_QUANT_SIZES[fmt]
-    raw = rng.integers(0, 256, size=(n * k // 32, block_bytes), dtype=np.uint8)
-    scale_count = 2 if fmt == Q.Q4_1 else 1  # d, and Q4_1's m
+    block_size, block_bytes = GGML_QUANT_SIZES[fmt]
+    raw = rng.integers(0, 256, size=(n * k // block_size, block_bytes), dtype=np.uint8)
+    # fp16 d, and Q4_1's m or Q4_K's dmin (Q4_K's 6-bit sub-block scales and mins stay random)
+    scale_count = 2 if fmt in (Q.Q4_1, Q.Q4_K) else 1
     scales = rng.uniform(-0.1, 0.1, size=(len(raw), scale_count)).astype(np.float16)
     raw[:, : 2 * scale_count] = scales.view(np.uint8)
     raw = raw.reshape(n, -1)
@@ -80,12 +81,20 @@ def test_matches_fp64_reference(op, fmt, n, k):
         check(op, torch.randn(m, k), qweight, weight, fmt)
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", FORMATS + [Q.Q4_K], ids=lambda f: f.name)
 def test_random_block_bytes(op, fmt):
     # every nibble value, negative scales, and (Q4_1) mins of either sign
     qweight, weight = random_blocks(fmt, 53, 256, seed=1)
     for m in (1, 3, 40):
         check(op, torch.randn(m, 256), qweight, weight, fmt)
+
+
+@pytest.mark.parametrize("n,k", [(37, 256), (67, 512), (29, 2560)])
+def test_q4_k_super_blocks_match_fp64_reference(op, n, k):
+    # gguf has no Q4_K quantizer: random super-blocks, decoded by the loader's dequantize
+    qweight, weight = random_blocks(Q.Q4_K, n, k, seed=4)
+    for m in ROW_COUNTS:
+        check(op, torch.randn(m, k), qweight, weight, Q.Q4_K)
 
 
 @pytest.mark.parametrize("m", [1, 7, 64])
@@ -177,8 +186,10 @@ def test_rejects_bad_inputs(op):
         op(x, qweight, int(Q.Q4_1), 9)  # wrong out_features
     with pytest.raises(RuntimeError, match="qweight shape .* does not match"):
         op(x, qweight, int(Q.Q8_0), 8)  # bytes of another format
-    with pytest.raises(RuntimeError, match="unsupported ggml_type 12"):
-        op(x, qweight, int(Q.Q4_K), 8)
+    with pytest.raises(RuntimeError, match="unsupported ggml_type 14"):
+        op(x, qweight, int(Q.Q6_K), 8)
+    with pytest.raises(RuntimeError, match="not a multiple of the block size 256"):
+        op(x, qweight, int(Q.Q4_K), 8)  # Q4_K rows are 256-weight super-blocks
     with pytest.raises(RuntimeError, match="x must be float32"):
         op(x.double(), qweight, int(Q.Q4_1), 8)
     with pytest.raises(RuntimeError, match="x must be 2-D"):

@@ -1,4 +1,4 @@
-// GGUF block formats (Q4_0, Q4_1, Q8_0) and their decoding to fp32, shared by the linear
+// GGUF block formats (Q4_0, Q4_1, Q8_0, Q4_K) and their decoding to fp32, shared by the linear
 // kernels in gguf_linear_cpu.cpp and gguf_panel_gemm.h.
 #pragma once
 
@@ -20,10 +20,55 @@ constexpr int64_t kF32 = 0;   // 32 floats: w = the float
 constexpr int64_t kQ4_0 = 2;  // fp16 d, 16 bytes of nibbles: w = d * (q - 8)
 constexpr int64_t kQ4_1 = 3;  // fp16 d, fp16 m, 16 bytes of nibbles: w = d * q + m
 constexpr int64_t kQ8_0 = 8;  // fp16 d, 32 int8: w = d * q
+// Super-blocks of 256 weights (144 bytes): fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc_j and
+// mins m_j of its eight 32-weight sub-blocks, 128 bytes of nibbles; sub-block j: w = d sc_j q -
+// dmin m_j, a Q4_1 block with its own layout. Rows of these are K/256 super-blocks (K % 256 == 0).
+constexpr int64_t kQ4_K = 12;
 constexpr int64_t kBlock = 32;
+constexpr int64_t kSuperBytes = 144;  // Q4_K
 
+// Bytes per 32 weights (Q4_K: 144 / 8), so a row [K] is K/32 * block_bytes bytes for every type.
 constexpr int64_t block_bytes(int64_t type) {
-  return type == kF32 ? 128 : type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : type == kQ8_0 ? 34 : 0;
+  return type == kF32    ? 128
+         : type == kQ4_0 ? 18
+         : type == kQ4_1 ? 20
+         : type == kQ8_0 ? 34
+         : type == kQ4_K ? 18
+                         : 0;
+}
+
+// Weights a row's length must be a multiple of.
+constexpr int64_t row_granule(int64_t type) { return type == kQ4_K ? 256 : kBlock; }
+
+// The 32 nibbles of 4-bit block b of a row (`row`: its first byte), as two 16-byte runs: weights
+// 0-15 are the nibbles at bits `shift` of lo[0..15], weights 16-31 those of hi[0..15]. Q4_0/Q4_1
+// hold them in one run (low nibbles, then high); Q4_K's sub-block pairs share 32 bytes, the
+// even sub-block in the low nibbles, the odd one in the high.
+template <int64_t kType>
+inline void nibble_runs(const uint8_t* row, int64_t b, const uint8_t** lo, const uint8_t** hi,
+                        int* lo_shift, int* hi_shift) {
+  if constexpr (kType == kQ4_K) {
+    const uint8_t* pair = row + (b / 8) * kSuperBytes + 16 + (b % 8 / 2) * 32;
+    *lo = pair;
+    *hi = pair + 16;
+    *lo_shift = *hi_shift = (b % 2) * 4;
+  } else {
+    *lo = *hi = row + b * block_bytes(kType) + (kType == kQ4_1 ? 4 : 2);
+    *lo_shift = 0;
+    *hi_shift = 4;
+  }
+}
+
+// Q4_K: sub-block j's 6-bit scale and min from the super-block's 12 scale bytes (as ggml packs
+// them: j < 4 in the low 6 bits of bytes j and j + 4; j >= 4 split across bytes j + 4 and j - 4, j).
+inline void q4_k_scale_min(int j, const uint8_t* q, int* scale, int* min) {
+  if (j < 4) {
+    *scale = q[j] & 63;
+    *min = q[j + 4] & 63;
+  } else {
+    *scale = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
+    *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
 }
 
 // The first 64-byte aligned float at or after p (p is 4-byte aligned): 64-byte loads and stores
@@ -78,6 +123,21 @@ template <int64_t kType>
 inline void block_scales(const uint8_t* blocks, int64_t count, float* d, float* m) {
   constexpr int64_t bb = block_bytes(kType);
   if constexpr (kType == kF32) return;
+  if constexpr (kType == kQ4_K) {
+    // count is a whole number of super-blocks: 8 sub-blocks each
+    for (int64_t s = 0; s < count / 8; ++s) {
+      const uint8_t* super = blocks + s * kSuperBytes;
+      const float scale = half_to_float(load_u16(super));
+      const float min_scale = half_to_float(load_u16(super + 2));
+      for (int j = 0; j < 8; ++j) {
+        int sc, mn;
+        q4_k_scale_min(j, super + 4, &sc, &mn);
+        d[s * 8 + j] = scale * static_cast<float>(sc);
+        m[s * 8 + j] = -min_scale * static_cast<float>(mn);
+      }
+    }
+    return;
+  }
 #if defined(__AVX512F__)
   // 16 blocks a step: one gather of each block's first 32-bit word (d in the low half, Q4_1's
   // m in the high half), then one 16-wide fp16 -> fp32 convert. Cheaper than scalar converts,
@@ -127,27 +187,33 @@ void dequantize_row(const uint8_t* row, int64_t nb, float* out, float* d, float*
       // table[i] = the weight a nibble i stands for; vpermps indexes it by each lane's low 4 bits
       const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
       const __m512 table =
-          kType == kQ4_1
-              ? _mm512_fmadd_ps(iota, _mm512_set1_ps(d[b]), _mm512_set1_ps(m[b]))
-              : _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.f)), _mm512_set1_ps(d[b]));
-      const __m512i q = _mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (kType == kQ4_1 ? 4 : 2))));
-      _mm512_storeu_ps(o, _mm512_permutexvar_ps(q, table));
-      _mm512_storeu_ps(o + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table));
+          kType == kQ4_0
+              ? _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.f)), _mm512_set1_ps(d[b]))
+              : _mm512_fmadd_ps(iota, _mm512_set1_ps(d[b]), _mm512_set1_ps(m[b]));
+      const uint8_t *lo, *hi;
+      int lo_shift, hi_shift;
+      nibble_runs<kType>(row, b, &lo, &hi, &lo_shift, &hi_shift);
+      const __m512i qlo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo)));
+      const __m512i qhi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)));
+      _mm512_storeu_ps(o, _mm512_permutexvar_ps(_mm512_srli_epi32(qlo, lo_shift), table));
+      _mm512_storeu_ps(o + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(qhi, hi_shift), table));
     }
 #else
     if constexpr (kType == kQ8_0) {
       const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
       for (int j = 0; j < 32; ++j) o[j] = d[b] * static_cast<float>(q[j]);
     } else {
-      const uint8_t* q = blk + (kType == kQ4_1 ? 4 : 2);
+      const uint8_t *lo, *hi;
+      int lo_shift, hi_shift;
+      nibble_runs<kType>(row, b, &lo, &hi, &lo_shift, &hi_shift);
       for (int j = 0; j < 16; ++j) {
-        if (kType == kQ4_1) {
-          o[j] = d[b] * static_cast<float>(q[j] & 15) + m[b];
-          o[j + 16] = d[b] * static_cast<float>(q[j] >> 4) + m[b];
+        const int q0 = (lo[j] >> lo_shift) & 15, q1 = (hi[j] >> hi_shift) & 15;
+        if (kType == kQ4_0) {
+          o[j] = d[b] * static_cast<float>(q0 - 8);
+          o[j + 16] = d[b] * static_cast<float>(q1 - 8);
         } else {
-          o[j] = d[b] * static_cast<float>((q[j] & 15) - 8);
-          o[j + 16] = d[b] * static_cast<float>((q[j] >> 4) - 8);
+          o[j] = d[b] * static_cast<float>(q0) + m[b];
+          o[j + 16] = d[b] * static_cast<float>(q1) + m[b];
         }
       }
     }

@@ -1,6 +1,7 @@
-// Linear layer y = x W^T computed straight from GGUF-quantized weight blocks (Q4_0, Q4_1, Q8_0),
-// with fp32 activations and fp32 arithmetic. Registered as the torch op hybridllm::gguf_linear;
-// built on first use by hybridllm/layers/cpu_kernels.py with the other CPU kernels.
+// Linear layer y = x W^T computed straight from GGUF-quantized weight blocks (Q4_0, Q4_1, Q8_0,
+// Q4_K), with fp32 activations and fp32 arithmetic. Registered as the torch op
+// hybridllm::gguf_linear; built on first use by hybridllm/layers/cpu_kernels.py with the other
+// CPU kernels.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -103,13 +104,21 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
         // A 16-entry table of the block's possible weights, indexed by nibble with vpermps
         // (which reads only each lane's low 4 bits): decoding costs 2 permutes, no converts.
         const __m512 table =
-            kType == kQ4_1
-                ? _mm512_fmadd_ps(iota, _mm512_set1_ps(scale), _mm512_set1_ps(m[c * nb + b]))
-                : _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.f)), _mm512_set1_ps(scale));
-        const __m512i q = _mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (kType == kQ4_1 ? 4 : 2))));
-        lo[c] = _mm512_permutexvar_ps(q, table);
-        hi[c] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+            kType == kQ4_0
+                ? _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.f)), _mm512_set1_ps(scale))
+                : _mm512_fmadd_ps(iota, _mm512_set1_ps(scale), _mm512_set1_ps(m[c * nb + b]));
+        const uint8_t *qlo, *qhi;
+        int lo_shift, hi_shift;
+        nibble_runs<kType>(w + c * row_bytes, b, &qlo, &qhi, &lo_shift, &hi_shift);
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qlo)));
+        lo[c] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, lo_shift), table);
+        if constexpr (kType == kQ4_K) {
+          const __m512i q16 =
+              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qhi)));
+          hi[c] = _mm512_permutexvar_ps(_mm512_srli_epi32(q16, hi_shift), table);
+        } else {
+          hi[c] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);  // same 16 bytes
+        }
       }
     }
     if constexpr (kType == kQ8_0 && kRows == 1) continue;
@@ -173,12 +182,14 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
         for (int j = 0; j < 32; ++j) wf[j] = scale * static_cast<float>(q[j]);
       } else {
         const float scale = d[c * nb + b];
-        const uint8_t* q = blk + (kType == kQ4_1 ? 4 : 2);
-        const float shift = kType == kQ4_1 ? 0.f : 8.f;
-        const float low = kType == kQ4_1 ? m[c * nb + b] : 0.f;
+        const uint8_t *lo, *hi;
+        int lo_shift, hi_shift;
+        nibble_runs<kType>(w + c * row_bytes, b, &lo, &hi, &lo_shift, &hi_shift);
+        const float shift = kType == kQ4_0 ? 8.f : 0.f;
+        const float low = kType == kQ4_0 ? 0.f : m[c * nb + b];
         for (int j = 0; j < 16; ++j) {
-          wf[j] = scale * (static_cast<float>(q[j] & 15) - shift) + low;
-          wf[j + 16] = scale * (static_cast<float>(q[j] >> 4) - shift) + low;
+          wf[j] = scale * (static_cast<float>((lo[j] >> lo_shift) & 15) - shift) + low;
+          wf[j + 16] = scale * (static_cast<float>((hi[j] >> hi_shift) & 15) - shift) + low;
         }
       }
       for (int r = 0; r < kRows; ++r) {
@@ -322,10 +333,10 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
               qweight.scalar_type());
   const int64_t bb = block_bytes(ggml_type);
   TORCH_CHECK(bb > 0, "gguf_linear: unsupported ggml_type ", ggml_type,
-              " (supported: F32=0, Q4_0=2, Q4_1=3, Q8_0=8)");
+              " (supported: F32=0, Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12)");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  TORCH_CHECK(K % kBlock == 0, "gguf_linear: in_features K=", K,
-              " is not a multiple of the block size 32");
+  TORCH_CHECK(K % row_granule(ggml_type) == 0, "gguf_linear: in_features K=", K,
+              " is not a multiple of the block size ", row_granule(ggml_type));
   TORCH_CHECK(N >= 0, "gguf_linear: out_features must be >= 0, got ", N);
   TORCH_CHECK(qweight.dim() == 2 && qweight.size(0) == N && qweight.size(1) == K / kBlock * bb,
               "gguf_linear: qweight shape ", qweight.sizes(), " does not match out_features=", N,
@@ -354,6 +365,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
     case kF32: run(std::integral_constant<int64_t, kF32>{}); break;
     case kQ4_0: run(std::integral_constant<int64_t, kQ4_0>{}); break;
     case kQ4_1: run(std::integral_constant<int64_t, kQ4_1>{}); break;
+    case kQ4_K: run(std::integral_constant<int64_t, kQ4_K>{}); break;
     default: run(std::integral_constant<int64_t, kQ8_0>{});
   }
   return y;

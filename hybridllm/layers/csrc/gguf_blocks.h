@@ -59,18 +59,6 @@ inline void nibble_runs(const uint8_t* row, int64_t b, const uint8_t** lo, const
   }
 }
 
-// Q4_K: sub-block j's 6-bit scale and min from the super-block's 12 scale bytes (as ggml packs
-// them: j < 4 in the low 6 bits of bytes j and j + 4; j >= 4 split across bytes j + 4 and j - 4, j).
-inline void q4_k_scale_min(int j, const uint8_t* q, int* scale, int* min) {
-  if (j < 4) {
-    *scale = q[j] & 63;
-    *min = q[j + 4] & 63;
-  } else {
-    *scale = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
-    *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
-
 // The first 64-byte aligned float at or after p (p is 4-byte aligned): 64-byte loads and stores
 // that straddle two cache lines cost two.
 inline float* align64(float* p) {
@@ -124,17 +112,35 @@ inline void block_scales(const uint8_t* blocks, int64_t count, float* d, float* 
   constexpr int64_t bb = block_bytes(kType);
   if constexpr (kType == kF32) return;
   if constexpr (kType == kQ4_K) {
-    // count is a whole number of super-blocks: 8 sub-blocks each
+    // count is a whole number of super-blocks: 8 sub-blocks each. ggml packs the 6-bit scales
+    // and mins in 12 bytes q: sub-block j < 4 has scale q[j] & 63 and min q[j + 4] & 63; j >= 4
+    // has scale (q[j + 4] & 15) | (q[j - 4] >> 6) << 4 and min (q[j + 4] >> 4) | (q[j] >> 6) << 4.
+    // Read as three 32-bit words, that is four sub-blocks per word operation.
+    constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
     for (int64_t s = 0; s < count / 8; ++s) {
       const uint8_t* super = blocks + s * kSuperBytes;
+      uint32_t w[3];
+      std::memcpy(w, super + 4, sizeof(w));
+      const uint32_t scales[2] = {w[0] & kLow6, (w[2] & kLow4) | (((w[0] >> 6) & kLow2) << 4)};
+      const uint32_t mins[2] = {w[1] & kLow6, ((w[2] >> 4) & kLow4) | (((w[1] >> 6) & kLow2) << 4)};
       const float scale = half_to_float(load_u16(super));
-      const float min_scale = half_to_float(load_u16(super + 2));
+      const float min_scale = -half_to_float(load_u16(super + 2));
+#if defined(__AVX2__)
+      const auto widen = [](const uint32_t* bytes) {  // 8 bytes -> 8 floats
+        return _mm256_cvtepi32_ps(
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))));
+      };
+      _mm256_storeu_ps(d + s * 8, _mm256_mul_ps(widen(scales), _mm256_set1_ps(scale)));
+      _mm256_storeu_ps(m + s * 8, _mm256_mul_ps(widen(mins), _mm256_set1_ps(min_scale)));
+#else
+      uint8_t sc[8], mn[8];
+      std::memcpy(sc, scales, 8);
+      std::memcpy(mn, mins, 8);
       for (int j = 0; j < 8; ++j) {
-        int sc, mn;
-        q4_k_scale_min(j, super + 4, &sc, &mn);
-        d[s * 8 + j] = scale * static_cast<float>(sc);
-        m[s * 8 + j] = -min_scale * static_cast<float>(mn);
+        d[s * 8 + j] = scale * static_cast<float>(sc[j]);
+        m[s * 8 + j] = min_scale * static_cast<float>(mn[j]);
       }
+#endif
     }
     return;
   }

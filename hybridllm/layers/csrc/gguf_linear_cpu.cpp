@@ -67,6 +67,7 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
     for (int c = 0; c < kCols; ++c)
       for (int h = 0; h < kChains; ++h) acc[r][c][h] = _mm512_setzero_ps();
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i pair[kCols][2];  // Q4_K: the widened nibble bytes of the current sub-block pair
 
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x + b * kRows * kBlock;
@@ -107,17 +108,25 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
             kType == kQ4_0
                 ? _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.f)), _mm512_set1_ps(scale))
                 : _mm512_fmadd_ps(iota, _mm512_set1_ps(scale), _mm512_set1_ps(m[c * nb + b]));
-        const uint8_t *qlo, *qhi;
-        int lo_shift, hi_shift;
-        nibble_runs<kType>(w + c * row_bytes, b, &qlo, &qhi, &lo_shift, &hi_shift);
-        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qlo)));
-        lo[c] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, lo_shift), table);
         if constexpr (kType == kQ4_K) {
-          const __m512i q16 =
-              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qhi)));
-          hi[c] = _mm512_permutexvar_ps(_mm512_srli_epi32(q16, hi_shift), table);
+          // sub-blocks 2i and 2i + 1 share 32 bytes (low and high nibbles): widen them once
+          if (b % 2 == 0) {
+            const uint8_t *qlo, *qhi;
+            int lo_shift, hi_shift;
+            nibble_runs<kType>(w + c * row_bytes, b, &qlo, &qhi, &lo_shift, &hi_shift);
+            pair[c][0] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qlo)));
+            pair[c][1] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qhi)));
+            lo[c] = _mm512_permutexvar_ps(pair[c][0], table);  // vpermps reads the low 4 bits
+            hi[c] = _mm512_permutexvar_ps(pair[c][1], table);
+          } else {
+            lo[c] = _mm512_permutexvar_ps(_mm512_srli_epi32(pair[c][0], 4), table);
+            hi[c] = _mm512_permutexvar_ps(_mm512_srli_epi32(pair[c][1], 4), table);
+          }
         } else {
-          hi[c] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);  // same 16 bytes
+          const uint8_t* q16 = w + c * row_bytes + b * bb + (kType == kQ4_1 ? 4 : 2);
+          const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q16)));
+          lo[c] = _mm512_permutexvar_ps(q, table);
+          hi[c] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
         }
       }
     }

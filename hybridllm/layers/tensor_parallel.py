@@ -3,8 +3,9 @@
 Layers are built already sharded (no full weight is ever allocated): each rank holds the
 rows or columns `partition(total, tp_weights, align)` gives it, so shards may be unequal (a
 GPU rank can take a larger share than a CPU rank). `load_shard` / `load_full` take the full
-HF tensor, or the GGUF blocks a CPU rank keeps, and copy or keep this rank's slice. The builders return the plain single-worker layer
-when `tp_group` is None, so a single worker runs exactly the code it always ran.
+HF tensor, or the GGUF blocks a CPU rank keeps, and copy or keep this rank's slice. The
+builders return the plain single-worker layer when `tp_group` is None, so a single worker runs
+exactly the code it always ran.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "HYBRIDLLM_CACHE_DIR"
 # 2: the fp32 rate is that of the GEMM a CPU worker runs (the native op on non-Intel CPUs)
+# 3: + the rate the native op computes from Q4_1 blocks
 _PROFILE_VERSION = 3
 GiB = 1 << 30
 
@@ -202,6 +203,7 @@ def measure_block_read_rate(budget_s: float) -> float | None:
     """Bytes/s of Q4_1 blocks `gguf_linear` reads at batch 1 from 128 MiB of them (a decode
     step of a CPU worker on a 4-bit GGUF); None where the native op is unavailable."""
     import torch
+    from gguf import GGMLQuantizationType
 
     from hybridllm.layers.cpu_kernels import load_cpu_kernels
     from hybridllm.layers.gguf_linear import gguf_linear
@@ -216,7 +218,7 @@ def measure_block_read_rate(budget_s: float) -> float | None:
     blocks[..., 1] = 0x3C
     qweight = blocks.view(rows, blocks_per_row * block_bytes)  # [out, bytes a row]
     x = torch.full((1, in_features), 0.5)  # [1, in]
-    q4_1 = 3
+    q4_1 = int(GGMLQuantizationType.Q4_1)
     seconds = best_time(lambda: gguf_linear(x, qweight, q4_1, rows), 5, budget_s)
     return qweight.nbytes / seconds
 

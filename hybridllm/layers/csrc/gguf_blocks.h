@@ -1,4 +1,4 @@
-// GGUF block formats (Q4_0, Q4_1, Q8_0, Q4_K) and their decoding to fp32, shared by the linear
+// GGUF block formats (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) and their decoding to fp32, shared by the linear
 // kernels in gguf_linear_cpu.cpp and gguf_panel_gemm.h.
 #pragma once
 
@@ -24,10 +24,15 @@ constexpr int64_t kQ8_0 = 8;  // fp16 d, 32 int8: w = d * q
 // mins m_j of its eight 32-weight sub-blocks, 128 bytes of nibbles; sub-block j: w = d sc_j q -
 // dmin m_j, a Q4_1 block with its own layout. Rows of these are K/256 super-blocks (K % 256 == 0).
 constexpr int64_t kQ4_K = 12;
+// Super-blocks of 256 weights (210 bytes): 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8
+// scales (one per 16 weights), fp16 d last; w = d * scale * (q - 32) for 6-bit q.
+constexpr int64_t kQ6_K = 14;
 constexpr int64_t kBlock = 32;
-constexpr int64_t kSuperBytes = 144;  // Q4_K
+constexpr int64_t kSuperBytes = 144;    // Q4_K
+constexpr int64_t kQ6SuperBytes = 210;  // Q6_K
 
-// Bytes per 32 weights (Q4_K: 144 / 8), so a row [K] is K/32 * block_bytes bytes for every type.
+// Bytes per 32 weights of the 32-weight formats (Q4_K: 144 / 8); Q6_K's 210 / 8 is not whole:
+// 0 (see row_bytes_of, and kernels that step through a row by block use their own layout).
 constexpr int64_t block_bytes(int64_t type) {
   return type == kF32    ? 128
          : type == kQ4_0 ? 18
@@ -37,8 +42,17 @@ constexpr int64_t block_bytes(int64_t type) {
                          : 0;
 }
 
+constexpr bool supported_type(int64_t type) { return block_bytes(type) > 0 || type == kQ6_K; }
+
 // Weights a row's length must be a multiple of.
-constexpr int64_t row_granule(int64_t type) { return type == kQ4_K ? 256 : kBlock; }
+constexpr int64_t row_granule(int64_t type) {
+  return type == kQ4_K || type == kQ6_K ? 256 : kBlock;
+}
+
+// Bytes of one weight row of K weights.
+constexpr int64_t row_bytes_of(int64_t type, int64_t K) {
+  return type == kQ6_K ? K / 256 * kQ6SuperBytes : K / kBlock * block_bytes(type);
+}
 
 // The 32 nibbles of 4-bit block b of a row (`row`: its first byte), as two 16-byte runs: weights
 // 0-15 are the nibbles at bits `shift` of lo[0..15], weights 16-31 those of hi[0..15]. Q4_0/Q4_1
@@ -111,6 +125,20 @@ template <int64_t kType>
 inline void block_scales(const uint8_t* blocks, int64_t count, float* d, float* m) {
   constexpr int64_t bb = block_bytes(kType);
   if constexpr (kType == kF32) return;
+  if constexpr (kType == kQ6_K) {
+    // count is a whole number of super-blocks; d holds the scale of each 32-weight block's first
+    // 16 weights and m (no minimum in this format) that of its last 16
+    for (int64_t s = 0; s < count / 8; ++s) {
+      const uint8_t* super = blocks + s * kQ6SuperBytes;
+      const float scale = half_to_float(load_u16(super + 208));
+      const int8_t* scales = reinterpret_cast<const int8_t*>(super + 192);
+      for (int j = 0; j < 8; ++j) {
+        d[s * 8 + j] = scale * static_cast<float>(scales[2 * j]);
+        m[s * 8 + j] = scale * static_cast<float>(scales[2 * j + 1]);
+      }
+    }
+    return;
+  }
   if constexpr (kType == kQ4_K) {
     // count is a whole number of super-blocks: 8 sub-blocks each. ggml packs the 6-bit scales
     // and mins in 12 bytes q: sub-block j < 4 has scale q[j] & 63 and min q[j + 4] & 63; j >= 4
@@ -168,6 +196,38 @@ inline void block_scales(const uint8_t* blocks, int64_t count, float* d, float* 
 #endif
 }
 
+// Q6_K: where 32-weight block b of a row keeps its bits. Super-block b / 8 holds two halves of
+// 128 weights; in each, weights 32 g + l (g = 0..3, l = 0..31) take their low 4 bits from byte
+// l + 32 (g % 2) of the half's 64 (low nibble for g < 2, high for g >= 2) and their top 2 bits
+// from bits 2 g of byte l of the half's 32 high-bit bytes.
+struct Q6Bits {
+  const uint8_t* low;   // 32 bytes
+  const uint8_t* high;  // 32 bytes
+  int low_shift, high_shift;
+};
+inline Q6Bits q6_k_bits(const uint8_t* row, int64_t b) {
+  const uint8_t* super = row + (b / 8) * kQ6SuperBytes;
+  const int half = static_cast<int>(b % 8) / 4, g = static_cast<int>(b % 4);
+  return {super + half * 64 + (g % 2) * 32, super + 128 + half * 32, (g / 2) * 4, 2 * g};
+}
+
+#if defined(__AVX512F__)
+// 16 weights of a Q6_K block as floats q - 32 (lanes from bytes `low` / `high` of q6_k_bits)
+inline __m512 q6_k_values(const uint8_t* low, const uint8_t* high, int low_shift, int high_shift) {
+  const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low)));
+  const __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(high)));
+  const __m512i q = _mm512_or_si512(
+      _mm512_and_si512(_mm512_srli_epi32(lo, low_shift), _mm512_set1_epi32(15)),
+      _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hi, high_shift), _mm512_set1_epi32(3)), 4));
+  return _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(32)));
+}
+#endif
+
+inline int q6_k_value(const Q6Bits& bits, int l) {
+  return (((bits.low[l] >> bits.low_shift) & 15) | (((bits.high[l] >> bits.high_shift) & 3) << 4)) -
+         32;
+}
+
 // Decodes one weight row [K] (nb blocks) into fp32, as gguf_dequant.py does (the AVX-512 Q4_1
 // path fuses d * q + m into one rounding).
 template <int64_t kType>
@@ -178,6 +238,24 @@ void dequantize_row(const uint8_t* row, int64_t nb, float* out, float* d, float*
     return;
   }
   block_scales<kType>(row, nb, d, m);
+  if constexpr (kType == kQ6_K) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const Q6Bits bits = q6_k_bits(row, b);
+      float* o = out + b * kBlock;
+#if defined(__AVX512F__)
+      _mm512_storeu_ps(o, _mm512_mul_ps(q6_k_values(bits.low, bits.high, bits.low_shift,
+                                                    bits.high_shift),
+                                        _mm512_set1_ps(d[b])));
+      _mm512_storeu_ps(o + 16, _mm512_mul_ps(q6_k_values(bits.low + 16, bits.high + 16,
+                                                         bits.low_shift, bits.high_shift),
+                                             _mm512_set1_ps(m[b])));
+#else
+      for (int l = 0; l < 16; ++l) o[l] = d[b] * static_cast<float>(q6_k_value(bits, l));
+      for (int l = 16; l < 32; ++l) o[l] = m[b] * static_cast<float>(q6_k_value(bits, l));
+#endif
+    }
+    return;
+  }
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * bb;
     float* o = out + b * kBlock;

@@ -1,5 +1,5 @@
 // Linear layer y = x W^T computed straight from GGUF-quantized weight blocks (Q4_0, Q4_1, Q8_0,
-// Q4_K), with fp32 activations and fp32 arithmetic. Registered as the torch op
+// Q4_K, Q6_K), with fp32 activations and fp32 arithmetic. Registered as the torch op
 // hybridllm::gguf_linear; built on first use by hybridllm/layers/cpu_kernels.py with the other
 // CPU kernels.
 #include <ATen/Parallel.h>
@@ -59,6 +59,8 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
                      const float* d, const float* m, float* y, int64_t ldy,
                      PrefetchWindow prefetch) {
   constexpr int64_t bb = block_bytes(kType);
+  // bytes a row holds per block, to pace the prefetches (Q6_K: 210 / 8, rounded down)
+  constexpr int64_t kStep = kType == kQ6_K ? kQ6SuperBytes / 8 : bb;
   // FMA latency is 4 cycles: with few accumulators, elements 0-15 and 16-31 get separate chains
   constexpr int kChains = kRows * kCols <= 4 ? 2 : 1;
   __m512 acc[kRows][kCols][kChains];
@@ -75,9 +77,9 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
     // The call reads kCols * row_bytes contiguous bytes, kCols * bb a step: fetch as many bytes
     // prefetch.distance ahead (not past the end of this thread's rows), so the next calls'
     // rows arrive from memory before they are needed.
-    const char* ahead = reinterpret_cast<const char*>(w) + prefetch.distance + b * kCols * bb;
+    const char* ahead = reinterpret_cast<const char*>(w) + prefetch.distance + b * kCols * kStep;
     if (ahead < prefetch.stop)
-      for (int64_t o = 0; o < kCols * bb; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+      for (int64_t o = 0; o < kCols * kStep; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
 #pragma GCC unroll 4
     for (int c = 0; c < kCols; ++c) {
       const uint8_t* blk = w + c * row_bytes + b * bb;
@@ -87,6 +89,17 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
         continue;
       }
       const float scale = d[c * nb + b];
+      if constexpr (kType == kQ6_K) {
+        // two scales a block: d for weights 0-15, m for 16-31
+        const Q6Bits bits = q6_k_bits(w + c * row_bytes, b);
+        lo[c] = _mm512_mul_ps(
+            q6_k_values(bits.low, bits.high, bits.low_shift, bits.high_shift),
+            _mm512_set1_ps(scale));
+        hi[c] = _mm512_mul_ps(
+            q6_k_values(bits.low + 16, bits.high + 16, bits.low_shift, bits.high_shift),
+            _mm512_set1_ps(m[c * nb + b]));
+        continue;
+      }
       if constexpr (kType == kQ8_0) {
         lo[c] = _mm512_cvtepi32_ps(
             _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2))));
@@ -185,6 +198,10 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
       const uint8_t* blk = w + c * row_bytes + b * bb;
       if constexpr (kType == kF32) {
         std::memcpy(wf, blk, sizeof(wf));
+      } else if constexpr (kType == kQ6_K) {
+        const Q6Bits bits = q6_k_bits(w + c * row_bytes, b);
+        for (int l = 0; l < 32; ++l)
+          wf[l] = (l < 16 ? d : m)[c * nb + b] * static_cast<float>(q6_k_value(bits, l));
       } else if constexpr (kType == kQ8_0) {
         const float scale = d[c * nb + b];
         const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
@@ -238,7 +255,7 @@ inline void dot_rows_dispatch(int rows, const float* x, const uint8_t* w, int64_
 template <int64_t kType>
 void direct_linear(const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N, float* y) {
   constexpr int64_t bb = block_bytes(kType);
-  const int64_t nb = K / kBlock, row_bytes = nb * bb;
+  const int64_t nb = K / kBlock, row_bytes = row_bytes_of(kType, K);
   // x in tiles of kRowTile rows, each packed [nb, rows, 32] (see dot_rows) and 64-byte aligned;
   // tile t starts at t * kRowTile * K. One aligned row is already in that layout.
   std::vector<float> buffer;
@@ -314,7 +331,7 @@ void direct_linear(const float* x, int64_t M, int64_t K, const uint8_t* qw, int6
 template <int64_t kType>
 void dequantized_linear(const at::Tensor& x, const uint8_t* qw, int64_t N, at::Tensor& y) {
   constexpr int64_t bb = block_bytes(kType);
-  const int64_t K = x.size(1), nb = K / kBlock, row_bytes = nb * bb;
+  const int64_t K = x.size(1), nb = K / kBlock, row_bytes = row_bytes_of(kType, K);
   const int64_t chunk = std::max<int64_t>(1, std::min(N, kChunkMaxBytes / (4 * K)));
   float* w = thread_scratch<kDecodedWeightSlot>(chunk * K);
   for (int64_t n0 = 0; n0 < N; n0 += chunk) {
@@ -340,17 +357,17 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
   TORCH_CHECK(x.dim() == 2, "gguf_linear: x must be 2-D [M, K], got ", x.dim(), " dims");
   TORCH_CHECK(qweight.scalar_type() == at::kByte, "gguf_linear: qweight must be uint8, got ",
               qweight.scalar_type());
-  const int64_t bb = block_bytes(ggml_type);
-  TORCH_CHECK(bb > 0, "gguf_linear: unsupported ggml_type ", ggml_type,
-              " (supported: F32=0, Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12)");
+  TORCH_CHECK(supported_type(ggml_type), "gguf_linear: unsupported ggml_type ", ggml_type,
+              " (supported: F32=0, Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q6_K=14)");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   TORCH_CHECK(K % row_granule(ggml_type) == 0, "gguf_linear: in_features K=", K,
               " is not a multiple of the block size ", row_granule(ggml_type));
   TORCH_CHECK(N >= 0, "gguf_linear: out_features must be >= 0, got ", N);
-  TORCH_CHECK(qweight.dim() == 2 && qweight.size(0) == N && qweight.size(1) == K / kBlock * bb,
+  const int64_t row_bytes = row_bytes_of(ggml_type, K);
+  TORCH_CHECK(qweight.dim() == 2 && qweight.size(0) == N && qweight.size(1) == row_bytes,
               "gguf_linear: qweight shape ", qweight.sizes(), " does not match out_features=", N,
-              " and K=", K, ": expected [", N, ", ", K / kBlock * bb, "] (K/32 blocks of ", bb,
-              " bytes a row)");
+              " and K=", K, ": expected [", N, ", ", row_bytes, "] (", row_bytes,
+              " bytes of blocks a row)");
   TORCH_CHECK(qweight.is_contiguous(), "gguf_linear: qweight must be contiguous");
 
   const at::Tensor xc = x.contiguous();
@@ -375,6 +392,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
     case kQ4_0: run(std::integral_constant<int64_t, kQ4_0>{}); break;
     case kQ4_1: run(std::integral_constant<int64_t, kQ4_1>{}); break;
     case kQ4_K: run(std::integral_constant<int64_t, kQ4_K>{}); break;
+    case kQ6_K: run(std::integral_constant<int64_t, kQ6_K>{}); break;
     default: run(std::integral_constant<int64_t, kQ8_0>{});
   }
   return y;

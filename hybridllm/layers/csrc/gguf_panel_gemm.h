@@ -121,7 +121,7 @@ inline void panel_kernel_dispatch(int cols, const float* xt, const float* w, int
 template <int64_t kType>
 void panel_linear(const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N, float* y) {
   constexpr int64_t bb = block_bytes(kType);
-  const int64_t nb = K / kBlock, row_bytes = nb * bb;
+  const int64_t nb = K / kBlock, row_bytes = row_bytes_of(kType, K);
   const int64_t tiles = (M + kPanelM - 1) / kPanelM;
   float* xt = thread_scratch<kPackedXSlot>(tiles * K * kPanelM);
   pack_x_transposed(x, M, K, xt);

@@ -23,7 +23,7 @@ GGUF_KERNEL_TYPES: frozenset[int] = frozenset(
 )
 
 
-# GGUF tensors stacked into one Linear: they are kept as blocks only if they share one type.
+# GGUF tensors stacked into one Linear: kept as blocks when the op reads each one's type.
 _STACKED = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
 
 
@@ -40,8 +40,7 @@ def gguf_block_sizes(source: ModelSource, num_layers: int) -> GGUFBlockSizes | N
             members = [infos.get(f"blk.{layer}.{name}.weight") for name in stack]
             if any(m is None for m in members):
                 return None
-            types = {m.ggml_type for m in members}
-            kept = len(types) == 1 and types.pop() in GGUF_KERNEL_TYPES
+            kept = all(m.ggml_type in GGUF_KERNEL_TYPES for m in members)
             for m in members:
                 total_params += math.prod(m.shape)
                 if kept:

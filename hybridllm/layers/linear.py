@@ -89,6 +89,8 @@ class Linear(nn.Module):
         # fp32 weight the native op reads: its own bytes, ggml_type F32)
         self.register_buffer("qweight", None, persistent=False)
         self.ggml_type = -1
+        # stacked projections whose blocks differ in type: (blocks, ggml type, rows) a shard
+        self.shard_blocks: list[tuple[torch.Tensor, int, int]] = []
         self._pending_blocks: dict[int, QuantizedTensor] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,6 +100,10 @@ class Linear(nn.Module):
         """`x @ W.T + bias` from whichever form of the weight this layer holds."""
         if self.qweight is not None:
             y = gguf_linear(x, self.qweight, self.ggml_type, self.out_features)
+            return y if bias is None else y + bias
+        if self.shard_blocks:
+            # [n, out]: each shard's rows from its own blocks, side by side
+            y = torch.cat([gguf_linear(x, q, t, rows) for q, t, rows in self.shard_blocks], -1)
             return y if bias is None else y + bias
         if self.packed:
             return packed_linear(x, self.weight, bias)
@@ -111,7 +117,7 @@ class Linear(nn.Module):
 
     def pack_for_cpu(self) -> None:
         """Switch to oneDNN's prepacked bf16 layout (after loading; no loads afterwards)."""
-        if not self.packed and self.qweight is None:
+        if not self.packed and self.qweight is None and not self.shard_blocks:
             self.weight = nn.Parameter(pack_linear_weight(self.weight), requires_grad=False)
             self.packed = True
 
@@ -142,19 +148,27 @@ class Linear(nn.Module):
         rows.copy_(loaded)
 
     def finish_loading(self) -> None:
-        """Keep GGUF blocks when every weight shard came as blocks of one type, else decode.
+        """Keep GGUF blocks when every weight shard came as blocks, else decode them.
 
-        Stacked projections (q, k, v) share one matmul, so they must share one block type.
+        Stacked projections (q, k, v) of one block type share one matmul; of several types (a
+        Q4_K_M file's Q6_K v beside Q4_K q and k) each shard runs from its own blocks.
         """
         pending, self._pending_blocks = self._pending_blocks, {}
         if not pending:
             return
         types = {q.ggml_type for q in pending.values()}
-        if len(pending) == len(self.output_sizes) and len(types) == 1:
-            # one copy out of the file's pages, whatever the number of stacked shards
-            raw = np.concatenate([pending[shard].raw for shard in range(len(self.output_sizes))])
-            self.qweight = torch.from_numpy(raw).to(self.weight.device)
-            self.ggml_type = int(types.pop())
+        if len(pending) == len(self.output_sizes):
+            shards = [pending[shard] for shard in range(len(self.output_sizes))]
+            if len(types) == 1:
+                # one copy out of the file's pages, whatever the number of stacked shards
+                raw = np.concatenate([blocks.raw for blocks in shards])
+                self.qweight = torch.from_numpy(raw).to(self.weight.device)
+                self.ggml_type = int(types.pop())
+            else:
+                self.shard_blocks = [
+                    (blocks.blocks().to(self.weight.device), int(blocks.ggml_type), rows)
+                    for blocks, rows in zip(shards, self.output_sizes)
+                ]
             # the float weight was never written (torch.empty): free its address space
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
             return

@@ -19,14 +19,15 @@ from tests.gguf_helpers import tiny_hf_model, write_gguf
 
 pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="native CPU kernels unavailable")
 
-# q and k share one type, v another: the fused qkv matmul must fall back to float weights.
+# q and k share one type, v another: each keeps its blocks and runs on its own. gate's type
+# has a kernel, up's (Q5_0) not: the fused gate/up matmul falls back to float weights.
 LAYER_TYPES = {
     "self_attn.q_proj.weight": Q.Q4_1,
     "self_attn.k_proj.weight": Q.Q4_1,
     "self_attn.v_proj.weight": Q.Q8_0,
     "self_attn.o_proj.weight": Q.Q4_0,
     "mlp.gate_proj.weight": Q.Q4_1,
-    "mlp.up_proj.weight": Q.Q4_1,
+    "mlp.up_proj.weight": Q.Q5_0,
     "mlp.down_proj.weight": Q.Q8_0,
 }
 
@@ -56,11 +57,14 @@ def test_blocks_kept_where_a_kernel_reads_them(gguf_path):
     try:
         model = llm.llm_engine.executor.workers[0].model_runner.model
         layer = model.layers[0]
-        qkv = layer.self_attn.qkv_proj  # q/k Q4_1 beside v Q8_0: decoded to floats
-        assert qkv.weight.dtype == torch.float32 and qkv.weight.numel() > 0
-        assert qkv.ggml_type in (-1, Q.F32)  # F32: the native op on the floats (non-Intel CPUs)
+        qkv = layer.self_attn.qkv_proj  # q/k Q4_1 beside v Q8_0: a shard's blocks each
+        assert qkv.qweight is None and qkv.weight.numel() == 0
+        types = [(t, rows) for _, t, rows in qkv.shard_blocks]
+        assert types == list(zip((Q.Q4_1, Q.Q4_1, Q.Q8_0), qkv.output_sizes))
+        gate_up = layer.mlp.gate_up_proj  # Q4_1 beside Q5_0: decoded to floats
+        assert gate_up.weight.dtype == torch.float32 and gate_up.weight.numel() > 0
+        assert gate_up.ggml_type in (-1, Q.F32)  # F32: the native op on floats (non-Intel CPUs)
         assert layer.self_attn.o_proj.ggml_type == Q.Q4_0
-        assert layer.mlp.gate_up_proj.ggml_type == Q.Q4_1
         assert layer.mlp.down_proj.ggml_type == Q.Q8_0
         assert model.lm_head.qweight is not None
         # the embedding looks its rows up in its Q8_0 blocks (a tied head's own) and holds no
@@ -113,7 +117,9 @@ def test_bf16_cpu_worker_reads_blocks_too(gguf_path):
         llm = LLM(str(gguf_path), dtype=dtype, use_tqdm=False, max_model_len=128)
         try:
             model = llm.llm_engine.executor.workers[0].model_runner.model
-            assert model.layers[0].mlp.gate_up_proj.ggml_type == Q.Q4_1
+            layer = model.layers[0]
+            assert layer.self_attn.o_proj.ggml_type == Q.Q4_0
+            assert len(layer.self_attn.qkv_proj.shard_blocks) == 3  # not packed for oneDNN
             results[dtype] = _generate(llm)
         finally:
             llm.shutdown()
@@ -130,9 +136,10 @@ def test_planner_counts_the_blocks_a_cpu_worker_keeps(gguf_path):
     blocks = gguf_block_sizes(source, layers)
     infos = source.tensor_infos()
     kinds = {n: n.split(".")[2] for n in infos if n.startswith("blk.")}
-    # kept: o (Q4_0), gate/up (Q4_1), down (Q8_0); q/k/v have mixed types and are dequantized
-    kept = [n for n, k in kinds.items() if k in ("attn_output", "ffn_gate", "ffn_up", "ffn_down")]
-    every = kept + [n for n, k in kinds.items() if k in ("attn_q", "attn_k", "attn_v")]
+    # kept: q/k/v (each its own type), o (Q4_0), down (Q8_0); gate/up (one Q5_0) dequantized
+    kept_kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_down")
+    kept = [n for n, k in kinds.items() if k in kept_kinds]
+    every = kept + [n for n, k in kinds.items() if k in ("ffn_gate", "ffn_up")]
     assert blocks.kept_bytes == sum(infos[n].nbytes for n in kept)
     assert blocks.total_params == sum(math.prod(infos[n].shape) for n in every)
     head = infos.get("output.weight") or infos["token_embd.weight"]

@@ -2,8 +2,9 @@
 
 Writes a random LlamaForCausalLM of the chosen shape as a GGUF the way llama.cpp's converter does
 (tests/gguf_helpers.py: permuted q/k, the tests' small tokenizer, so the LM head is tiny and the
-decoder layers are nearly all the bytes), every linear in one block type (Q4_K: random super-blocks,
-since gguf cannot quantize to it), and measures hybridllm
+decoder layers are nearly all the bytes), every linear in one block type (K-quants: random
+super-blocks, since gguf cannot quantize to them; Q4_K_M: v and down Q6_K, the rest Q4_K), and
+measures hybridllm
 (the CPU worker computing from the blocks) and llama.cpp (llama-cpp-python's `Llama`, same
 threads) on it: time to first token of a 128-token prompt and decode tokens/s of 128 new tokens,
 best of 3 alternating rounds with a fresh prompt each, and the bandwidth floor of hybridllm's
@@ -40,10 +41,13 @@ SHAPES = {
                   num_attention_heads=4, num_key_value_heads=2),
 }  # fmt: skip
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Q4_K_M as llama.cpp's quantizer makes it, simplified: v and down Q6_K in every layer (it picks
+# about half of them), the rest Q4_K.
+Q4_K_M = {"v_proj": "Q6_K", "down_proj": "Q6_K"}
 ROUNDS = 3
 
 
-def write_model(path: Path, shape: str, block_type: GGMLQuantizationType) -> Path:
+def write_model(path: Path, shape: str, type_name: str) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     vocab = len(tokenizer_vocab())
@@ -53,8 +57,14 @@ def write_model(path: Path, shape: str, block_type: GGMLQuantizationType) -> Pat
     )  # fmt: skip
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
+
+    def block_type(proj: str) -> GGMLQuantizationType:
+        if type_name == "Q4_K_M":
+            return GGMLQuantizationType[Q4_K_M.get(proj, "Q4_K")]
+        return GGMLQuantizationType[type_name]
+
     quantize = {
-        f"model.layers.{i}.{part}.{proj}.weight": block_type
+        f"model.layers.{i}.{part}.{proj}.weight": block_type(proj)
         for i in range(config.num_hidden_layers)
         for part, projs in (("self_attn", PROJECTIONS[:4]), ("mlp", PROJECTIONS[4:]))
         for proj in projs
@@ -73,14 +83,14 @@ def main() -> None:
         "--llamacpp-python", help="a Python with llama-cpp-python (else hybridllm only)"
     )
     ap.add_argument("--shape", default="1b", choices=list(SHAPES))
-    ap.add_argument("--type", default="Q4_1", choices=["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+    ap.add_argument(
+        "--type", default="Q4_1", choices=["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q4_K_M"]
+    )
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = str(
-            write_model(Path(tmp) / "model.gguf", args.shape, GGMLQuantizationType[args.type])
-        )
+        path = str(write_model(Path(tmp) / "model.gguf", args.shape, args.type))
         warmup, *fresh = prompts(1 + ROUNDS, len(tokenizer_vocab()))
         runners = {"hybridllm": HybridRunner(warmup, "auto", path)}
         if args.llamacpp_python:

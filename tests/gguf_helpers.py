@@ -107,14 +107,23 @@ def llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
-def random_q4_k_blocks(shape: tuple[int, int], seed: int = 0) -> np.ndarray:
-    """Random Q4_K super-blocks [rows, cols / 256 * 144] with small positive fp16 d and dmin
-    (weights d sc q - dmin m within about +-0.6); every other byte random."""
+def random_k_quant_blocks(
+    shape: tuple[int, int],
+    qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q4_K,
+    seed: int = 0,
+) -> np.ndarray:
+    """Random Q4_K or Q6_K super-blocks [rows, cols / 256 * bytes]: small positive fp16 d (and
+    Q4_K's dmin; weights within about +-0.6), every other byte random."""
     rows, cols = shape
     rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(rows * cols // 256, 144), dtype=np.uint8)
-    scales = rng.uniform(1e-4, 6e-4, size=(len(raw), 2)).astype(np.float16)
-    raw[:, :4] = scales.view(np.uint8)
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows * cols // 256, type_size), dtype=np.uint8)
+    if qtype == gguf.GGMLQuantizationType.Q6_K:  # d last; int8 scales up to 127, |q - 32| <= 32
+        raw[:, -2:] = (
+            rng.uniform(1e-5, 1.5e-4, size=(len(raw), 1)).astype(np.float16).view(np.uint8)
+        )
+    else:
+        raw[:, :4] = rng.uniform(1e-4, 6e-4, size=(len(raw), 2)).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
 
 
@@ -128,8 +137,8 @@ def write_gguf(
     """Write `model` as llama.cpp would: GGUF names, permuted llama q/k, metadata, tokenizer.
 
     `quantize` maps HF names to a ggml block type for those tensors (others stay F32). Types
-    gguf cannot quantize (Q4_K) get random blocks of that type instead: the file then holds
-    another model than `model` (for kernels and benchmarks, not for comparisons with HF).
+    gguf cannot quantize (Q4_K, Q6_K) get random blocks of that type instead: the file then
+    holds another model than `model` (for kernels and benchmarks, not for comparisons with HF).
     """
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -174,8 +183,8 @@ def write_gguf(
         if qtype is None:
             writer.add_tensor(gguf_name(name), np.ascontiguousarray(data))
         else:
-            if qtype == gguf.GGMLQuantizationType.Q4_K:
-                packed = random_q4_k_blocks(data.shape, seed=len(name))
+            if qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K):
+                packed = random_k_quant_blocks(data.shape, qtype, seed=len(name))
             else:
                 packed = gguf.quants.quantize(data, qtype)
             writer.add_tensor(gguf_name(name), packed, raw_shape=packed.shape, raw_dtype=qtype)

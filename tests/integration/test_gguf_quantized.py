@@ -178,9 +178,10 @@ def test_tensor_parallel_cpu_ranks_compute_from_blocks(gguf_path):
                 assert abs(a[tid].logprob - b[tid].logprob) < 1e-4
 
 
-def test_q4_k_linears_computed_from_their_super_blocks(tmp_path):
-    # A model whose every linear is Q4_K (random super-blocks: gguf cannot quantize to Q4_K)
-    # gives the tokens and logprobs of the same file dequantized at load.
+def test_k_quant_linears_computed_from_their_super_blocks(tmp_path):
+    # A model whose linears are Q4_K, and v and down Q6_K as in a Q4_K_M file (random
+    # super-blocks: gguf cannot quantize to K-quants), gives the tokens and logprobs of the same
+    # file dequantized at load.
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tests.gguf_helpers import tokenizer_vocab
@@ -194,7 +195,7 @@ def test_q4_k_linears_computed_from_their_super_blocks(tmp_path):
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     quantize = {
-        name: Q.Q4_K
+        name: Q.Q6_K if name.endswith(("v_proj.weight", "down_proj.weight")) else Q.Q4_K
         for name in model.state_dict()
         if name.endswith("proj.weight")  # every q/k/v/o and gate/up/down
     }
@@ -206,8 +207,14 @@ def test_q4_k_linears_computed_from_their_super_blocks(tmp_path):
         )
         try:
             layer = llm.llm_engine.executor.workers[0].model_runner.model.layers[0]
-            kept = layer.mlp.down_proj.ggml_type == Q.Q4_K
-            assert kept == (quantization == "auto")
+            qkv_types = [t for _, t, _ in layer.self_attn.qkv_proj.shard_blocks]
+            if quantization == "auto":
+                assert layer.mlp.gate_up_proj.ggml_type == Q.Q4_K
+                assert layer.mlp.down_proj.ggml_type == Q.Q6_K
+                assert qkv_types == [Q.Q4_K, Q.Q4_K, Q.Q6_K]
+            else:
+                # floats (on a non-Intel CPU through the op as type F32)
+                assert layer.mlp.down_proj.ggml_type in (-1, Q.F32) and not qkv_types
             results[quantization] = _generate(llm)
         finally:
             llm.shutdown()

@@ -131,11 +131,25 @@ inline void block_scales(const uint8_t* blocks, int64_t count, float* d, float* 
     for (int64_t s = 0; s < count / 8; ++s) {
       const uint8_t* super = blocks + s * kQ6SuperBytes;
       const float scale = half_to_float(load_u16(super + 208));
+#if defined(__AVX512F__)
+      // the 16 int8 scales as floats, evens (first halves) to lanes 0-7, odds to 8-15
+      const __m512i evens_then_odds =
+          _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+      const __m512 scales = _mm512_permutexvar_ps(
+          evens_then_odds,
+          _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(super + 192)))),
+                        _mm512_set1_ps(scale)));
+      _mm256_storeu_ps(d + s * 8, _mm512_castps512_ps256(scales));
+      const __m512d upper = _mm512_castps_pd(scales);  // lanes 8-15 as the upper 256 bits
+      _mm256_storeu_ps(m + s * 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(upper, 1)));
+#else
       const int8_t* scales = reinterpret_cast<const int8_t*>(super + 192);
       for (int j = 0; j < 8; ++j) {
         d[s * 8 + j] = scale * static_cast<float>(scales[2 * j]);
         m[s * 8 + j] = scale * static_cast<float>(scales[2 * j + 1]);
       }
+#endif
     }
     return;
   }
@@ -212,14 +226,19 @@ inline Q6Bits q6_k_bits(const uint8_t* row, int64_t b) {
 }
 
 #if defined(__AVX512F__)
-// 16 weights of a Q6_K block as floats q - 32 (lanes from bytes `low` / `high` of q6_k_bits)
-inline __m512 q6_k_values(const uint8_t* low, const uint8_t* high, int low_shift, int high_shift) {
-  const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low)));
-  const __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(high)));
-  const __m512i q = _mm512_or_si512(
-      _mm512_and_si512(_mm512_srli_epi32(lo, low_shift), _mm512_set1_epi32(15)),
-      _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hi, high_shift), _mm512_set1_epi32(3)), 4));
-  return _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(32)));
+// A Q6_K block's 32 weights as floats q - 32 (weights 0-15 in lo, 16-31 in hi): the 6-bit values
+// are put together as bytes, 32 at a time, and only then widened.
+inline void q6_k_values(const Q6Bits& bits, __m512* lo, __m512* hi) {
+  const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits.low));
+  const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits.high));
+  // 16-bit shifts: what crosses into a byte from its neighbour is masked off
+  const __m256i low4 = _mm256_and_si256(_mm256_srli_epi16(low, bits.low_shift), _mm256_set1_epi8(15));
+  const __m256i high2 =
+      _mm256_and_si256(_mm256_srli_epi16(high, bits.high_shift), _mm256_set1_epi8(3));
+  const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low4, _mm256_slli_epi16(high2, 4)),
+                                    _mm256_set1_epi8(32));  // [-32, 31]
+  *lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+  *hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
 }
 #endif
 
@@ -243,12 +262,10 @@ void dequantize_row(const uint8_t* row, int64_t nb, float* out, float* d, float*
       const Q6Bits bits = q6_k_bits(row, b);
       float* o = out + b * kBlock;
 #if defined(__AVX512F__)
-      _mm512_storeu_ps(o, _mm512_mul_ps(q6_k_values(bits.low, bits.high, bits.low_shift,
-                                                    bits.high_shift),
-                                        _mm512_set1_ps(d[b])));
-      _mm512_storeu_ps(o + 16, _mm512_mul_ps(q6_k_values(bits.low + 16, bits.high + 16,
-                                                         bits.low_shift, bits.high_shift),
-                                             _mm512_set1_ps(m[b])));
+      __m512 lo, hi;
+      q6_k_values(bits, &lo, &hi);
+      _mm512_storeu_ps(o, _mm512_mul_ps(lo, _mm512_set1_ps(d[b])));
+      _mm512_storeu_ps(o + 16, _mm512_mul_ps(hi, _mm512_set1_ps(m[b])));
 #else
       for (int l = 0; l < 16; ++l) o[l] = d[b] * static_cast<float>(q6_k_value(bits, l));
       for (int l = 16; l < 32; ++l) o[l] = m[b] * static_cast<float>(q6_k_value(bits, l));

@@ -91,13 +91,9 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
       const float scale = d[c * nb + b];
       if constexpr (kType == kQ6_K) {
         // two scales a block: d for weights 0-15, m for 16-31
-        const Q6Bits bits = q6_k_bits(w + c * row_bytes, b);
-        lo[c] = _mm512_mul_ps(
-            q6_k_values(bits.low, bits.high, bits.low_shift, bits.high_shift),
-            _mm512_set1_ps(scale));
-        hi[c] = _mm512_mul_ps(
-            q6_k_values(bits.low + 16, bits.high + 16, bits.low_shift, bits.high_shift),
-            _mm512_set1_ps(m[c * nb + b]));
+        q6_k_values(q6_k_bits(w + c * row_bytes, b), &lo[c], &hi[c]);
+        lo[c] = _mm512_mul_ps(lo[c], _mm512_set1_ps(scale));
+        hi[c] = _mm512_mul_ps(hi[c], _mm512_set1_ps(m[c * nb + b]));
         continue;
       }
       if constexpr (kType == kQ8_0) {

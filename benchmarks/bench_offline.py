@@ -90,6 +90,7 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
             total += weight.nbytes + (
                 0 if getattr(module, "bias", None) is None else module.bias.nbytes
             )
+            total += sum(q.nbytes for q, _, _ in getattr(module, "shard_blocks", ()))
         elif not isinstance(module, VocabEmbedding):
             total += sum(p.nbytes for p in module.parameters(recurse=False))
     return total

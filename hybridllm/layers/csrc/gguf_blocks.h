@@ -1,5 +1,5 @@
-// GGUF block formats (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) and their decoding to fp32, shared by the linear
-// kernels in gguf_linear_cpu.cpp and gguf_panel_gemm.h.
+// GGUF block formats (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) and their decoding to fp32, shared by the
+// linear kernels in gguf_linear_cpu.cpp and gguf_panel_gemm.h.
 #pragma once
 
 #include <algorithm>
@@ -31,8 +31,8 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kSuperBytes = 144;    // Q4_K
 constexpr int64_t kQ6SuperBytes = 210;  // Q6_K
 
-// Bytes per 32 weights of the 32-weight formats (Q4_K: 144 / 8); Q6_K's 210 / 8 is not whole:
-// 0 (see row_bytes_of, and kernels that step through a row by block use their own layout).
+// Bytes per 32 weights (Q4_K: 144 / 8). Q6_K has no whole number (210 bytes a 256-weight
+// super-block): 0, and code that sizes or walks its rows uses row_bytes_of and q6_k_bits.
 constexpr int64_t block_bytes(int64_t type) {
   return type == kF32    ? 128
          : type == kQ4_0 ? 18
@@ -243,8 +243,8 @@ inline void q6_k_values(const Q6Bits& bits, __m512* lo, __m512* hi) {
 #endif
 
 inline int q6_k_value(const Q6Bits& bits, int l) {
-  return (((bits.low[l] >> bits.low_shift) & 15) | (((bits.high[l] >> bits.high_shift) & 3) << 4)) -
-         32;
+  const int low = (bits.low[l] >> bits.low_shift) & 15, high = (bits.high[l] >> bits.high_shift) & 3;
+  return (low | high << 4) - 32;
 }
 
 // Decodes one weight row [K] (nb blocks) into fp32, as gguf_dequant.py does (the AVX-512 Q4_1

@@ -3,7 +3,8 @@
 Writes a random LlamaForCausalLM of the chosen shape as a GGUF the way llama.cpp's converter does
 (tests/gguf_helpers.py: permuted q/k, the tests' small tokenizer, so the LM head is tiny and the
 decoder layers are nearly all the bytes), every linear in one block type (K-quants: random
-super-blocks, since gguf cannot quantize to them; Q4_K_M: v and down Q6_K, the rest Q4_K), and
+super-blocks, since gguf cannot quantize to them; Q4_K_M/Q5_K_M: v and down Q6_K, the rest
+Q4_K/Q5_K), and
 measures hybridllm
 (the CPU worker computing from the blocks) and llama.cpp (llama-cpp-python's `Llama`, same
 threads) on it: time to first token of a 128-token prompt and decode tokens/s of 128 new tokens,
@@ -41,9 +42,9 @@ SHAPES = {
                   num_attention_heads=4, num_key_value_heads=2),
 }  # fmt: skip
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Q4_K_M as llama.cpp's quantizer makes it, simplified: v and down Q6_K in every layer (it picks
-# about half of them), the rest Q4_K.
-Q4_K_M = {"v_proj": "Q6_K", "down_proj": "Q6_K"}
+# Q4_K_M / Q5_K_M as llama.cpp's quantizer makes them, simplified: v and down Q6_K in every
+# layer (it picks about half of them), the rest Q4_K / Q5_K.
+K_M_PROJECTIONS = {"v_proj": "Q6_K", "down_proj": "Q6_K"}
 ROUNDS = 3
 
 
@@ -59,8 +60,8 @@ def write_model(path: Path, shape: str, type_name: str) -> Path:
     model = LlamaForCausalLM(config).eval()
 
     def block_type(proj: str) -> GGMLQuantizationType:
-        if type_name == "Q4_K_M":
-            return GGMLQuantizationType[Q4_K_M.get(proj, "Q4_K")]
+        if type_name.endswith("_K_M"):
+            return GGMLQuantizationType[K_M_PROJECTIONS.get(proj, type_name[:-2])]
         return GGMLQuantizationType[type_name]
 
     quantize = {
@@ -84,7 +85,9 @@ def main() -> None:
     )
     ap.add_argument("--shape", default="1b", choices=list(SHAPES))
     ap.add_argument(
-        "--type", default="Q4_1", choices=["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q4_K_M"]
+        "--type",
+        default="Q4_1",
+        choices=["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M", "Q5_K_M"],
     )
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()

@@ -24,7 +24,7 @@ class ModelConfig:
     architecture: str
     tokenizer: str | None = None  # path; defaults to the model's own tokenizer
     eos_token_ids: tuple[int, ...] = ()  # generation config's end-of-sequence ids, primary first
-    # auto: CPU workers compute GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q6_K linears from their blocks (fp32 math);
+    # auto: CPU workers compute GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K linears from their blocks (fp32 math);
     # none: every weight is dequantized to `dtype` at load time
     quantization: str = "auto"
     cpu_blocks: Any = None  # plan.model_size.GGUFBlockSizes when CPU workers keep GGUF blocks

@@ -176,7 +176,7 @@ class EngineArgs:
             "--quantization",
             default="auto",
             choices=SUPPORTED_QUANTIZATION,
-            help="auto: CPU workers compute a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K linear "
+            help="auto: CPU workers compute a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K linear "
             "layers straight from its blocks (native op); none: dequantize every weight at load",
         )
         g.add_argument(

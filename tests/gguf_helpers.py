@@ -112,8 +112,8 @@ def random_k_quant_blocks(
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q4_K,
     seed: int = 0,
 ) -> np.ndarray:
-    """Random Q4_K or Q6_K super-blocks [rows, cols / 256 * bytes]: small positive fp16 d (and
-    Q4_K's dmin; weights within about +-0.6), every other byte random."""
+    """Random Q4_K, Q5_K or Q6_K super-blocks [rows, cols / 256 * bytes]: small positive fp16 d
+    (and Q4_K's or Q5_K's dmin; weights within about +-1), every other byte random."""
     rows, cols = shape
     rng = np.random.default_rng(seed)
     _, type_size = gguf.GGML_QUANT_SIZES[qtype]
@@ -137,7 +137,7 @@ def write_gguf(
     """Write `model` as llama.cpp would: GGUF names, permuted llama q/k, metadata, tokenizer.
 
     `quantize` maps HF names to a ggml block type for those tensors (others stay F32). Types
-    gguf cannot quantize (Q4_K, Q6_K) get random blocks of that type instead: the file then
+    gguf cannot quantize (Q4_K, Q5_K, Q6_K) get random blocks of that type instead: the file then
     holds another model than `model` (for kernels and benchmarks, not for comparisons with HF).
     """
     cfg = model.config
@@ -183,7 +183,7 @@ def write_gguf(
         if qtype is None:
             writer.add_tensor(gguf_name(name), np.ascontiguousarray(data))
         else:
-            if qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K):
+            if qtype.name in ("Q4_K", "Q5_K", "Q6_K"):
                 packed = random_k_quant_blocks(data.shape, qtype, seed=len(name))
             else:
                 packed = gguf.quants.quantize(data, qtype)

@@ -55,7 +55,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         choices=SUPPORTED_QUANTIZATION,
         default="auto",
-        help="auto: CPU workers keep a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K linears as blocks "
+        help="auto: CPU workers keep a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K linears as blocks "
         "(counted at block size); none: every weight at the dtype's size",
     )
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="TP ranks")

@@ -18,6 +18,7 @@ GGUF_KERNEL_TYPES: frozenset[int] = frozenset(
         GGMLQuantizationType.Q4_1,
         GGMLQuantizationType.Q8_0,
         GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q5_K,
         GGMLQuantizationType.Q6_K,
     }
 )

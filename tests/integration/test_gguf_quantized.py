@@ -178,10 +178,11 @@ def test_tensor_parallel_cpu_ranks_compute_from_blocks(gguf_path):
                 assert abs(a[tid].logprob - b[tid].logprob) < 1e-4
 
 
-def test_k_quant_linears_computed_from_their_super_blocks(tmp_path):
-    # A model whose linears are Q4_K, and v and down Q6_K as in a Q4_K_M file (random
-    # super-blocks: gguf cannot quantize to K-quants), gives the tokens and logprobs of the same
-    # file dequantized at load.
+@pytest.mark.parametrize("base", [Q.Q4_K, Q.Q5_K], ids=lambda t: t.name)
+def test_k_quant_linears_computed_from_their_super_blocks(tmp_path, base):
+    # A model whose linears are Q4_K (Q5_K), and v and down Q6_K as in a Q4_K_M (Q5_K_M) file
+    # (random super-blocks: gguf cannot quantize to K-quants), gives the tokens and logprobs of
+    # the same file dequantized at load.
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tests.gguf_helpers import tokenizer_vocab
@@ -195,7 +196,7 @@ def test_k_quant_linears_computed_from_their_super_blocks(tmp_path):
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     quantize = {
-        name: Q.Q6_K if name.endswith(("v_proj.weight", "down_proj.weight")) else Q.Q4_K
+        name: Q.Q6_K if name.endswith(("v_proj.weight", "down_proj.weight")) else base
         for name in model.state_dict()
         if name.endswith("proj.weight")  # every q/k/v/o and gate/up/down
     }
@@ -209,9 +210,9 @@ def test_k_quant_linears_computed_from_their_super_blocks(tmp_path):
             layer = llm.llm_engine.executor.workers[0].model_runner.model.layers[0]
             qkv_types = [t for _, t, _ in layer.self_attn.qkv_proj.shard_blocks]
             if quantization == "auto":
-                assert layer.mlp.gate_up_proj.ggml_type == Q.Q4_K
+                assert layer.mlp.gate_up_proj.ggml_type == base
                 assert layer.mlp.down_proj.ggml_type == Q.Q6_K
-                assert qkv_types == [Q.Q4_K, Q.Q4_K, Q.Q6_K]
+                assert qkv_types == [base, base, Q.Q6_K]
             else:
                 # floats (on a non-Intel CPU through the op as type F32)
                 assert layer.mlp.down_proj.ggml_type in (-1, Q.F32) and not qkv_types

@@ -1,4 +1,4 @@
-"""The native hybridllm::gguf_linear op (linear layer on GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks) vs fp64."""
+"""The native hybridllm::gguf_linear op (GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K blocks) vs fp64."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def random_blocks(fmt, n, k, seed=0):
     raw = rng.integers(0, 256, size=(n * k // block_size, block_bytes), dtype=np.uint8)
     # fp16 d, and Q4_1's m or Q4_K's dmin (K-quants' sub-block scales and mins stay random);
     # Q6_K keeps its d last
-    scale_count = 2 if fmt in (Q.Q4_1, Q.Q4_K) else 1
+    scale_count = 2 if fmt in (Q.Q4_1, Q.Q4_K, Q.Q5_K) else 1
     scales = rng.uniform(-0.1, 0.1, size=(len(raw), scale_count)).astype(np.float16)
     if fmt == Q.Q6_K:
         raw[:, -2:] = scales.view(np.uint8)
@@ -85,7 +85,7 @@ def test_matches_fp64_reference(op, fmt, n, k):
         check(op, torch.randn(m, k), qweight, weight, fmt)
 
 
-@pytest.mark.parametrize("fmt", FORMATS + [Q.Q4_K, Q.Q6_K], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", FORMATS + [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda f: f.name)
 def test_random_block_bytes(op, fmt):
     # every nibble value, negative scales, and (Q4_1) mins of either sign
     qweight, weight = random_blocks(fmt, 53, 256, seed=1)
@@ -93,7 +93,7 @@ def test_random_block_bytes(op, fmt):
         check(op, torch.randn(m, 256), qweight, weight, fmt)
 
 
-@pytest.mark.parametrize("fmt", [Q.Q4_K, Q.Q6_K], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda f: f.name)
 @pytest.mark.parametrize("n,k", [(37, 256), (67, 512), (29, 2560)])
 def test_k_quant_super_blocks_match_fp64_reference(op, fmt, n, k):
     # gguf has no K-quant quantizer: random super-blocks, decoded by gguf's dequantize
@@ -191,8 +191,8 @@ def test_rejects_bad_inputs(op):
         op(x, qweight, int(Q.Q4_1), 9)  # wrong out_features
     with pytest.raises(RuntimeError, match="qweight shape .* does not match"):
         op(x, qweight, int(Q.Q8_0), 8)  # bytes of another format
-    with pytest.raises(RuntimeError, match="unsupported ggml_type 13"):
-        op(x, qweight, int(Q.Q5_K), 8)
+    with pytest.raises(RuntimeError, match="unsupported ggml_type 6"):
+        op(x, qweight, int(Q.Q5_0), 8)
     with pytest.raises(RuntimeError, match="not a multiple of the block size 256"):
         op(x, qweight, int(Q.Q4_K), 8)  # Q4_K rows are 256-weight super-blocks
     with pytest.raises(RuntimeError, match="x must be float32"):

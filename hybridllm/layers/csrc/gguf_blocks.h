@@ -1,5 +1,5 @@
-// GGUF block formats (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) and their decoding to fp32, shared by the
-// linear kernels in gguf_linear_cpu.cpp and gguf_panel_gemm.h.
+// GGUF block formats (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) and their decoding to fp32, shared by
+// the linear kernels in gguf_linear_cpu.cpp and gguf_panel_gemm.h.
 #pragma once
 
 #include <algorithm>
@@ -24,11 +24,15 @@ constexpr int64_t kQ8_0 = 8;  // fp16 d, 32 int8: w = d * q
 // mins m_j of its eight 32-weight sub-blocks, 128 bytes of nibbles; sub-block j: w = d sc_j q -
 // dmin m_j, a Q4_1 block with its own layout. Rows of these are K/256 super-blocks (K % 256 == 0).
 constexpr int64_t kQ4_K = 12;
+// Q4_K's layout with a fifth bit: fp16 d, fp16 dmin, 12 scale bytes, 32 bytes of high bits (bit
+// j of byte l is weight l's of sub-block j), then the 128 bytes of nibbles; 176 bytes.
+constexpr int64_t kQ5_K = 13;
 // Super-blocks of 256 weights (210 bytes): 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8
 // scales (one per 16 weights), fp16 d last; w = d * scale * (q - 32) for 6-bit q.
 constexpr int64_t kQ6_K = 14;
 constexpr int64_t kBlock = 32;
 constexpr int64_t kSuperBytes = 144;    // Q4_K
+constexpr int64_t kQ5SuperBytes = 176;  // Q5_K
 constexpr int64_t kQ6SuperBytes = 210;  // Q6_K
 
 // Bytes per 32 weights (Q4_K: 144 / 8). Q6_K has no whole number (210 bytes a 256-weight
@@ -39,6 +43,7 @@ constexpr int64_t block_bytes(int64_t type) {
          : type == kQ4_1 ? 20
          : type == kQ8_0 ? 34
          : type == kQ4_K ? 18
+         : type == kQ5_K ? 22
                          : 0;
 }
 
@@ -46,7 +51,7 @@ constexpr bool supported_type(int64_t type) { return block_bytes(type) > 0 || ty
 
 // Weights a row's length must be a multiple of.
 constexpr int64_t row_granule(int64_t type) {
-  return type == kQ4_K || type == kQ6_K ? 256 : kBlock;
+  return type == kQ4_K || type == kQ5_K || type == kQ6_K ? 256 : kBlock;
 }
 
 // Bytes of one weight row of K weights.
@@ -61,8 +66,10 @@ constexpr int64_t row_bytes_of(int64_t type, int64_t K) {
 template <int64_t kType>
 inline void nibble_runs(const uint8_t* row, int64_t b, const uint8_t** lo, const uint8_t** hi,
                         int* lo_shift, int* hi_shift) {
-  if constexpr (kType == kQ4_K) {
-    const uint8_t* pair = row + (b / 8) * kSuperBytes + 16 + (b % 8 / 2) * 32;
+  if constexpr (kType == kQ4_K || kType == kQ5_K) {
+    constexpr int64_t kSuper = kType == kQ4_K ? kSuperBytes : kQ5SuperBytes;
+    constexpr int64_t kNibbles = kType == kQ4_K ? 16 : 48;  // where the nibbles start
+    const uint8_t* pair = row + (b / 8) * kSuper + kNibbles + (b % 8 / 2) * 32;
     *lo = pair;
     *hi = pair + 16;
     *lo_shift = *hi_shift = (b % 2) * 4;
@@ -71,6 +78,11 @@ inline void nibble_runs(const uint8_t* row, int64_t b, const uint8_t** lo, const
     *lo_shift = 0;
     *hi_shift = 4;
   }
+}
+
+// Q5_K: the 32 high-bit bytes of block b's super-block; block b's bits are bit b % 8.
+inline const uint8_t* q5_k_high_bits(const uint8_t* row, int64_t b) {
+  return row + (b / 8) * kQ5SuperBytes + 16;
 }
 
 // The first 64-byte aligned float at or after p (p is 4-byte aligned): 64-byte loads and stores
@@ -153,14 +165,15 @@ inline void block_scales(const uint8_t* blocks, int64_t count, float* d, float* 
     }
     return;
   }
-  if constexpr (kType == kQ4_K) {
+  if constexpr (kType == kQ4_K || kType == kQ5_K) {
+    constexpr int64_t kSuper = kType == kQ4_K ? kSuperBytes : kQ5SuperBytes;
     // count is a whole number of super-blocks: 8 sub-blocks each. ggml packs the 6-bit scales
     // and mins in 12 bytes q: sub-block j < 4 has scale q[j] & 63 and min q[j + 4] & 63; j >= 4
     // has scale (q[j + 4] & 15) | (q[j - 4] >> 6) << 4 and min (q[j + 4] >> 4) | (q[j] >> 6) << 4.
     // Read as three 32-bit words, that is four sub-blocks per word operation.
     constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
     for (int64_t s = 0; s < count / 8; ++s) {
-      const uint8_t* super = blocks + s * kSuperBytes;
+      const uint8_t* super = blocks + s * kSuper;
       uint32_t w[3];
       std::memcpy(w, super + 4, sizeof(w));
       const uint32_t scales[2] = {w[0] & kLow6, (w[2] & kLow4) | (((w[0] >> 6) & kLow2) << 4)};
@@ -294,10 +307,26 @@ void dequantize_row(const uint8_t* row, int64_t nb, float* out, float* d, float*
       const uint8_t *lo, *hi;
       int lo_shift, hi_shift;
       nibble_runs<kType>(row, b, &lo, &hi, &lo_shift, &hi_shift);
-      const __m512i qlo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo)));
-      const __m512i qhi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)));
-      _mm512_storeu_ps(o, _mm512_permutexvar_ps(_mm512_srli_epi32(qlo, lo_shift), table));
-      _mm512_storeu_ps(o + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(qhi, hi_shift), table));
+      __m512i qlo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo)));
+      __m512i qhi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)));
+      qlo = _mm512_and_si512(_mm512_srli_epi32(qlo, lo_shift), _mm512_set1_epi32(15));
+      qhi = _mm512_and_si512(_mm512_srli_epi32(qhi, hi_shift), _mm512_set1_epi32(15));
+      if constexpr (kType == kQ5_K) {
+        // the fifth bit picks the upper table: weights 16-31 of the block's range
+        const uint8_t* bits = q5_k_high_bits(row, b);
+        const int bit = static_cast<int>(b % 8);
+        const __m512 upper = _mm512_add_ps(table, _mm512_set1_ps(16.f * d[b]));
+        const auto index = [&](__m512i nibbles, const uint8_t* high) {
+          const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(high)));
+          return _mm512_or_si512(
+              nibbles, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, bit), _mm512_set1_epi32(1)), 4));
+        };
+        _mm512_storeu_ps(o, _mm512_permutex2var_ps(table, index(qlo, bits), upper));
+        _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(table, index(qhi, bits + 16), upper));
+        continue;
+      }
+      _mm512_storeu_ps(o, _mm512_permutexvar_ps(qlo, table));
+      _mm512_storeu_ps(o + 16, _mm512_permutexvar_ps(qhi, table));
     }
 #else
     if constexpr (kType == kQ8_0) {
@@ -307,8 +336,13 @@ void dequantize_row(const uint8_t* row, int64_t nb, float* out, float* d, float*
       const uint8_t *lo, *hi;
       int lo_shift, hi_shift;
       nibble_runs<kType>(row, b, &lo, &hi, &lo_shift, &hi_shift);
+      const uint8_t* bits = kType == kQ5_K ? q5_k_high_bits(row, b) : nullptr;
       for (int j = 0; j < 16; ++j) {
-        const int q0 = (lo[j] >> lo_shift) & 15, q1 = (hi[j] >> hi_shift) & 15;
+        int q0 = (lo[j] >> lo_shift) & 15, q1 = (hi[j] >> hi_shift) & 15;
+        if (kType == kQ5_K) {
+          q0 |= ((bits[j] >> (b % 8)) & 1) << 4;
+          q1 |= ((bits[j + 16] >> (b % 8)) & 1) << 4;
+        }
         if (kType == kQ4_0) {
           o[j] = d[b] * static_cast<float>(q0 - 8);
           o[j + 16] = d[b] * static_cast<float>(q1 - 8);

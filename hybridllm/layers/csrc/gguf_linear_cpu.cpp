@@ -1,5 +1,5 @@
 // Linear layer y = x W^T computed straight from GGUF-quantized weight blocks (Q4_0, Q4_1, Q8_0,
-// Q4_K, Q6_K), with fp32 activations and fp32 arithmetic. Registered as the torch op
+// Q4_K, Q5_K, Q6_K), with fp32 activations and fp32 arithmetic. Registered as the torch op
 // hybridllm::gguf_linear; built on first use by hybridllm/layers/cpu_kernels.py with the other
 // CPU kernels.
 #include <ATen/Parallel.h>
@@ -69,7 +69,8 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
     for (int c = 0; c < kCols; ++c)
       for (int h = 0; h < kChains; ++h) acc[r][c][h] = _mm512_setzero_ps();
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512i pair[kCols][2];  // Q4_K: the widened nibble bytes of the current sub-block pair
+  __m512i pair[kCols][2];  // Q4_K, Q5_K: the widened nibble bytes of the current sub-block pair
+  __m512i high[kCols][2];  // Q5_K: the widened high-bit bytes of the current super-block
 
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x + b * kRows * kBlock;
@@ -117,7 +118,32 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
             kType == kQ4_0
                 ? _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.f)), _mm512_set1_ps(scale))
                 : _mm512_fmadd_ps(iota, _mm512_set1_ps(scale), _mm512_set1_ps(m[c * nb + b]));
-        if constexpr (kType == kQ4_K) {
+        if constexpr (kType == kQ5_K) {
+          // as Q4_K below, with each nibble's fifth bit choosing the upper 16 weights
+          if (b % 8 == 0) {
+            const uint8_t* bits = q5_k_high_bits(w + c * row_bytes, b);
+            high[c][0] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits)));
+            high[c][1] =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + 16)));
+          }
+          if (b % 2 == 0) {
+            const uint8_t *qlo, *qhi;
+            int lo_shift, hi_shift;
+            nibble_runs<kType>(w + c * row_bytes, b, &qlo, &qhi, &lo_shift, &hi_shift);
+            pair[c][0] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qlo)));
+            pair[c][1] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qhi)));
+          }
+          const int shift = static_cast<int>(b % 2) * 4, bit = static_cast<int>(b % 8);
+          const __m512 upper = _mm512_add_ps(table, _mm512_set1_ps(16.f * scale));
+          for (int h = 0; h < 2; ++h) {
+            const __m512i nibble =
+                _mm512_and_si512(_mm512_srli_epi32(pair[c][h], shift), _mm512_set1_epi32(15));
+            const __m512i fifth = _mm512_slli_epi32(
+                _mm512_and_si512(_mm512_srli_epi32(high[c][h], bit), _mm512_set1_epi32(1)), 4);
+            (h == 0 ? lo : hi)[c] =
+                _mm512_permutex2var_ps(table, _mm512_or_si512(nibble, fifth), upper);
+          }
+        } else if constexpr (kType == kQ4_K) {
           // sub-blocks 2i and 2i + 1 share 32 bytes (low and high nibbles): widen them once
           if (b % 2 == 0) {
             const uint8_t *qlo, *qhi;
@@ -209,9 +235,15 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
         nibble_runs<kType>(w + c * row_bytes, b, &lo, &hi, &lo_shift, &hi_shift);
         const float shift = kType == kQ4_0 ? 8.f : 0.f;
         const float low = kType == kQ4_0 ? 0.f : m[c * nb + b];
+        const uint8_t* bits = kType == kQ5_K ? q5_k_high_bits(w + c * row_bytes, b) : nullptr;
         for (int j = 0; j < 16; ++j) {
-          wf[j] = scale * (static_cast<float>((lo[j] >> lo_shift) & 15) - shift) + low;
-          wf[j + 16] = scale * (static_cast<float>((hi[j] >> hi_shift) & 15) - shift) + low;
+          int q0 = (lo[j] >> lo_shift) & 15, q1 = (hi[j] >> hi_shift) & 15;
+          if (kType == kQ5_K) {
+            q0 |= ((bits[j] >> (b % 8)) & 1) << 4;
+            q1 |= ((bits[j + 16] >> (b % 8)) & 1) << 4;
+          }
+          wf[j] = scale * (static_cast<float>(q0) - shift) + low;
+          wf[j + 16] = scale * (static_cast<float>(q1) - shift) + low;
         }
       }
       for (int r = 0; r < kRows; ++r) {
@@ -354,7 +386,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
   TORCH_CHECK(qweight.scalar_type() == at::kByte, "gguf_linear: qweight must be uint8, got ",
               qweight.scalar_type());
   TORCH_CHECK(supported_type(ggml_type), "gguf_linear: unsupported ggml_type ", ggml_type,
-              " (supported: F32=0, Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q6_K=14)");
+              " (supported: F32=0, Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   TORCH_CHECK(K % row_granule(ggml_type) == 0, "gguf_linear: in_features K=", K,
               " is not a multiple of the block size ", row_granule(ggml_type));
@@ -388,6 +420,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
     case kQ4_0: run(std::integral_constant<int64_t, kQ4_0>{}); break;
     case kQ4_1: run(std::integral_constant<int64_t, kQ4_1>{}); break;
     case kQ4_K: run(std::integral_constant<int64_t, kQ4_K>{}); break;
+    case kQ5_K: run(std::integral_constant<int64_t, kQ5_K>{}); break;
     case kQ6_K: run(std::integral_constant<int64_t, kQ6_K>{}); break;
     default: run(std::integral_constant<int64_t, kQ8_0>{});
   }

@@ -17,7 +17,6 @@ weight bytes a token.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -29,8 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_offline import (  # noqa: E402
     HybridRunner,
     LlamaCppRunner,
+    alternate,
     machine,
     memory_bandwidth_gbs,
+    write_results,
 )
 from tests.gguf_helpers import tokenizer_vocab, write_gguf  # noqa: E402
 
@@ -98,27 +99,15 @@ def main() -> None:
         runners = {"hybridllm": HybridRunner(warmup, "auto", path)}
         if args.llamacpp_python:
             runners["llama.cpp"] = LlamaCppRunner(args.llamacpp_python, warmup, path)
-        rounds = {name: [] for name in runners}
-        for prompt in fresh:
-            for name, runner in runners.items():
-                rounds[name].append(runner.single(prompt))
         results = {"machine": machine(), "shape": args.shape, "type": args.type}
-        for name in runners:
-            results[name] = {
-                "ttft_s": min(t for t, _ in rounds[name]),
-                "decode_tok_s": max(d for _, d in rounds[name]),
-                "decode_tok_s_rounds": [round(d, 1) for _, d in rounds[name]],
-            }
+        results.update(alternate(runners, fresh, batches=[]))
         bandwidth = memory_bandwidth_gbs()
         weight_bytes = runners["hybridllm"].weight_bytes
         results.update(memory_bandwidth_gbs=bandwidth, weight_bytes_per_token=weight_bytes)
         results["bandwidth_floor_tok_s"] = bandwidth * 1e9 / weight_bytes
         for runner in runners.values():
             runner.close()
-    print(json.dumps(results, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_results(results, args.json)
 
 
 if __name__ == "__main__":

@@ -97,17 +97,29 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
 
 
 class HybridRunner:
-    """hybridllm on the embedded model, fp32 activations; `quantization="none"` also
-    dequantizes the weights to fp32 (auto computes the GGUF linears from their blocks)."""
+    """hybridllm on the embedded model (or `model`), fp32 activations; `quantization="none"`
+    also dequantizes the weights to fp32 (auto computes the GGUF linears from their blocks).
+    `engine_kwargs` go to `LLM` (a parallel layout, say)."""
 
-    def __init__(self, warmup_prompt: list[int], quantization: str, model: str | None = None):
+    def __init__(
+        self,
+        warmup_prompt: list[int],
+        quantization: str,
+        model: str | None = None,
+        **engine_kwargs,
+    ):
         from hybridllm import LLM, SamplingParams
 
-        self.llm = LLM(model, dtype="float32", quantization=quantization, use_tqdm=False)
+        self.llm = LLM(
+            model, dtype="float32", quantization=quantization, use_tqdm=False, **engine_kwargs
+        )
         self.params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
         self.llm.generate([{"prompt_token_ids": warmup_prompt}], self.params)
-        model = self.llm.llm_engine.executor.workers[0].model_runner.model
-        self.weight_bytes = weight_bytes_per_token(model)
+        # the weights a step reads, where the workers live in this process
+        workers = getattr(self.llm.llm_engine.executor, "workers", None)
+        self.weight_bytes = (
+            weight_bytes_per_token(workers[0].model_runner.model) if workers else None
+        )
 
     def single(self, prompt: list[int]) -> tuple[float, float]:
         """(time to first token, decode tokens/s after it): the engine stepped by hand."""
@@ -214,6 +226,41 @@ class LlamaCppRunner:
         self.proc.wait(timeout=30)
 
 
+def alternate(
+    runners: dict, single_prompts: list[list[int]], batches: list[list[list[int]]]
+) -> dict[str, dict]:
+    """Each runner's best single stream over `single_prompts` and best throughput over
+    `batches`, the runners alternating within every round: the machine's speed drifts (shared
+    VM), and alternating exposes every engine to the same drift."""
+    rounds: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
+    for prompt in single_prompts:
+        for name, runner in runners.items():
+            rounds[name].append(runner.single(prompt))
+    throughput: dict[str, list[float]] = {name: [] for name in runners}
+    for batch in batches:
+        for name, runner in runners.items():
+            throughput[name].append(runner.throughput(batch))
+    results = {}
+    for name in runners:
+        results[name] = {
+            "ttft_s": min(r[0] for r in rounds[name]),
+            "decode_tok_s": max(r[1] for r in rounds[name]),
+            "decode_tok_s_rounds": [round(r[1], 1) for r in rounds[name]],
+        }
+        if throughput[name]:
+            results[name]["throughput_tok_s"] = max(throughput[name])
+            results[name]["throughput_tok_s_rounds"] = [round(t, 1) for t in throughput[name]]
+    return results
+
+
+def write_results(results: dict, path: str | None) -> None:
+    """The results as JSON on stdout, and in `path` when given."""
+    print(json.dumps(results, indent=2))
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
+
+
 def machine() -> str:
     from hybridllm.platforms.discovery import discover_hardware
 
@@ -246,26 +293,12 @@ def main() -> None:
         runners["transformers"] = HFRunner(single[0])
     if args.llamacpp_python:
         runners["llama.cpp"] = LlamaCppRunner(args.llamacpp_python, single[0])
-    # Single stream, engines alternating, best of ROUNDS each: the machine's speed drifts
-    # (shared VM), and alternating exposes both engines to the same drift.
-    rounds: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
-    for r in range(ROUNDS):
-        for name, runner in runners.items():
-            rounds[name].append(runner.single(single[1 + r]))
-    # Throughput the same way, each round on fresh prompts (no prefix-cache hits across rounds).
-    throughput: dict[str, list[float]] = {name: [] for name in runners}
-    for r in range(THROUGHPUT_ROUNDS):
-        batch = random_prompts(NUM_PROMPTS, PROMPT_LEN, seed=2 + r)
-        for name, runner in runners.items():
-            throughput[name].append(runner.throughput(batch))
-    for name in runners:
-        results[name] = {
-            "ttft_s": min(r[0] for r in rounds[name]),
-            "decode_tok_s": max(r[1] for r in rounds[name]),
-            "decode_tok_s_rounds": [round(r[1], 1) for r in rounds[name]],
-            "throughput_tok_s": max(throughput[name]),
-            "throughput_tok_s_rounds": [round(t, 1) for t in throughput[name]],
-        }
+    # Best of ROUNDS single streams and THROUGHPUT_ROUNDS batches, each round on fresh prompts
+    # (no prefix-cache hits across rounds).
+    batches = [
+        random_prompts(NUM_PROMPTS, PROMPT_LEN, seed=2 + r) for r in range(THROUGHPUT_ROUNDS)
+    ]
+    results.update(alternate(runners, single[1:], batches))
     bw = memory_bandwidth_gbs()
     results["memory_bandwidth_gbs"] = bw
     for name in ("hybridllm", "hybridllm_fp32_weights"):
@@ -274,11 +307,7 @@ def main() -> None:
         runners[name].close()
     if "llama.cpp" in runners:
         runners["llama.cpp"].close()
-
-    print(json.dumps(results, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_results(results, args.json)
 
 
 if __name__ == "__main__":

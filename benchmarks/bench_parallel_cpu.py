@@ -5,10 +5,10 @@ alternating between them: one worker in the engine process on all cores, against
 `pipeline_parallel_size=2` and `tensor_parallel_size=2` (`mp`: one process per worker, the cores
 split between them). It measures what the parallel machinery costs or gains on one machine:
 the shared-memory MessageQueue, the pipeline channel and micro-batches in flight (pipeline),
-the shared-memory all-reduce (tensor). Single stream: 128 new tokens after a fresh 128-token
-prompt, best of 3 rounds; throughput: 64 fresh prompts x 128 tokens, best of 2 rounds.
-Tensor parallelism dequantizes GGUF blocks at load, so every layout runs `quantization="none"`
-(fp32 weights) by default; `--quantization auto` keeps the blocks where a layout can.
+the shared-memory all-reduce (tensor). Single stream and throughput as bench_offline.py measures
+them (fresh 128-token prompts, 128 new tokens; best of 3 single streams, best of 2 rounds of 64
+prompts). `--quantization none` (the default) gives every layout fp32 weights; `auto` keeps the
+GGUF blocks, tensor-parallel ranks their slices of them.
 
     python benchmarks/bench_parallel_cpu.py [--layouts single pp2 tp2] [--json out.json]
 """
@@ -16,51 +16,27 @@ Tensor parallelism dequantizes GGUF blocks at load, so every layout runs `quanti
 from __future__ import annotations
 
 import argparse
-import json
-import time
+import sys
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_offline import (  # noqa: E402
+    NUM_PROMPTS,
+    PROMPT_LEN,
+    ROUNDS,
+    THROUGHPUT_ROUNDS,
+    HybridRunner,
+    alternate,
+    machine,
+    random_prompts,
+    write_results,
+)
 
-from hybridllm import LLM, SamplingParams
-
-PROMPT_LEN = 128
-NEW_TOKENS = 128
-NUM_PROMPTS = 64
-ROUNDS = 3
-THROUGHPUT_ROUNDS = 2
 LAYOUTS = {
     "single": {},
     "pp2": {"pipeline_parallel_size": 2},
     "tp2": {"tensor_parallel_size": 2},
 }
-
-
-def random_prompts(n: int, seed: int) -> list[dict]:
-    g = torch.Generator().manual_seed(seed)
-    # ordinary vocabulary ids (SmolLM2's specials sit below 100)
-    return [
-        {"prompt_token_ids": torch.randint(1000, 40000, (PROMPT_LEN,), generator=g).tolist()}
-        for _ in range(n)
-    ]
-
-
-def single_stream(llm: LLM, prompt: dict, params: SamplingParams) -> tuple[float, float]:
-    """(time to first token, decode tokens/s after it), the engine stepped by hand."""
-    engine = llm.llm_engine
-    start = time.perf_counter()
-    engine.add_request(f"single-{start}", prompt, params)
-    ttft = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if ttft is None and out.outputs[0].token_ids:
-                ttft = time.perf_counter() - start
-    return ttft, (NEW_TOKENS - 1) / (time.perf_counter() - start - ttft)
-
-
-def throughput(llm: LLM, prompts: list[dict], params: SamplingParams) -> float:
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -70,39 +46,18 @@ def main() -> None:
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
 
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    warmup, *singles = random_prompts(1 + ROUNDS, seed=1)
-    engines = {}
-    for name in args.layouts:
-        llm = LLM(dtype="float32", quantization=args.quantization, use_tqdm=False, **LAYOUTS[name])
-        llm.generate([warmup], params)
-        engines[name] = llm
-    results: dict = {
-        "machine": f"{torch.get_num_threads()} threads, torch {torch.__version__}",
-        "quantization": args.quantization,
+    warmup, *singles = random_prompts(1 + ROUNDS, PROMPT_LEN, seed=1)
+    batches = [
+        random_prompts(NUM_PROMPTS, PROMPT_LEN, seed=2 + r) for r in range(THROUGHPUT_ROUNDS)
+    ]
+    runners = {
+        name: HybridRunner(warmup, args.quantization, **LAYOUTS[name]) for name in args.layouts
     }
-    rounds = {name: [] for name in engines}
-    for prompt in singles:
-        for name, llm in engines.items():
-            rounds[name].append(single_stream(llm, prompt, params))
-    batches = {name: [] for name in engines}
-    for r in range(THROUGHPUT_ROUNDS):
-        prompts = random_prompts(NUM_PROMPTS, seed=2 + r)
-        for name, llm in engines.items():
-            batches[name].append(throughput(llm, prompts, params))
-    for name, llm in engines.items():
-        results[name] = {
-            "ttft_s": min(t for t, _ in rounds[name]),
-            "decode_tok_s": max(d for _, d in rounds[name]),
-            "decode_tok_s_rounds": [round(d, 1) for _, d in rounds[name]],
-            "throughput_tok_s": max(batches[name]),
-            "throughput_tok_s_rounds": [round(t, 1) for t in batches[name]],
-        }
-        llm.shutdown()
-    print(json.dumps(results, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    results: dict = {"machine": machine(), "quantization": args.quantization}
+    results.update(alternate(runners, singles, batches))
+    for runner in runners.values():
+        runner.close()
+    write_results(results, args.json)
 
 
 if __name__ == "__main__":

@@ -239,6 +239,11 @@ inline Q6Bits q6_k_bits(const uint8_t* row, int64_t b) {
 }
 
 #if defined(__AVX512F__)
+// The 16 bytes at p, each zero-extended into a 32-bit lane.
+inline __m512i widen_bytes(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // A Q6_K block's 32 weights as floats q - 32 (weights 0-15 in lo, 16-31 in hi): the 6-bit values
 // are put together as bytes, 32 at a time, and only then widened.
 inline void q6_k_values(const Q6Bits& bits, __m512* lo, __m512* hi) {
@@ -307,19 +312,19 @@ void dequantize_row(const uint8_t* row, int64_t nb, float* out, float* d, float*
       const uint8_t *lo, *hi;
       int lo_shift, hi_shift;
       nibble_runs<kType>(row, b, &lo, &hi, &lo_shift, &hi_shift);
-      __m512i qlo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo)));
-      __m512i qhi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)));
-      qlo = _mm512_and_si512(_mm512_srli_epi32(qlo, lo_shift), _mm512_set1_epi32(15));
-      qhi = _mm512_and_si512(_mm512_srli_epi32(qhi, hi_shift), _mm512_set1_epi32(15));
+      const __m512i qlo =
+          _mm512_and_si512(_mm512_srli_epi32(widen_bytes(lo), lo_shift), _mm512_set1_epi32(15));
+      const __m512i qhi =
+          _mm512_and_si512(_mm512_srli_epi32(widen_bytes(hi), hi_shift), _mm512_set1_epi32(15));
       if constexpr (kType == kQ5_K) {
         // the fifth bit picks the upper table: weights 16-31 of the block's range
         const uint8_t* bits = q5_k_high_bits(row, b);
         const int bit = static_cast<int>(b % 8);
         const __m512 upper = _mm512_add_ps(table, _mm512_set1_ps(16.f * d[b]));
         const auto index = [&](__m512i nibbles, const uint8_t* high) {
-          const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(high)));
-          return _mm512_or_si512(
-              nibbles, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, bit), _mm512_set1_epi32(1)), 4));
+          const __m512i fifth = _mm512_and_si512(_mm512_srli_epi32(widen_bytes(high), bit),
+                                                 _mm512_set1_epi32(1));
+          return _mm512_or_si512(nibbles, _mm512_slli_epi32(fifth, 4));
         };
         _mm512_storeu_ps(o, _mm512_permutex2var_ps(table, index(qlo, bits), upper));
         _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(table, index(qhi, bits + 16), upper));

@@ -118,39 +118,33 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
             kType == kQ4_0
                 ? _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.f)), _mm512_set1_ps(scale))
                 : _mm512_fmadd_ps(iota, _mm512_set1_ps(scale), _mm512_set1_ps(m[c * nb + b]));
-        if constexpr (kType == kQ5_K) {
-          // as Q4_K below, with each nibble's fifth bit choosing the upper 16 weights
-          if (b % 8 == 0) {
-            const uint8_t* bits = q5_k_high_bits(w + c * row_bytes, b);
-            high[c][0] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits)));
-            high[c][1] =
-                _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + 16)));
-          }
-          if (b % 2 == 0) {
-            const uint8_t *qlo, *qhi;
-            int lo_shift, hi_shift;
-            nibble_runs<kType>(w + c * row_bytes, b, &qlo, &qhi, &lo_shift, &hi_shift);
-            pair[c][0] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qlo)));
-            pair[c][1] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qhi)));
-          }
-          const int shift = static_cast<int>(b % 2) * 4, bit = static_cast<int>(b % 8);
-          const __m512 upper = _mm512_add_ps(table, _mm512_set1_ps(16.f * scale));
-          for (int h = 0; h < 2; ++h) {
-            const __m512i nibble =
-                _mm512_and_si512(_mm512_srli_epi32(pair[c][h], shift), _mm512_set1_epi32(15));
-            const __m512i fifth = _mm512_slli_epi32(
-                _mm512_and_si512(_mm512_srli_epi32(high[c][h], bit), _mm512_set1_epi32(1)), 4);
-            (h == 0 ? lo : hi)[c] =
-                _mm512_permutex2var_ps(table, _mm512_or_si512(nibble, fifth), upper);
-          }
-        } else if constexpr (kType == kQ4_K) {
+        if constexpr (kType == kQ4_K || kType == kQ5_K) {
           // sub-blocks 2i and 2i + 1 share 32 bytes (low and high nibbles): widen them once
           if (b % 2 == 0) {
             const uint8_t *qlo, *qhi;
             int lo_shift, hi_shift;
             nibble_runs<kType>(w + c * row_bytes, b, &qlo, &qhi, &lo_shift, &hi_shift);
-            pair[c][0] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qlo)));
-            pair[c][1] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qhi)));
+            pair[c][0] = widen_bytes(qlo);
+            pair[c][1] = widen_bytes(qhi);
+          }
+          if constexpr (kType == kQ5_K) {
+            // each nibble's fifth bit chooses the upper 16 weights
+            if (b % 8 == 0) {
+              const uint8_t* bits = q5_k_high_bits(w + c * row_bytes, b);
+              high[c][0] = widen_bytes(bits);
+              high[c][1] = widen_bytes(bits + 16);
+            }
+            const int shift = static_cast<int>(b % 2) * 4, bit = static_cast<int>(b % 8);
+            const __m512 upper = _mm512_add_ps(table, _mm512_set1_ps(16.f * scale));
+            for (int h = 0; h < 2; ++h) {
+              const __m512i nibble =
+                  _mm512_and_si512(_mm512_srli_epi32(pair[c][h], shift), _mm512_set1_epi32(15));
+              const __m512i fifth = _mm512_slli_epi32(
+                  _mm512_and_si512(_mm512_srli_epi32(high[c][h], bit), _mm512_set1_epi32(1)), 4);
+              (h == 0 ? lo : hi)[c] =
+                  _mm512_permutex2var_ps(table, _mm512_or_si512(nibble, fifth), upper);
+            }
+          } else if (b % 2 == 0) {
             lo[c] = _mm512_permutexvar_ps(pair[c][0], table);  // vpermps reads the low 4 bits
             hi[c] = _mm512_permutexvar_ps(pair[c][1], table);
           } else {
@@ -158,8 +152,7 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
             hi[c] = _mm512_permutexvar_ps(_mm512_srli_epi32(pair[c][1], 4), table);
           }
         } else {
-          const uint8_t* q16 = w + c * row_bytes + b * bb + (kType == kQ4_1 ? 4 : 2);
-          const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q16)));
+          const __m512i q = widen_bytes(w + c * row_bytes + b * bb + (kType == kQ4_1 ? 4 : 2));
           lo[c] = _mm512_permutexvar_ps(q, table);
           hi[c] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
         }

@@ -52,6 +52,18 @@ def _generate(llm: LLM) -> list:
     return llm.generate(prompts, params)
 
 
+def _assert_same_generation(ours: list, ref: list, prompt_logprobs: bool = False) -> None:
+    """The same tokens, and logprobs (and prompt logprobs) equal up to float rounding."""
+    for a_out, b_out in zip(ours, ref):
+        assert a_out.outputs[0].token_ids == b_out.outputs[0].token_ids
+        pairs = list(zip(a_out.outputs[0].logprobs, b_out.outputs[0].logprobs))
+        if prompt_logprobs:
+            pairs += list(zip(a_out.prompt_logprobs[1:], b_out.prompt_logprobs[1:]))
+        for a, b in pairs:
+            for tid in a.keys() & b.keys():
+                assert abs(a[tid].logprob - b[tid].logprob) < 1e-4
+
+
 def test_blocks_kept_where_a_kernel_reads_them(gguf_path):
     llm = LLM(str(gguf_path), dtype="float32", use_tqdm=False, max_model_len=128)
     try:
@@ -96,13 +108,7 @@ def test_same_tokens_and_logprobs_as_dequantized(gguf_path):
             results[quantization] = _generate(llm)
         finally:
             llm.shutdown()
-    for ours, ref in zip(results["auto"], results["none"]):
-        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
-        pairs = list(zip(ours.outputs[0].logprobs, ref.outputs[0].logprobs))
-        pairs += list(zip(ours.prompt_logprobs[1:], ref.prompt_logprobs[1:]))
-        for a, b in pairs:
-            for tid in a.keys() & b.keys():
-                assert abs(a[tid].logprob - b[tid].logprob) < 1e-4
+    _assert_same_generation(results["auto"], results["none"], prompt_logprobs=True)
 
 
 def test_bad_quantization_value_is_named():
@@ -171,11 +177,7 @@ def test_tensor_parallel_cpu_ranks_compute_from_blocks(gguf_path):
             results[tp] = _generate(llm)
         finally:
             llm.shutdown()
-    for ours, ref in zip(results[2], results[1]):
-        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
-        for a, b in zip(ours.outputs[0].logprobs, ref.outputs[0].logprobs):
-            for tid in a.keys() & b.keys():
-                assert abs(a[tid].logprob - b[tid].logprob) < 1e-4
+    _assert_same_generation(results[2], results[1])
 
 
 @pytest.mark.parametrize("base", [Q.Q4_K, Q.Q5_K], ids=lambda t: t.name)
@@ -219,8 +221,4 @@ def test_k_quant_linears_computed_from_their_super_blocks(tmp_path, base):
             results[quantization] = _generate(llm)
         finally:
             llm.shutdown()
-    for ours, ref in zip(results["auto"], results["none"]):
-        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
-        for a, b in zip(ours.outputs[0].logprobs, ref.outputs[0].logprobs):
-            for tid in a.keys() & b.keys():
-                assert abs(a[tid].logprob - b[tid].logprob) < 1e-4
+    _assert_same_generation(results["auto"], results["none"])

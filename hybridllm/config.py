@@ -23,6 +23,9 @@ class ModelConfig:
     max_model_len: int
     architecture: str
     tokenizer: str | None = None  # path; defaults to the model's own tokenizer
+    # No tokenizer at all: prompts are token ids, outputs carry token ids and empty text
+    # (no detokenization, no stop strings); `tokenizer` is then not loaded.
+    skip_tokenizer_init: bool = False
     eos_token_ids: tuple[int, ...] = ()  # generation config's end-of-sequence ids, primary first
     # auto: CPU workers compute GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K linears from their blocks (fp32 math);
     # none: every weight is dequantized to `dtype` at load time

@@ -27,6 +27,9 @@ class EngineArgs:
 
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     tokenizer: str | None = None
+    # Load no tokenizer: prompts must be token ids, outputs have token ids and text "".
+    # Python API only (not a CLI flag): the server and the CLI commands take and give text.
+    skip_tokenizer_init: bool = False
     dtype: str = "auto"
     quantization: str = "auto"  # auto: GGUF linears computed from their blocks on CPU workers
     device: str = "auto"
@@ -100,6 +103,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             architecture=archs[0],
             tokenizer=self.tokenizer,
+            skip_tokenizer_init=self.skip_tokenizer_init,
             eos_token_ids=_eos_token_ids(source.generation_config, hf_config),
             quantization=self.quantization,
             cpu_blocks=cpu_blocks,

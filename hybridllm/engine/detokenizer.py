@@ -28,12 +28,13 @@ class IncrementalDetokenizer:
     prompt. For byte-level BPE that equals `tokenizer.decode(output_ids,
     clean_up_tokenization_spaces=False)`; for SentencePiece a leading word-boundary space
     is kept (decoding the output alone would strip it). `tokenizer` is any Hugging Face
-    tokenizer (only its `decode` is used).
+    tokenizer (only its `decode` is used), or None (skip_tokenizer_init): the token ids are
+    kept and the text stays "".
     """
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: Any | None,
         prompt_token_ids: Sequence[int],
         skip_special_tokens: bool = True,
     ) -> None:
@@ -67,8 +68,10 @@ class IncrementalDetokenizer:
 
     def add_tokens(self, new_token_ids: Sequence[int]) -> str:
         """Append tokens; return the text they complete ('' while a character is unfinished)."""
-        self._all_token_ids.extend(new_token_ids)
         self._output_token_ids.extend(new_token_ids)
+        if self.tokenizer is None:
+            return ""
+        self._all_token_ids.extend(new_token_ids)
         if not new_token_ids:
             return ""
         return self._advance(hold_partial_char=True)
@@ -78,6 +81,8 @@ class IncrementalDetokenizer:
 
         Call when the request finishes so `.text` matches decoding all output tokens.
         """
+        if self.tokenizer is None:
+            return ""
         return self._advance(hold_partial_char=False)
 
     def _advance(self, hold_partial_char: bool) -> str:
@@ -94,12 +99,15 @@ class IncrementalDetokenizer:
         return new_text
 
 
-def decode_token(tokenizer: Any, token_id: int) -> str:
+def decode_token(tokenizer: Any | None, token_id: int) -> str | None:
     """One token's text for logprob display, with its leading space where it has one.
 
     Decoding a SentencePiece token alone drops its word-boundary space ("▁the" -> "the");
     that space is restored. A token holding part of a UTF-8 character decodes to U+FFFD.
+    None without a tokenizer (skip_tokenizer_init).
     """
+    if tokenizer is None:
+        return None
     text = tokenizer.decode(
         [token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False
     )

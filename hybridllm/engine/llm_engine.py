@@ -45,13 +45,16 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = False):
         # Deferred: executors import torch; the engine package itself stays torch-free.
         from hybridllm.executor.executor import create_executor
-        from hybridllm.loader import open_model_source
+        from hybridllm.loader import load_tokenizer
 
         self.config = config
         self.model_config = config.model_config
-        self.tokenizer = open_model_source(
-            config.model_config.tokenizer or config.model_config.model
-        ).load_tokenizer()
+        # None with skip_tokenizer_init: token ids in and out (see engine/no_tokenizer.py).
+        self.tokenizer = None
+        if not config.model_config.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(
+                config.model_config.tokenizer or config.model_config.model
+            )
         self.executor = create_executor(config, show_progress=show_progress)
         try:
             self.num_blocks = self.executor.initialize()
@@ -80,6 +83,10 @@ class LLMEngine:
         return cls(args.create_engine_config(), show_progress=show_progress)
 
     def get_tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError(
+                "this engine has no tokenizer: it was created with skip_tokenizer_init=True"
+            )
         return self.tokenizer
 
     # ---- requests -----------------------------------------------------------------------------
@@ -96,8 +103,7 @@ class LLMEngine:
             raise self._dead
         if self.output_processor.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        params = self.verify_params(params)
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -117,19 +123,36 @@ class LLMEngine:
                 Request(child_id, token_ids, child_params, eos[0] if eos else None, arrival)
             )
 
+    def verify_params(self, params: SamplingParams) -> SamplingParams:
+        """Check `params` against the loaded model (ValueError naming the field); returns
+        the params to run, which may differ (a top_k above the vocabulary means no limit)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        return params.verify_for_model(self.model_config.vocab_size)
+
     def _tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                token_ids = prompt["prompt_token_ids"]
+                if not isinstance(token_ids, (list, tuple)) or not all(
+                    _is_token_id(t) for t in token_ids
+                ):
+                    raise ValueError("prompt_token_ids must be a list of integer token ids")
+                text = prompt.get("prompt")
+                return text if isinstance(text, str) else None, list(token_ids)
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                from hybridllm.engine.no_tokenizer import check_prompt_without_tokenizer
+
+                check_prompt_without_tokenizer(prompt)  # raises: text needs a tokenizer
             if not prompt:
                 raise ValueError("prompt is empty")
             return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, (list, tuple)) and all(_is_token_id(t) for t in prompt):
             return None, list(prompt)
         raise ValueError(
             f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
@@ -192,7 +215,22 @@ class LLMEngine:
         if _nothing_to_run(scheduler_output):
             # Requests finished by the scheduler without running (e.g. larger than the pool).
             return self._apply(scheduler_output, None)
-        return self._apply(scheduler_output, self.executor.execute_model(scheduler_output))
+        try:
+            runner_output = self.executor.execute_model(scheduler_output)
+        except EngineDeadError:
+            raise
+        except Exception as exc:
+            if is_device_failure(exc):
+                raise EngineDeadError(f"the device failed: {type(exc).__name__}: {exc}") from exc
+            # In-process workers keep no state of a failed step that the next one relies on
+            # (its requests are dropped by `finished_req_ids`): fail its requests, go on.
+            logger.exception(
+                "a step of %d requests failed; they finish with an error, the engine goes on",
+                len(scheduler_output.num_scheduled_tokens),
+            )
+            error = f"internal error in the model step ({type(exc).__name__})"
+            return self._process(self.scheduler.fail_step(scheduler_output, error), {}, {})
+        return self._apply(scheduler_output, runner_output)
 
     def _step_pipelined(self) -> list[RequestOutput]:
         """Fill the pipeline up to its depth, then collect the oldest micro-batch."""
@@ -205,12 +243,28 @@ class LLMEngine:
                 break
             # An empty step that only drops finished requests still travels: workers
             # must forget them in order with the steps around it.
-            handle = self.executor.execute_model_async(scheduler_output)
+            try:
+                handle = self.executor.execute_model_async(scheduler_output)
+            except EngineDeadError:
+                raise
+            except Exception as exc:
+                raise EngineDeadError(
+                    f"a pipelined step failed: {type(exc).__name__}: {exc}"
+                ) from exc
             self._in_flight.append((scheduler_output, handle))
         results: list[RequestOutput] = []
         if self._in_flight:
             scheduler_output, handle = self._in_flight.popleft()
-            results = self._apply(scheduler_output, self.executor.get_output(handle))
+            try:
+                runner_output = self.executor.get_output(handle)
+            except EngineDeadError:
+                raise
+            except Exception as exc:
+                # The other stages hold later micro-batches of a pipeline now out of step.
+                raise EngineDeadError(
+                    f"a pipelined step failed: {type(exc).__name__}: {exc}"
+                ) from exc
+            results = self._apply(scheduler_output, runner_output)
         results, self._pending_outputs = self._pending_outputs + results, []
         return results
 
@@ -241,9 +295,13 @@ class LLMEngine:
             # A request aborted while its step was in flight is gone already.
             if child_id in self.output_processor.child_to_parent:
                 self.output_processor.add_prompt_logprobs(child_id, entries)
-        touched, stopped = self.output_processor.process(updated, logprobs, time.monotonic())
+        touched, stopped, failed = self.output_processor.process(
+            updated, logprobs, time.monotonic()
+        )
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if failed:
+            self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
         return [self.output_processor.make_output(state) for state in touched]
 
     # ---- other work ---------------------------------------------------------------------------
@@ -256,6 +314,12 @@ class LLMEngine:
         for token_ids in prompts:
             self._check_prompt(token_ids)
         return self.executor.embed(prompts, pooling, normalize)
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError when the engine can no longer run (a worker died)."""
+        if self._dead is not None:
+            raise self._dead
+        self.executor.check_health()
 
     def get_stats(self) -> EngineStats:
         bm = self.scheduler.block_manager
@@ -275,6 +339,19 @@ class LLMEngine:
             return
         self._closed = True
         self.executor.shutdown()
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_device_failure(exc: BaseException) -> bool:
+    """A CUDA error leaves the device unusable (a sticky error); the engine cannot go on.
+
+    By name, since this package does not import torch: torch raises AcceleratorError (or a
+    RuntimeError saying "CUDA error") for them.
+    """
+    return type(exc).__name__ == "AcceleratorError" or "CUDA error" in str(exc)
 
 
 def _nothing_to_run(scheduler_output: SchedulerOutput) -> bool:

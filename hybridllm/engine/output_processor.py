@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 from hybridllm.engine.detokenizer import IncrementalDetokenizer, decode_token
+from hybridllm.engine.no_tokenizer import check_params_without_tokenizer
 from hybridllm.engine.request import Request, RequestStatus
 from hybridllm.engine.scheduler_output import Logprobs
 from hybridllm.engine.stop_checker import check_stop_strings, stop_string_holdback
 from hybridllm.outputs import CompletionOutput, Logprob, RequestOutput
 from hybridllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -49,7 +53,11 @@ class RequestState:
 
 
 class OutputProcessor:
-    """Engine-side bookkeeping of every live request; no torch."""
+    """Engine-side bookkeeping of every live request; no torch.
+
+    With `tokenizer` None (skip_tokenizer_init) outputs carry token ids only: text is "",
+    logprobs' decoded_token None, and requests with stop strings are refused.
+    """
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -64,6 +72,11 @@ class OutputProcessor:
         child_params: list[tuple[str, SamplingParams]],
         arrival_time: float,
     ) -> None:
+        """Track a new request; raises ValueError (tracking nothing) when it needs a tokenizer
+        this processor lacks."""
+        if self.tokenizer is None:
+            for _, params in child_params:
+                check_params_without_tokenizer(params)
         samples = []
         for index, (child_id, params) in enumerate(child_params):
             samples.append(
@@ -106,10 +119,13 @@ class OutputProcessor:
 
     def process(
         self, updated: list[Request], logprobs: dict[str, Logprobs | None], now: float
-    ) -> tuple[list[RequestState], list[str]]:
-        """Apply one step's new tokens; returns touched requests and children stopped by a stop string."""
+    ) -> tuple[list[RequestState], list[str], list[str]]:
+        """Apply one step's new tokens; returns touched requests, children stopped by a stop
+        string, and children whose output could not be processed (finished with an error:
+        one request's detokenization or stop check failing must not take the others down)."""
         touched: dict[str, RequestState] = {}
         stopped_by_string: list[str] = []
+        failed: list[str] = []
         for req in updated:
             pair = self.child_to_parent.get(req.request_id)
             if pair is None:
@@ -123,14 +139,21 @@ class OutputProcessor:
                 state.error = req.error or "request failed"
                 sample.finish_reason = "error"
                 continue
-            self._append_token(req, sample, logprobs.get(req.request_id))
-            if req.is_finished():
-                sample.text += sample.detokenizer.flush()
-                sample.finish_reason = req.get_finish_reason()
-                sample.stop_reason = req.stop_reason
-            elif sample.params.stop and self._hit_stop_string(sample):
-                stopped_by_string.append(sample.child_id)
-        return list(touched.values()), stopped_by_string
+            try:
+                self._append_token(req, sample, logprobs.get(req.request_id))
+                if req.is_finished():
+                    sample.text += sample.detokenizer.flush()
+                    sample.finish_reason = req.get_finish_reason()
+                    sample.stop_reason = req.stop_reason
+                elif sample.params.stop and self._hit_stop_string(sample):
+                    stopped_by_string.append(sample.child_id)
+            except Exception as exc:
+                logger.exception("request %s: its output could not be processed", req.request_id)
+                state.error = f"internal error processing the output ({type(exc).__name__})"
+                sample.finish_reason = "error"
+                if not req.is_finished():
+                    failed.append(sample.child_id)
+        return list(touched.values()), stopped_by_string, failed
 
     def _append_token(self, req: Request, sample: SampleState, lp: Logprobs | None) -> None:
         new_ids = req.output_token_ids[len(sample.detokenizer.token_ids) :]

@@ -287,6 +287,12 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
+            if req_id in model_runner_output.failed:
+                request.error = model_runner_output.failed[req_id]
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                any_finished = True
+                updated.append(request)
+                continue
             request.num_computed_tokens += num_tokens
             self.block_manager.cache_computed_blocks(request)
             token_id = sampled.get(req_id)
@@ -310,6 +316,27 @@ class Scheduler:
             updated.append(request)
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished()]
+        return updated
+
+    def fail_step(self, scheduler_output: SchedulerOutput, error: str) -> list[Request]:
+        """A step that raised: finish every request it scheduled with `error` and free
+        their blocks, so that the requests outside it go on. Returns the finished ones
+        (with any that finished without running), as `update_from_output` would."""
+        updated, self._finished_unreported = self._finished_unreported, []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            self._in_flight.discard(req_id)
+            finished_in_flight = self._deferred_free.pop(req_id, None)
+            if finished_in_flight is not None:
+                self.block_manager.free(finished_in_flight)
+                continue
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            request.error = error
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            updated.append(request)
+        self.waiting = deque(r for r in self.waiting if not r.is_finished())
+        self.running = [r for r in self.running if not r.is_finished()]
         return updated
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:

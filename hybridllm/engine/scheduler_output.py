@@ -69,3 +69,6 @@ class ModelRunnerOutput:
     # prompt logprobs computed this step: req_id -> one entry per prompt position computed
     # (position i holds the logprob of prompt token i+1; None for the first prompt token)
     prompt_logprobs: dict[str, list[Logprobs | None]] = field(default_factory=dict)
+    # requests this step could not serve (their sampling failed): req_id -> why; the
+    # scheduler finishes them with an error while the rest of the batch goes on
+    failed: dict[str, str] = field(default_factory=dict)

@@ -12,6 +12,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from hybridllm.engine.llm_engine import LLMEngine
+from hybridllm.engine.no_tokenizer import (
+    check_params_without_tokenizer,
+    check_prompt_without_tokenizer,
+)
 from hybridllm.engine_args import EngineArgs
 from hybridllm.outputs import CompletionOutput, RequestOutput
 from hybridllm.sampling_params import SamplingParams
@@ -26,6 +30,8 @@ class LLM:
 
     `LLM()` with no model loads the embedded SmolLM2-135M-Instruct. Keyword arguments are
     the fields of `EngineArgs` (dtype, device, max_model_len, gpu_memory_utilization, ...).
+    With `skip_tokenizer_init=True` no tokenizer is loaded: prompts must be token ids, and
+    outputs carry token ids with empty text.
     """
 
     def __init__(self, model: str | None = None, *, use_tqdm: bool | None = None, **kwargs: Any):
@@ -72,6 +78,16 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        # Parameters the model cannot run are the caller's mistake: ValueError naming the
+        # field, before anything is queued.
+        params = [self.llm_engine.verify_params(p) for p in params]
+        if self.llm_engine.model_config.skip_tokenizer_init:
+            # A batch that needs a tokenizer is a usage error, not a failed prompt: raise
+            # before anything is queued.
+            for prompt in prompts:
+                check_prompt_without_tokenizer(prompt)
+            for p in params:
+                check_params_without_tokenizer(p)
         if self._warn_other_thread and threading.get_ident() != self._loading_thread:
             self._warn_other_thread = False  # once
             logger.warning(
@@ -82,13 +98,18 @@ class LLM:
         engine = self.llm_engine
         results: dict[str, RequestOutput] = {}
         order = []
-        for prompt, p in zip(prompts, params):
-            request_id = str(next(self._counter))
-            order.append(request_id)
-            try:
-                engine.add_request(request_id, prompt, p)
-            except ValueError as e:
-                results[request_id] = _error_output(request_id, prompt, str(e))
+        try:
+            for prompt, p in zip(prompts, params):
+                request_id = str(next(self._counter))
+                order.append(request_id)
+                try:
+                    engine.add_request(request_id, prompt, p)
+                except ValueError as e:
+                    results[request_id] = _error_output(request_id, prompt, str(e))
+        except BaseException:
+            engine.abort_request([r for r in order if r not in results])
+            _drain(engine)
+            raise
         show = self._default_tqdm if use_tqdm is None else use_tqdm
         bar = None
         if show and len(prompts) > 1:
@@ -105,8 +126,7 @@ class LLM:
                             bar.update(1)
         except BaseException:
             engine.abort_request([r for r in order if r not in results])
-            while engine.has_unfinished_requests():
-                engine.step()
+            _drain(engine)
             raise
         finally:
             if bar is not None:
@@ -122,6 +142,11 @@ class LLM:
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
+        if self.llm_engine.model_config.skip_tokenizer_init:
+            raise ValueError(
+                "LLM.chat needs a tokenizer to apply the chat template, but this LLM was "
+                "created with skip_tokenizer_init=True: use generate() with token ids"
+            )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         prompts = []
@@ -140,6 +165,12 @@ class LLM:
     def shutdown(self) -> None:
         """Free every worker and resource; the object is unusable afterwards."""
         self._finalizer()
+
+
+def _drain(engine: LLMEngine) -> None:
+    """Step until aborted requests have left the workers and freed their KV blocks."""
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def _error_output(request_id: str, prompt: PromptType, message: str) -> RequestOutput:

@@ -25,7 +25,14 @@ from hybridllm.loader.gguf_mapping import (
 )
 from hybridllm.loader.hf_config import HFConfig
 from hybridllm.loader.hf_folder import GENERATION_CONFIG_FILE, SAFETENSORS_FILE, HFFolderSource
-from hybridllm.loader.model_source import ModelLoadError, ModelSource, WeightFilter, own_all
+from hybridllm.loader.model_source import (
+    NO_TOKENIZER_HINT,
+    MissingTokenizerError,
+    ModelLoadError,
+    ModelSource,
+    WeightFilter,
+    own_all,
+)
 from hybridllm.loader.quantized_tensor import QuantizedTensor
 from hybridllm.loader.safetensors_writer import write_safetensors
 
@@ -218,7 +225,7 @@ class GGUFSource(ModelSource):
     def _has_tokenizer(self) -> bool:
         return "tokenizer.ggml.tokens" in self._gguf_file().metadata
 
-    def _no_tokenizer_error(self) -> ModelLoadError:
-        return ModelLoadError(
-            f"{self.path}: GGUF file has no tokenizer metadata; pass a tokenizer folder"
+    def _no_tokenizer_error(self) -> MissingTokenizerError:
+        return MissingTokenizerError(
+            f"{self.path}: GGUF file has no tokenizer metadata; {NO_TOKENIZER_HINT}"
         )

@@ -8,7 +8,14 @@ from collections.abc import Collection, Iterator
 from typing import TYPE_CHECKING, Any
 
 from hybridllm.loader.hf_config import CONFIG_FILE, HFConfig
-from hybridllm.loader.model_source import ModelLoadError, ModelSource, WeightFilter, own_all
+from hybridllm.loader.model_source import (
+    NO_TOKENIZER_HINT,
+    MissingTokenizerError,
+    ModelLoadError,
+    ModelSource,
+    WeightFilter,
+    own_all,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -18,6 +25,13 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
 _SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# Each entry is one way a folder holds a tokenizer's vocabulary: a fast tokenizer's
+# serialization, a SentencePiece model, or a byte-level BPE vocabulary and its merges.
+TOKENIZER_FILE_SETS: tuple[tuple[str, ...], ...] = (
+    ("tokenizer.json",),
+    ("tokenizer.model",),
+    ("vocab.json", "merges.txt"),
+)
 
 
 def read_json(path: str) -> Any:
@@ -100,12 +114,32 @@ class HFFolderSource(ModelSource):
     # ---- tokenizer ------------------------------------------------------------------------------
 
     def load_tokenizer(self) -> PreTrainedTokenizerFast:
-        from transformers import AutoTokenizer
+        return load_folder_tokenizer(self.path)
 
-        try:
-            return AutoTokenizer.from_pretrained(self.path, local_files_only=True)
-        except (OSError, ValueError, KeyError) as e:
-            raise ModelLoadError(f"{self.path}: cannot load the tokenizer ({e})") from None
+
+def load_folder_tokenizer(folder: str) -> PreTrainedTokenizerFast:
+    """The tokenizer saved in a Hugging Face folder (a model's, or a tokenizer-only folder)."""
+    from transformers import AutoTokenizer
+
+    if not has_tokenizer_files(folder):
+        # Checked first: without these files transformers builds some tokenizers (Qwen2's)
+        # with an empty vocabulary instead of failing, and others fail obscurely.
+        expected = ", ".join(" + ".join(files) for files in TOKENIZER_FILE_SETS)
+        raise MissingTokenizerError(
+            f"{folder}: no tokenizer files (expected one of: {expected}); {NO_TOKENIZER_HINT}"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"{folder}: cannot load the tokenizer ({e})") from None
+
+
+def has_tokenizer_files(folder: str) -> bool:
+    """Whether `folder` holds a tokenizer vocabulary in one of the layouts transformers reads."""
+    return any(
+        all(os.path.isfile(os.path.join(folder, name)) for name in files)
+        for files in TOKENIZER_FILE_SETS
+    )
 
 
 def _open_safetensors(file_path: str):

@@ -26,6 +26,17 @@ class ModelLoadError(ValueError):
     """A checkpoint file is corrupted, truncated or unreadable; the message names the file."""
 
 
+class MissingTokenizerError(ModelLoadError):
+    """The checkpoint has no tokenizer (files or GGUF metadata); the message says what to do."""
+
+
+# How to run a checkpoint that has no tokenizer: appended to MissingTokenizerError messages.
+NO_TOKENIZER_HINT = (
+    "pass a tokenizer folder (tokenizer=...), or skip_tokenizer_init=True to run without one "
+    "(prompts as token ids, outputs as token ids)"
+)
+
+
 class ModelSource(ABC):
     """One checkpoint on disk, seen through Hugging Face names whatever its format.
 

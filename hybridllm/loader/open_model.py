@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from hybridllm.loader.gguf_file import GGUF_MAGIC
-from hybridllm.loader.hf_folder import CONFIG_FILE, HFFolderSource
+from hybridllm.loader.hf_folder import CONFIG_FILE, HFFolderSource, load_folder_tokenizer
 from hybridllm.loader.model_source import ModelSource
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 
 def open_model_source(path: str) -> ModelSource:
@@ -33,6 +37,17 @@ def open_model_source(path: str) -> ModelSource:
     from hybridllm.loader.gguf_source import GGUFSource
 
     return GGUFSource(path)
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
+    """The tokenizer at `path`: a model folder or GGUF file, or a folder of tokenizer files only.
+
+    Raises MissingTokenizerError (naming the files looked for) when there is none.
+    """
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, CONFIG_FILE)):
+        return load_folder_tokenizer(path)
+    return open_model_source(path).load_tokenizer()
 
 
 def _looks_like_gguf(path: str) -> bool:

@@ -310,21 +310,48 @@ class ModelRunner:
                 sample_states.append(state)
         if not sample_states:
             return out
+        try:
+            sampling_md = self._sampling_metadata(sample_states)
+        except Exception:
+            # One request's parameters broke the batch: find it, fail it alone.
+            sample_rows, sample_states = self._drop_unsamplable(sample_rows, sample_states, out)
+            if not sample_states:
+                return out
+            sampling_md = self._sampling_metadata(sample_states)
         rows = torch.tensor(sample_rows, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_samples, vocab]
-        sampling_md = SamplingMetadata.build(
-            [st.sampling_params for st in sample_states],
-            [st.token_ids[: st.num_prompt_tokens] for st in sample_states],
-            [st.output_token_ids for st in sample_states],
-            self.device,
-            eos_token_ids=self.eos_token_ids,
-            vocab_size=self.config.model_config.vocab_size,
-        )
         sampled = self.sampler(logits, sampling_md)
         out.req_ids = [st.req_id for st in sample_states]
         out.sampled_token_ids = sampled.sampled_token_ids.tolist()
         out.logprobs = sampled.logprobs_list()
         return out
+
+    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        return SamplingMetadata.build(
+            [st.sampling_params for st in states],
+            [st.token_ids[: st.num_prompt_tokens] for st in states],
+            [st.output_token_ids for st in states],
+            self.device,
+            eos_token_ids=self.eos_token_ids,
+            vocab_size=self.config.model_config.vocab_size,
+        )
+
+    def _drop_unsamplable(
+        self, rows: list[int], states: list[CachedRequestState], out: ModelRunnerOutput
+    ) -> tuple[list[int], list[CachedRequestState]]:
+        """Try each request's sampling metadata alone; the ones that fail go to `out.failed`
+        (the scheduler finishes them with that error) and leave the batch."""
+        kept_rows, kept_states = [], []
+        for row, state in zip(rows, states):
+            try:
+                self._sampling_metadata([state])
+            except Exception as exc:
+                logger.warning("request %s cannot be sampled: %s", state.req_id, exc)
+                out.failed[state.req_id] = f"its sampling parameters failed: {exc}"
+                continue
+            kept_rows.append(row)
+            kept_states.append(state)
+        return kept_rows, kept_states
 
     def _prompt_logprobs(self, states, spans, md, hidden, out: ModelRunnerOutput) -> None:
         for i, (state, (start, n, _)) in enumerate(zip(states, spans)):

@@ -71,6 +71,9 @@ class ScriptedEngine:
         self._touch()
         return [[float(len(p)), 0.0] for p in prompts]
 
+    def check_health(self) -> None:
+        self._touch()
+
     def get_stats(self) -> EngineStats:
         self._touch()
         return EngineStats(len(self.requests), 0, 0.0, 10, 10, 0, {"worker0": 0.0})

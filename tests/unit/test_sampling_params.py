@@ -29,6 +29,35 @@ from hybridllm.sampling_params import SamplingParams
         ("seed", 1.5),
         ("stop", [""]),
         ("stop_token_ids", [-1]),
+        # Hostile values a JSON body or a careless caller can produce.
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
+        ("top_p", float("nan")),
+        ("min_p", float("nan")),
+        ("presence_penalty", float("nan")),
+        ("frequency_penalty", float("-inf")),
+        ("repetition_penalty", float("nan")),
+        ("repetition_penalty", float("inf")),
+        ("temperature", "0.5"),
+        ("temperature", True),
+        ("n", True),
+        ("top_k", 1.0),
+        ("max_tokens", "16"),
+        ("seed", 1 << 64),
+        ("seed", -(1 << 63) - 1),
+        ("seed", True),
+        ("stop", 5),
+        ("stop", [3]),
+        ("stop_token_ids", 7),
+        ("stop_token_ids", [True]),
+        ("stop_token_ids", ["1"]),
+        ("logit_bias", {5: float("nan")}),
+        ("logit_bias", {5: float("inf")}),
+        ("logit_bias", {"5": 1.0}),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", [1, 2]),
+        ("ignore_eos", "yes"),
+        ("logprobs", 1.0),
     ],
 )
 def test_invalid_value_names_the_field(field: str, value) -> None:
@@ -60,6 +89,32 @@ def test_greedy_and_penalty_flags() -> None:
 def test_clone_for_sample() -> None:
     params = SamplingParams(n=3, seed=10, temperature=0.7, stop=["x"])
     clones = [params.clone_for_sample(i) for i in range(3)]
-    assert [c.seed for c in clones] == [10, 11, 12]
+    # Sample 0 keeps the seed (n=1 and n>1 agree on it); the others hash (seed, index), so
+    # sample 1 of seed 10 is not sample 0 of seed 11.
+    assert clones[0].seed == 10
+    assert len({c.seed for c in clones}) == 3 and 11 not in {c.seed for c in clones}
+    assert all(0 <= c.seed < 1 << 64 for c in clones)
+    again = [params.clone_for_sample(i).seed for i in range(3)]
+    assert again == [c.seed for c in clones]  # deterministic
     assert all(c.n == 1 and c.temperature == 0.7 and c.stop == ["x"] for c in clones)
     assert SamplingParams(n=2).clone_for_sample(1).seed is None
+
+
+def test_extreme_seeds_are_accepted_in_64_bits() -> None:
+    assert SamplingParams(seed=(1 << 64) - 1).seed == (1 << 64) - 1
+    assert SamplingParams(seed=-(1 << 63)).seed == -(1 << 63)
+
+
+def test_verify_for_model_checks_token_ids_and_clamps_top_k() -> None:
+    vocab = 100
+    with pytest.raises(ValueError, match=r"SamplingParams\.stop_token_ids .*100"):
+        SamplingParams(stop_token_ids=[100]).verify_for_model(vocab)
+    with pytest.raises(ValueError, match=r"SamplingParams\.logit_bias .*1000000000"):
+        SamplingParams(logit_bias={10**9: 1.0}).verify_for_model(vocab)
+    with pytest.raises(ValueError, match=r"SamplingParams\.logprobs"):
+        SamplingParams(logprobs=101).verify_for_model(vocab)
+    huge = SamplingParams(top_k=1 << 63).verify_for_model(vocab)
+    assert huge.top_k == 0  # at or above the vocabulary: no limit
+    assert SamplingParams(top_k=100).verify_for_model(vocab).top_k == 0
+    kept = SamplingParams(top_k=99, stop_token_ids=[99], logit_bias={0: -1.0})
+    assert kept.verify_for_model(vocab) is kept

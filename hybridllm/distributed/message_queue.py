@@ -2,22 +2,36 @@
 
 from __future__ import annotations
 
+import hmac
 import os
+import shutil
+import tempfile
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
+from stat import S_ISDIR
 from typing import Any
 
 import zmq
 
 from hybridllm.distributed import message_codec as codec
 from hybridllm.distributed.shm_ring_buffer import ShmRingBuffer
-from hybridllm.distributed.shm_segment import pid_alive
+from hybridllm.distributed.shm_segment import (
+    creator_gone,
+    creator_tag,
+    owned_by,
+    parse_creator_tag,
+    pid_alive,
+)
 from hybridllm.distributed.spin_timer import SpinPolicy, SpinTimer
 
 _LIVENESS_INTERVAL_S = 0.05  # how often a blocked side checks whether its peer process died
 _LOOPBACK = "127.0.0.1"
+_IPC_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
+_SOCKET_DIR_PREFIX = "hybridllm-mq-"
+# after the base directory: "/hybridllm-mq-<pid>_<start>_<ns>-XXXXXXXX/reader-NNNN.sock"
+_IPC_NAME_ROOM = 80
 
 
 class ReaderDiedError(TimeoutError):
@@ -29,6 +43,15 @@ class WriterDiedError(TimeoutError):
 
 
 @dataclass(frozen=True)
+class CurveKeys:
+    """Z85 CURVE keys a remote reader needs to connect to the writer's TCP sockets."""
+
+    server_public: bytes
+    client_public: bytes
+    client_secret: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
 class Handle:
     """What a reader needs to attach; picklable, sent to worker processes."""
 
@@ -37,9 +60,12 @@ class Handle:
     max_chunks: int
     shm_name: str | None  # None when every reader is remote
     local_reader_ranks: tuple[int, ...]  # readers on the writer's node, in ring-slot order
-    reader_addresses: tuple[str, ...]  # zmq endpoint per reader rank
+    reader_addresses: tuple[str, ...]  # ipc:// (local) or tcp:// (remote) endpoint per rank
     writer_pid: int
     spin_policy: SpinPolicy
+    # Remote readers only: the writer's CURVE public key and the one client key pair it
+    # accepts. A secret: send the handle only over a channel as private as the data.
+    curve: CurveKeys | None = field(default=None, repr=False)
 
 
 class MessageQueue:
@@ -47,10 +73,18 @@ class MessageQueue:
 
     Local readers read each message from a shared-memory ring (`ShmRingBuffer`); a message
     larger than a chunk leaves a marker in the ring and travels, with its pickle-5
-    out-of-band buffers as zero-copy frames, over a per-reader ZeroMQ PUSH socket bound to an
-    ephemeral port. Readers listed in `remote_reader_ranks` (other nodes) get everything over
-    their socket. The writer owns the segment: it is unlinked on close, garbage collection
-    and interpreter exit; `cleanup_stale_segments` handles a writer killed by a signal.
+    out-of-band buffers as zero-copy frames, over a per-reader ZeroMQ PUSH socket. Readers
+    listed in `remote_reader_ranks` (other nodes) get everything over their socket. The
+    writer owns the segment: it is unlinked on close, garbage collection and interpreter
+    exit; `cleanup_stale_segments` handles a writer killed by a signal.
+
+    Who can connect: readers unpickle what arrives, and a PUSH socket deals messages
+    round-robin to whoever connects, so no other local user may reach a socket. The
+    segment is mode 0600; a local reader's socket is an `ipc://` file in a directory of
+    the writer's made with mode 0700 (under $XDG_RUNTIME_DIR, else the temp dir) and removed
+    with the queue. A remote reader's socket is TCP on `remote_host` secured with CURVE
+    (encrypted, and the writer's ZAP handler admits only the client key pair the handle
+    carries), so the handle of a queue with remote readers is a secret.
 
     Liveness: local readers record their pid in the segment, so a writer blocked on a dead
     (or closed) reader raises `ReaderDiedError` within ~50 ms even with `timeout=None`; a
@@ -82,10 +116,18 @@ class MessageQueue:
         )
         self._init_end(rank=None)
         self._remote_ranks = sorted(remote)
+        curve = _start_curve_server(self._ctx, self._owned) if remote else None
+        if local:
+            self._owned.socket_dir = _private_socket_dir()
         for rank in range(n_readers):
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)  # enqueue waits until frames left; nothing lingers
-            sock.bind(f"tcp://{remote_host if rank in remote else _LOOPBACK}:*")
+            if rank in remote:
+                sock.curve_server = True
+                sock.curve_secretkey = self._owned.curve_server_secret
+                sock.bind(f"tcp://{remote_host}:*")
+            else:
+                sock.bind(f"ipc://{os.path.join(self._owned.socket_dir, f'reader-{rank}.sock')}")
             self._sockets.append(sock)
         self._handle = Handle(
             n_readers=n_readers,
@@ -96,6 +138,7 @@ class MessageQueue:
             reader_addresses=tuple(s.getsockopt_string(zmq.LAST_ENDPOINT) for s in self._sockets),
             writer_pid=os.getpid(),
             spin_policy=spin_policy or SpinPolicy(),
+            curve=curve,
         )
 
     def _init_end(self, rank: int | None) -> None:
@@ -106,7 +149,8 @@ class MessageQueue:
         self._on_socket_pending = 0  # reader: markers read from the ring, message still due
         self._ctx = zmq.Context()
         self._sockets: list[zmq.Socket] = []  # writer: PUSH per reader rank; reader: its PULL
-        self._finalizer = weakref.finalize(self, _close_zmq, self._ctx, self._sockets)
+        self._owned = _WriterResources(os.getpid())
+        self._finalizer = weakref.finalize(self, _close_zmq, self._ctx, self._sockets, self._owned)
 
     @classmethod
     def attach(
@@ -125,6 +169,12 @@ class MessageQueue:
             self._ring = ShmRingBuffer.attach(handle.shm_name, *sizes, local.index(reader_rank))
         sock = self._ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
+        if reader_rank not in local:
+            if handle.curve is None:
+                raise ValueError(f"the handle has no CURVE keys for remote reader {reader_rank}")
+            sock.curve_serverkey = handle.curve.server_public
+            sock.curve_publickey = handle.curve.client_public
+            sock.curve_secretkey = handle.curve.client_secret
         sock.connect(handle.reader_addresses[reader_rank])
         self._sockets.append(sock)
         return self
@@ -292,7 +342,100 @@ def _poll(
         check(timer)
 
 
-def _close_zmq(ctx: zmq.Context, sockets: list[zmq.Socket]) -> None:
+class _WriterResources:
+    """What the writer's end owns besides its sockets; released by its finalizer."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid  # a forked child inherits the finalizer but owns none of this
+        self.socket_dir: str | None = None  # private directory of the local ipc sockets
+        self.authenticator: Any = None  # ZAP handler thread admitting the remote readers' key
+        self.curve_server_secret: bytes | None = None
+
+
+def _socket_dir_bases() -> list[str]:
+    """Where socket directories go, in order of preference (and where stale ones are)."""
+    bases = [os.environ.get("XDG_RUNTIME_DIR"), tempfile.gettempdir(), "/tmp"]
+    # a socket path longer than sun_path cannot be bound
+    usable = [b for b in bases if b and len(b) + _IPC_NAME_ROOM <= _IPC_PATH_MAX]
+    return list(dict.fromkeys(usable))
+
+
+def _private_socket_dir() -> str:
+    """A new directory, mode 0700, for this queue's ipc sockets: only our uid can connect.
+    Its name records its creator, so `cleanup_stale_socket_dirs` can tell when it is stale."""
+    errors = []
+    for base in _socket_dir_bases():
+        try:
+            # mkdtemp: created atomically with mode 0700, under a name nobody could predict
+            return tempfile.mkdtemp(prefix=f"{_SOCKET_DIR_PREFIX}{creator_tag()}-", dir=base)
+        except OSError as e:
+            errors.append(f"{base}: {e}")
+    longest = _IPC_PATH_MAX - _IPC_NAME_ROOM
+    raise RuntimeError(
+        "MessageQueue: no directory to hold its ipc sockets (tried $XDG_RUNTIME_DIR, the "
+        f"temp dir and /tmp; one must be writable and at most {longest} characters long): "
+        f"{'; '.join(errors) or 'none usable'}"
+    )
+
+
+def cleanup_stale_socket_dirs() -> list[str]:
+    """Remove socket directories of writers killed by a signal (their finalizer never ran).
+
+    Same rule as `cleanup_stale_segments`: only directories owned by our uid whose creator
+    (recorded in the name) is provably gone from our pid namespace. Returns their paths.
+    """
+    removed = []
+    uid = os.geteuid()
+    for base in _socket_dir_bases():
+        try:
+            names = sorted(os.listdir(base))
+        except OSError:
+            continue
+        for name in names:
+            if not name.startswith(_SOCKET_DIR_PREFIX):
+                continue
+            creator = parse_creator_tag(name[len(_SOCKET_DIR_PREFIX) :].rpartition("-")[0])
+            path = os.path.join(base, name)
+            if creator is None or not creator_gone(creator) or not owned_by(path, uid, S_ISDIR):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _start_curve_server(ctx: zmq.Context, owned: _WriterResources) -> CurveKeys:
+    """Keys for the remote readers' sockets, and a ZAP handler that admits only their client
+    key: without a handler libzmq would accept any client that knows the server key."""
+    if not zmq.has("curve"):
+        raise RuntimeError(
+            "MessageQueue: remote readers need libzmq built with CURVE security (pyzmq's "
+            "wheels include it); without it their TCP sockets could not be kept private"
+        )
+    from zmq.auth.thread import ThreadAuthenticator  # imports asyncio: only when needed
+
+    server_public, owned.curve_server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    owned.authenticator = ThreadAuthenticator(ctx)
+    owned.authenticator.start()  # before any bind: ZAP must be in place for the handshakes
+    owned.authenticator.configure_curve_callback("*", _OneClientKey(client_public))
+    return CurveKeys(server_public, client_public, client_secret)
+
+
+class _OneClientKey:
+    """ZAP credentials provider: admits the one client public key (Z85) it was given."""
+
+    def __init__(self, client_public: bytes) -> None:
+        self._key = client_public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return hmac.compare_digest(key, self._key)
+
+
+def _close_zmq(ctx: zmq.Context, sockets: list[zmq.Socket], owned: _WriterResources) -> None:
+    if owned.authenticator is not None:
+        owned.authenticator.stop()  # its sockets belong to ctx: term() would wait for them
     for sock in sockets:
         sock.close(linger=0)
-    ctx.term()
+    ctx.term()  # libzmq unlinks the ipc socket files of the sockets bound here
+    if owned.socket_dir is not None and owned.pid == os.getpid():
+        shutil.rmtree(owned.socket_dir, ignore_errors=True)

@@ -6,10 +6,9 @@ import os
 import struct
 import threading
 import weakref
-from multiprocessing.shared_memory import SharedMemory
 
 from hybridllm.distributed.shm_segment import (
-    AttachedSegment,
+    MappedSegment,
     attach_segment,
     create_segment,
     new_segment_name,
@@ -37,7 +36,7 @@ class ShmRingBuffer:
 
     def __init__(
         self,
-        segment: SharedMemory | AttachedSegment,
+        segment: MappedSegment,
         n_readers: int,
         max_chunk_bytes: int,
         max_chunks: int,
@@ -63,7 +62,9 @@ class ShmRingBuffer:
 
     @classmethod
     def create(cls, n_readers: int, max_chunk_bytes: int, max_chunks: int) -> ShmRingBuffer:
-        """Create and own a new zero-filled segment (the writer's side)."""
+        """Create and own a new zero-filled segment (the writer's side), mode 0600 and its
+        pages reserved: SharedMemoryFullError (an OSError) names the bytes a full /dev/shm
+        lacked instead of a SIGBUS later."""
         if n_readers < 1 or max_chunk_bytes < 1 or max_chunks < 1:
             raise ValueError(
                 f"ShmRingBuffer needs n_readers, max_chunk_bytes, max_chunks >= 1, got "

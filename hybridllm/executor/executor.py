@@ -58,6 +58,11 @@ class Executor(ABC):
         self.collective_rpc("initialize_kv_cache", (num_blocks,))
         return num_blocks
 
+    def check_health(self) -> None:
+        """Raise EngineDeadError if a worker died; called while the engine idles, so that a
+        dead worker is noticed without waiting for the next request. In-process workers
+        cannot die on their own: nothing to check."""
+
     @abstractmethod
     def shutdown(self) -> None:
         """Stop the workers and free what they hold; safe to call twice."""

@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
+import shutil
 import signal
-import socket
+import sys
+import tempfile
 import time
+import weakref
 from multiprocessing.connection import wait
 from typing import Any
 
 from hybridllm.config import EngineConfig
-from hybridllm.distributed.message_queue import MessageQueue, WriterDiedError
+from hybridllm.distributed.message_queue import (
+    MessageQueue,
+    WriterDiedError,
+    cleanup_stale_socket_dirs,
+)
 from hybridllm.distributed.shm_segment import cleanup_stale_segments
 from hybridllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from hybridllm.executor.executor import EngineDeadError, Executor
@@ -53,7 +61,21 @@ class MultiprocExecutor(Executor):
         self._closed = False
         self._num_submitted = 0
         self._num_collected = 0
+        self._rendezvous_dir: str | None = None
+        self._remove_rendezvous_dir: weakref.finalize | None = None
+        if getattr(multiprocessing.current_process(), "_inheriting", False):
+            # This is a spawned process re-importing the main script (multiprocessing sets
+            # the flag while it does): the script builds an engine at import time. Say so
+            # before creating anything, instead of multiprocessing's generic error.
+            # spawn runs the script as __mp_main__ and installs it as __main__ only after
+            script = getattr(sys.modules.get("__mp_main__"), "__file__", None) or "(unknown)"
+            raise RuntimeError(
+                "this worker process (started with spawn) is re-importing the main script "
+                f"{os.path.abspath(script)}, and that script creates an engine while being "
+                "imported. " + _MAIN_GUARD_ADVICE
+            )
         cleanup_stale_segments()  # leftovers of an earlier run killed by a signal
+        cleanup_stale_socket_dirs()
         self._broadcast = MessageQueue(plan.world_size, max_chunks=plan.pipeline_parallel_size + 4)
         try:
             handles = self._start_workers(show_progress)
@@ -75,7 +97,7 @@ class MultiprocExecutor(Executor):
         ctx = multiprocessing.get_context("spawn")
         tp_init = None
         if self.config.plan.tensor_parallel_size > 1:
-            tp_init = f"tcp://127.0.0.1:{_free_port()}"
+            tp_init = self._private_rendezvous()
         pipes = []
         for placement in self._placements:
             receive, send = ctx.Pipe(duplex=False)
@@ -99,6 +121,7 @@ class MultiprocExecutor(Executor):
         handles: list[dict | None] = [None] * len(pipes)
         deadline = time.monotonic() + _STARTUP_TIMEOUT_S
         pending = set(range(len(pipes)))
+        started: set[int] = set()  # ranks whose process got as far as run_worker
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -112,15 +135,45 @@ class MultiprocExecutor(Executor):
                     try:
                         kind, payload = pipes[rank].recv()
                     except EOFError:
-                        kind, payload = "error", "it exited without reporting"
+                        kind, payload = "error", self._silent_exit(rank, rank in started)
+                    if kind == "started":
+                        started.add(rank)
+                        continue
                     if kind == "error":
                         raise RuntimeError(f"{self._describe(rank)} failed to start:\n{payload}")
                     handles[rank] = payload
                     pending.discard(rank)
                     pipes[rank].close()
                 elif not self._procs[rank].is_alive():
-                    raise RuntimeError(f"{self._describe(rank)} died during start-up")
+                    reason = self._silent_exit(rank, rank in started)
+                    raise RuntimeError(f"{self._describe(rank)} failed to start:\n{reason}")
         return handles
+
+    def _silent_exit(self, rank: int, started: bool) -> str:
+        """Why a worker that died without reporting did; one that never reached run_worker
+        failed in spawn's bootstrap, which re-imports the main script."""
+        proc = self._procs[rank]
+        proc.join(timeout=5.0)  # its pipe closed: the exit code is moments away
+        code = proc.exitcode if proc.exitcode is not None else "unknown"
+        if started:
+            return f"it exited (exit code {code}) without reporting"
+        script = _main_script()
+        if script is None:  # spawn re-imports nothing: its arguments failed to unpickle
+            return f"it exited (exit code {code}) before running any worker code"
+        return (
+            f"it exited (exit code {code}) before running any worker code, while re-importing "
+            f"the main script {script} (its traceback is on stderr above). " + _MAIN_GUARD_ADVICE
+        )
+
+    def _private_rendezvous(self) -> str:
+        """A torch.distributed init_method only this user's processes can join: a FileStore
+        in a new mode-0700 directory (no port to race for, nothing reachable by others),
+        removed at shutdown or exit."""
+        self._rendezvous_dir = tempfile.mkdtemp(prefix="hybridllm-tp-")
+        self._remove_rendezvous_dir = weakref.finalize(
+            self, shutil.rmtree, self._rendezvous_dir, ignore_errors=True
+        )
+        return "file://" + os.path.join(self._rendezvous_dir, "store")
 
     # ---- the executor interface ---------------------------------------------------------------
 
@@ -192,6 +245,11 @@ class MultiprocExecutor(Executor):
         if self._closed:
             raise RuntimeError("the executor was shut down")
 
+    def check_health(self) -> None:
+        self._check_alive()
+        if any(not p.is_alive() for p in self._procs):
+            raise self._fail()
+
     # ---- failure and shutdown -----------------------------------------------------------------
 
     def _fail(self, reported: dict[int, tuple[int, str]] | None = None) -> EngineDeadError:
@@ -252,8 +310,11 @@ class MultiprocExecutor(Executor):
         for queue in [*self._responses, self._output, self._broadcast]:
             if queue is not None:
                 queue.close()
-        # Workers stopped by a signal could not unlink their own segments.
+        # Workers stopped by a signal could not unlink their own segments or socket dirs.
         cleanup_stale_segments()
+        cleanup_stale_socket_dirs()
+        if self._remove_rendezvous_dir is not None:
+            self._remove_rendezvous_dir()
 
     def _describe(self, rank: int) -> str:
         p = self._placements[rank]
@@ -278,8 +339,15 @@ def _exit_reason(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _free_port() -> int:
-    """An ephemeral TCP port on loopback for the tensor-parallel rendezvous."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_MAIN_GUARD_ADVICE = (
+    "Worker processes are started with spawn, which runs the main script's top-level code "
+    "again in every worker: the script that creates the engine must guard its top-level "
+    'code with `if __name__ == "__main__":` (put the LLM(...) call and what uses it under it).'
+)
+
+
+def _main_script() -> str | None:
+    """The main script's path, which spawn re-imports in every worker; None if there is none
+    (interactive, `python -c`)."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return os.path.abspath(path) if path else None

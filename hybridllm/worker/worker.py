@@ -57,7 +57,10 @@ class Worker:
         if plan.tensor_parallel_size == 1:
             return None
         if init_method is None:
-            raise ValueError("tensor parallelism needs an init_method (tcp://host:port)")
+            raise ValueError(
+                "tensor parallelism needs an init_method (file:///private/dir/store, as the mp "
+                "executor makes, or tcp://host:port)"
+            )
         try:
             from hybridllm.distributed.parallel_groups import init_tp_group
         except ImportError as e:

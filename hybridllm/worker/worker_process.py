@@ -6,6 +6,8 @@ Engine -> workers, on the broadcast MessageQueue (every worker reads every messa
     ("embed", prompts, pooling, normalize)
     ("rpc", method, args, kwargs)
     ("shutdown",)
+Worker -> engine at start-up, on a pipe: ("started", None), then ("ready", handles) or
+("error", traceback).
 Worker -> engine, on the worker's own response MessageQueue, for everything but "execute":
     ("ok", result) | ("error", traceback) | ("fatal", (exit_code, traceback))
 The last stage's tp-rank-0 worker (the output worker) also writes each step's
@@ -56,6 +58,9 @@ def run_worker(args: WorkerProcessArgs, ready_pipe: Connection) -> None:
     """Process target: build the worker, report its queue handles, serve until shutdown."""
     # Ctrl-C reaches the whole process group; the engine decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Past spawn's bootstrap (which re-imports the main script): tells the engine a death
+    # from then on is not a missing `if __name__ == "__main__":` guard.
+    ready_pipe.send(("started", None))
     try:
         process = WorkerProcess(args)
     except BaseException:

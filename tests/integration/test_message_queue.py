@@ -5,6 +5,7 @@ import hashlib
 import multiprocessing as mp
 import os
 import pickle
+import stat
 import subprocess
 import sys
 import time
@@ -12,11 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zmq
 
 from hybridllm.distributed.message_queue import (
     MessageQueue,
     ReaderDiedError,
     WriterDiedError,
+    cleanup_stale_socket_dirs,
 )
 from hybridllm.distributed.shm_segment import SHM_DIR, cleanup_stale_segments
 from hybridllm.engine.scheduler_output import CachedRequestData, SchedulerOutput
@@ -28,6 +31,12 @@ RESULT_TIMEOUT_S = 30
 
 def _exists(name: str) -> bool:
     return os.path.exists(os.path.join(SHM_DIR, name))
+
+
+def _socket_dir(address: str) -> str:
+    """The directory holding a local reader's ipc:// socket."""
+    assert address.startswith("ipc://")
+    return os.path.dirname(address[len("ipc://") :])
 
 
 def _message(i: int):
@@ -124,7 +133,8 @@ def test_oversized_messages_arrive_intact_for_local_and_remote_readers():
     with MessageQueue(2, remote_reader_ranks=[1]) as queue:  # 1 MiB chunks
         handle = queue.export_handle()
         assert handle.local_reader_ranks == (0,)
-        assert all(a.startswith("tcp://127.0.0.1:") for a in handle.reader_addresses)
+        local_address, remote_address = handle.reader_addresses
+        assert local_address.startswith("ipc://") and remote_address.startswith("tcp://127.0.0.1:")
         readers = [SPAWN.Process(target=_big_reader, args=(handle, r, results)) for r in (0, 1)]
         for p in readers:
             p.start()
@@ -229,6 +239,13 @@ def test_killed_writer_is_detected_and_its_segment_cleaned_up():
     assert _exists(handle.shm_name)  # SIGKILL: nobody could unlink it
     assert handle.shm_name in cleanup_stale_segments()
     assert not _exists(handle.shm_name)
+    socket_dir = _socket_dir(handle.reader_addresses[0])
+    assert os.path.isdir(socket_dir)  # nor remove its socket directory
+    with MessageQueue(1) as live:
+        assert socket_dir in cleanup_stale_socket_dirs()
+        assert not os.path.exists(socket_dir)
+        # a live writer's directory stays
+        assert os.path.isdir(_socket_dir(live.export_handle().reader_addresses[0]))
 
 
 def test_close_gc_and_interpreter_exit_unlink_segment():
@@ -243,19 +260,23 @@ def test_close_gc_and_interpreter_exit_unlink_segment():
 
     queue = MessageQueue(1)
     name = queue.export_handle().shm_name
+    socket_dir = _socket_dir(queue.export_handle().reader_addresses[0])
     del queue
     gc.collect()
-    assert not _exists(name)
+    assert not _exists(name) and not os.path.exists(socket_dir)
 
     code = (
         "from hybridllm.distributed.message_queue import MessageQueue\n"
-        "queue = MessageQueue(2)\n"  # never closed: the exit finalizer must unlink it
-        "print(queue.export_handle().shm_name)\n"
+        "queue = MessageQueue(2, remote_reader_ranks=[1])\n"  # never closed: the exit
+        "handle = queue.export_handle()\n"  # finalizer must unlink and remove everything
+        "print(handle.shm_name, handle.reader_addresses[0])\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().startswith("hybridllm_") and not _exists(out.stdout.strip())
+    name, address = out.stdout.split()
+    assert name.startswith("hybridllm_") and not _exists(name)
+    assert not os.path.exists(_socket_dir(address))
     assert out.stderr == ""
 
 
@@ -269,3 +290,59 @@ def test_misuse_is_reported_clearly():
             MessageQueue.attach(writer.export_handle(), 2)
     with pytest.raises(ValueError, match="remote_reader_ranks"):
         MessageQueue(2, remote_reader_ranks=[5])
+
+
+def test_local_sockets_are_private_to_the_writer_uid():
+    with MessageQueue(2, max_chunk_bytes=4096) as writer:
+        handle = writer.export_handle()
+        dirs = {_socket_dir(a) for a in handle.reader_addresses}
+        assert len(dirs) == 1
+        socket_dir = dirs.pop()
+        st = os.stat(socket_dir)
+        # 0700: no other user can reach (connect to) the sockets inside
+        assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
+        assert all(
+            stat.S_ISSOCK(os.stat(a[len("ipc://") :]).st_mode) for a in handle.reader_addresses
+        )
+        shm = os.stat(os.path.join(SHM_DIR, handle.shm_name))
+        assert stat.S_IMODE(shm.st_mode) == 0o600 and shm.st_uid == os.geteuid()
+        readers = [MessageQueue.attach(handle, r) for r in range(2)]
+        big = np.arange(10_000)  # larger than a chunk: travels over the ipc sockets
+        writer.enqueue(big, timeout=5)
+        for reader in readers:
+            assert np.array_equal(reader.dequeue(timeout=5), big)
+            reader.close()
+    assert not os.path.exists(socket_dir)
+
+
+def _stranger(ctx: zmq.Context, address: str, curve_server_key: bytes | None = None):
+    """A PULL socket of someone who knows the address (and maybe the writer's public key)
+    but not the client key pair in the handle."""
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve_server_key is not None:
+        sock.curve_serverkey = curve_server_key
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+    sock.connect(address)
+    return sock
+
+
+def test_remote_reader_socket_admits_only_the_handle_keys():
+    ctx = zmq.Context()
+    with MessageQueue(1, max_chunk_bytes=4096, remote_reader_ranks=[0]) as writer:
+        handle = writer.export_handle()
+        address = handle.reader_addresses[0]
+        assert address.startswith("tcp://127.0.0.1:")
+        assert handle.curve.client_secret not in repr(handle).encode()
+        strangers = [_stranger(ctx, address), _stranger(ctx, address, handle.curve.server_public)]
+        time.sleep(0.3)  # give their handshakes time to fail
+        with MessageQueue.attach(handle, 0) as reader:
+            # A PUSH socket deals messages round-robin among its peers: had a stranger been
+            # admitted, it would take some of them and the reader would see gaps.
+            for i in range(20):
+                writer.enqueue(_message(i), timeout=5)
+            assert [_index_of(reader.dequeue(timeout=5)) for _ in range(20)] == list(range(20))
+        for sock in strangers:
+            assert sock.poll(200, zmq.POLLIN) == 0
+            sock.close()
+    ctx.term()

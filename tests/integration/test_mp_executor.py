@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import glob
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +31,7 @@ from tests.model_helpers import make_tiny_model
 
 MP_KWARGS = dict(ENGINE_KWARGS, distributed_executor_backend="mp")
 DEATH_DEADLINE_S = 10.0
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _segments_of(pids: set[int]) -> list[str]:
@@ -48,10 +55,18 @@ def _worker_pids(llm: LLM) -> list[int]:
     return [d["pid"] for d in llm.llm_engine.executor.collective_rpc("describe")]
 
 
+def _socket_dirs_of(pids: set[int]) -> list[str]:
+    """The MessageQueue ipc socket directories created by any of `pids`."""
+    base = tempfile.gettempdir()
+    return [d for p in pids for d in glob.glob(os.path.join(base, f"hybridllm-mq-{p}_*"))]
+
+
 def _assert_nothing_left(pids: set[int]) -> None:
     assert not [p for p in pids if p != os.getpid() and _alive(p)], "worker processes left"
     assert [p for p in multiprocessing.active_children() if p.pid in pids] == []
     assert _segments_of(pids) == []
+    # workers' own queues (killed ones too) leave no socket directory behind
+    assert _socket_dirs_of(pids - {os.getpid()}) == []
 
 
 @pytest.fixture(scope="module")
@@ -172,15 +187,57 @@ def _tp_available() -> str | None:
     return None
 
 
+def _rendezvous_dirs() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "hybridllm-tp-*")))
+
+
 @pytest.mark.skipif(_tp_available() is not None, reason=str(_tp_available()))
 @pytest.mark.parametrize("tp, pp", [(2, 1), (2, 2)], ids=["tp2", "tp2xpp2"])
 def test_tensor_parallel_matches_single_worker(model_path, reference, tp, pp):
+    before = _rendezvous_dirs()
     llm = LLM(model_path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **MP_KWARGS)
     try:
+        # The rendezvous is a file in a directory only we can enter, not a loopback port.
+        rendezvous = llm.llm_engine.executor._rendezvous_dir
+        assert rendezvous in _rendezvous_dirs() - before
+        assert os.stat(rendezvous).st_mode & 0o777 == 0o700
         assert llm.llm_engine.config.plan.world_size == tp * pp
         assert_same_generation(generate(llm, make_prompts()), reference[0])
     finally:
         llm.shutdown()
+    assert not os.path.exists(rendezvous)
+
+
+def test_script_without_main_guard_is_told_to_add_one(model_path, tmp_path):
+    # Spawned workers re-run the main script's top-level code: here that builds another LLM.
+    script = tmp_path / "unguarded.py"
+    kwargs = dict(MP_KWARGS, pipeline_parallel_size=2)
+    script.write_text(
+        textwrap.dedent(
+            f"""\
+            from hybridllm import LLM
+
+            llm = LLM({model_path!r}, **{kwargs!r})
+            print("engine started")
+            llm.shutdown()
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode != 0 and "engine started" not in out.stdout
+    # The engine's own error (the last one: the workers' tracebacks come before it).
+    engine_error = out.stderr[out.stderr.rfind("failed to start:") :]
+    assert "failed to start:" in engine_error, out.stderr
+    assert 'guard its top-level code with `if __name__ == "__main__":`' in engine_error
+    assert "started with spawn" in engine_error and str(script) in engine_error
 
 
 def test_cpu_binding_shares_a_missing_numa_node_and_splits_cores(caplog):

@@ -14,6 +14,23 @@ from hybridllm.entrypoints.cli import build_parser, main
 from tests.integration.openai_server import REPO_ROOT
 
 TINY_ENGINE = ["--max-model-len", "256", "--max-num-seqs", "8"]
+GREEDY_6 = ["--max-tokens", "6", "--temperature", "0"]
+
+
+@pytest.fixture(scope="module")
+def offline_llm():
+    """The offline API on the CLI's engine settings: the reference for its greedy text."""
+    from hybridllm import LLM
+
+    llm = LLM(max_model_len=256, max_num_seqs=8, use_tqdm=False)
+    yield llm
+    llm.shutdown()
+
+
+def greedy_6():
+    from hybridllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=6)
 
 
 def run_cli(*args: str, stdin: str | None = None, timeout: float = 240):
@@ -106,63 +123,53 @@ def test_bad_flag_values_are_one_line_errors(capsys):
 
 
 @pytest.mark.slow
-def test_generate_one_prompt_and_a_file(tmp_path):
+def test_generate_one_prompt_and_a_file(tmp_path, offline_llm):
+    expected = [
+        out.outputs[0].text
+        for out in offline_llm.generate(["The capital of France is", "1, 2, 3,"], greedy_6())
+    ]
+    assert all(expected), expected
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The capital of France is\n\n" + json.dumps({"prompt": "1, 2, 3,"}) + "\n")
-    one = run_cli(
-        "generate",
-        "--prompt",
-        "The capital of France is",
-        "--max-tokens",
-        "6",
-        "--temperature",
-        "0",
-        *TINY_ENGINE,
-    )
+    one = run_cli("generate", "--prompt", "The capital of France is", *GREEDY_6, *TINY_ENGINE)
     assert one.returncode == 0, one.stderr
-    streamed = one.stdout.rstrip("\n")
-    assert streamed.strip()
-    many = run_cli(
-        "generate",
-        "--prompts-file",
-        str(prompts),
-        "--max-tokens",
-        "6",
-        "--temperature",
-        "0",
-        *TINY_ENGINE,
-    )
+    # The streamed deltas add up to the offline API's greedy text, then a newline.
+    assert one.stdout == expected[0] + "\n"
+    many = run_cli("generate", "--prompts-file", str(prompts), *GREEDY_6, *TINY_ENGINE)
     assert many.returncode == 0, many.stderr
-    assert (
-        "=== [0] 'The capital of France is'" in many.stdout and "=== [1] '1, 2, 3,'" in many.stdout
-    )
-    # Greedy: the batched file run gives prompt 0 the same text as the streamed single run.
-    block = many.stdout.split("=== [0] 'The capital of France is'\n", 1)[1]
-    assert block.startswith(streamed)
+    # Each prompt's header, then its text, in the order they finish.
+    blocks = [
+        f"=== [0] 'The capital of France is'\n{expected[0]}\n",
+        f"=== [1] '1, 2, 3,'\n{expected[1]}\n",
+    ]
+    assert many.stdout in (blocks[0] + blocks[1], blocks[1] + blocks[0]), many.stdout
 
 
 @pytest.mark.slow
-def test_chat_streams_replies_and_handles_commands():
+def test_chat_streams_replies_and_handles_commands(offline_llm):
+    from hybridllm.entrypoints.cli_chat import HELP
+
     session = "Name a fruit.\n/help\nAnd a color?\n/reset\nHello\n/exit\nnot read\n"
-    result = run_cli(
-        "chat",
-        "--system",
-        "Be brief.",
-        "--max-tokens",
-        "6",
-        "--temperature",
-        "0",
-        *TINY_ENGINE,
-        stdin=session,
-    )
+    result = run_cli("chat", "--system", "Be brief.", *GREEDY_6, *TINY_ENGINE, stdin=session)
     assert result.returncode == 0, result.stderr
-    assert "/exit or /quit" in result.stdout and "(conversation cleared)" in result.stdout
-    replies = [
-        line
-        for line in result.stdout.splitlines()
-        if line.strip() and "/exit" not in line and "cleared" not in line
-    ]
-    assert len(replies) >= 3  # one per user turn
+    # The replies the offline API gives the same conversations: /reset keeps the system
+    # prompt and drops the rest; "not read" after /exit gets none.
+    system = {"role": "system", "content": "Be brief."}
+
+    def reply(*turns):
+        messages = [system]
+        for i, turn in enumerate(turns):
+            messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": turn})
+        [out] = offline_llm.chat([messages], greedy_6())
+        assert out.outputs[0].text and len(out.outputs[0].token_ids) <= 6
+        return out.outputs[0].text
+
+    fruit = reply("Name a fruit.")
+    color = reply("Name a fruit.", fruit, "And a color?")
+    hello = reply("Hello")
+    assert color != reply("And a color?")  # the history really changes the second reply
+    expected = f"{fruit}\n{HELP}\n{color}\n(conversation cleared)\n{hello}\n"
+    assert result.stdout == expected
 
 
 @pytest.mark.slow

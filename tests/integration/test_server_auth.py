@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 import threading
@@ -16,20 +17,26 @@ from tests.integration.openai_server import RemoteServer
 pytestmark = pytest.mark.slow
 
 API_KEY = "sekret-key"
+MAX_MODEL_LEN = 4096
+SHUTDOWN_TIMEOUT = 10
 
 
 @pytest.fixture(scope="module")
 def server():
     args = [
+        # Context for a stream far longer than the shutdown timeout (SIGTERM test); 4 slots keep
+        # the KV cache small.
         "--max-model-len",
-        "512",
+        str(MAX_MODEL_LEN),
+        "--max-num-seqs",
+        "4",
         "--served-model-name",
         "tiny",
         "alias",
         "--pooling",
         "mean",
         "--shutdown-timeout",
-        "10",
+        str(SHUTDOWN_TIMEOUT),
     ]
     # The key comes from the environment, the documented alternative to --api-key.
     with RemoteServer(args, env={"HYBRIDLLM_API_KEY": API_KEY}) as srv:
@@ -75,7 +82,7 @@ def test_access_log_has_one_line_per_request(server):
     assert '"POST /v1/completions" 200' in log and " ms" in log
 
 
-def _stream(server, max_tokens: int, events: list, first_chunk: threading.Event) -> None:
+def _stream(server, max_tokens: int, events: list, chunk: threading.Event) -> None:
     body = {
         "model": "tiny",
         "prompt": "Tell me a story",
@@ -89,27 +96,48 @@ def _stream(server, max_tokens: int, events: list, first_chunk: threading.Event)
         with httpx.stream(
             "POST", f"{server.base_url}/completions", json=body, headers=headers, timeout=60
         ) as response:
+            events.append(f"status: {response.status_code}")
             for line in response.iter_lines():
                 if line.startswith("data:"):
                     events.append(line)
-                    first_chunk.set()
+                    chunk.set()
     except httpx.HTTPError as exc:
         events.append(f"closed: {type(exc).__name__}")
-    first_chunk.set()
+    chunk.set()
+
+
+def _text_chunks(events: list) -> list[str]:
+    """The data events that carry generated text (not [DONE], not an error)."""
+    chunks = []
+    for event in events:
+        if event.startswith("data: {"):
+            data = json.loads(event[len("data: ") :])
+            if data.get("choices") and data["choices"][0].get("text"):
+                chunks.append(data["choices"][0]["text"])
+    return chunks
 
 
 def test_sigterm_finishes_short_requests_aborts_long_ones_and_exits(server):
+    # ~90 tokens/s here: the short stream (200 tokens) is still running at SIGTERM and ends
+    # within the shutdown timeout; the long one (4000 tokens, valid for the context) cannot.
     short, long = [], []
-    short_started, long_started = threading.Event(), threading.Event()
+    short_chunk, long_chunk = threading.Event(), threading.Event()
     threads = [
-        threading.Thread(target=_stream, args=(server, 6, short, short_started)),
-        threading.Thread(target=_stream, args=(server, 4000, long, long_started)),
+        threading.Thread(target=_stream, args=(server, 200, short, short_chunk)),
+        threading.Thread(target=_stream, args=(server, 4000, long, long_chunk)),
     ]
     for t in threads:
         t.start()
-    assert short_started.wait(30) and long_started.wait(30)
+    deadline = time.monotonic() + 60
+    while len(_text_chunks(long)) < 3 or not _text_chunks(short):  # both really streaming
+        assert time.monotonic() < deadline, (short[-2:], long[-2:])
+        long_chunk.wait(0.05)
+        long_chunk.clear()
     start = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
+    short_at_sigterm, long_at_sigterm = list(short), list(long)
+    assert short_at_sigterm[0] == long_at_sigterm[0] == "status: 200"
+    assert "data: [DONE]" not in short_at_sigterm  # the short one is still running too
     time.sleep(0.5)
     with pytest.raises(httpx.HTTPError):  # the listening socket is closed: new work is refused
         httpx.get(f"{server.root}/health", timeout=2)
@@ -118,10 +146,14 @@ def test_sigterm_finishes_short_requests_aborts_long_ones_and_exits(server):
     # uvicorn re-raises the captured SIGTERM after its clean shutdown, so -SIGTERM is normal.
     assert server.proc.wait(30) in (0, -signal.SIGTERM)
     elapsed = time.monotonic() - start
-    # The short stream ran to its end; the long one was cut at the 10 s shutdown timeout
-    # (margins wide enough for a loaded 2-core machine).
+    # The short stream ran to its end (finish_reason length), then [DONE].
     assert short[-1] == "data: [DONE]" and '"finish_reason":"length"' in short[-2]
+    assert len("".join(_text_chunks(short))) > len("".join(_text_chunks(short_at_sigterm)))
+    # The long one kept streaming through the grace period, then was cut at the shutdown
+    # timeout: an error event or a closed connection, never its normal end.
+    assert len(_text_chunks(long)) > len(_text_chunks(long_at_sigterm))
     assert not any('"finish_reason":"length"' in e for e in long)
-    assert elapsed < 30
+    assert long[-1].startswith("closed:") or any('"error"' in e for e in long[-2:]), long[-2:]
+    assert SHUTDOWN_TIMEOUT - 1 < elapsed < SHUTDOWN_TIMEOUT + 20
     log = server.log_tail()
     assert "engine stopped" in log and "Application shutdown complete" in log

@@ -10,7 +10,6 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from hybridllm.distributed.parallel_groups import destroy_groups, init_tp_group
-from hybridllm.layers.cpu_kernels import load_cpu_kernels
 from hybridllm.layers.gguf_linear import gguf_kernel_types
 from hybridllm.layers.linear import cpu_bf16_packing_supported
 from hybridllm.layers.tensor_parallel import HeadShard, shard_align, split_attention_heads
@@ -19,6 +18,7 @@ from hybridllm.models.registry import get_model_class
 from hybridllm.plan.plan import Plan
 from tests.dist_pool import RankPool
 from tests.gguf_helpers import tiny_hf_model, write_gguf
+from tests.kernel_helpers import require_cpu_kernels
 from tests.model_helpers import (
     StepSequence,
     allocate_kv_caches,
@@ -199,7 +199,6 @@ def gguf_path(request, tmp_path_factory):
     return str(write_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", model, quantize=quantize))
 
 
-@pytest.mark.skipif(not load_cpu_kernels(), reason="native CPU kernels unavailable")
 def test_tp2_ranks_keep_their_gguf_blocks(pool, gguf_path):
     """CPU ranks compute from their slices of the file's blocks, as a single worker does.
 
@@ -207,6 +206,7 @@ def test_tp2_ranks_keep_their_gguf_blocks(pool, gguf_path):
     kept where it falls on 32-column block boundaries (o: 32 of 64 columns a rank) and
     decoded to floats where it does not (down: 48 of 96).
     """
+    require_cpu_kernels()
     single = _load_gguf(gguf_path)
     expected = _run_steps(single, single.hf_config.vocab_size)
     results = pool.run(_case_tp_gguf, 2, (1.0, 1.0), gguf_path)

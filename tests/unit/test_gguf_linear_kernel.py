@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
 
-from hybridllm.layers.cpu_kernels import DISABLE_ENV, load_cpu_kernels
 from hybridllm.loader.gguf_dequant import dequantize
+from tests.kernel_helpers import require_cpu_kernels
 
 Q = GGMLQuantizationType
 FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
@@ -25,13 +23,10 @@ PANEL_MAX_ROWS = 128
 ROW_COUNTS = [1, 2, 5, 8, 9, DIRECT_MAX_ROWS, DIRECT_MAX_ROWS + 1, 33, 64]
 ROW_COUNTS += [PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1]
 
-pytestmark = pytest.mark.skipif(os.environ.get(DISABLE_ENV) == "0", reason="kernels disabled")
-
 
 @pytest.fixture(scope="module")
 def op():
-    if not load_cpu_kernels():
-        pytest.skip("native CPU kernels not buildable here")
+    require_cpu_kernels()
     return torch.ops.hybridllm.gguf_linear
 
 

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from hybridllm.layers.attention import PagedAttention, get_attention_backend
-from hybridllm.layers.cpu_kernels import DISABLE_ENV, load_cpu_kernels
+from hybridllm.layers.cpu_kernels import load_cpu_kernels
 from hybridllm.layers.paged_attention_cpu import TorchPagedAttention, write_kv_cache
 from hybridllm.layers.paged_attention_cuda import CudaPagedAttention, triton_available
 from hybridllm.layers.prepared_attention import prepare_attention
+from tests.kernel_helpers import cpu_kernels_disabled, require_cpu_kernels
 from tests.model_helpers import StepSequence, make_step, scattered_block_tables
 
 NUM_BLOCKS = 64
@@ -81,7 +82,7 @@ def run_case(
 
 
 MIXED = [(9, 1), (17, 1), (3, 1), (20, 7), (11, 11), (1, 1)]
-_KERNELS_DISABLED = os.environ.get(DISABLE_ENV) == "0"
+_KERNELS_DISABLED = cpu_kernels_disabled()
 
 
 @pytest.fixture(params=["torch", "native"])
@@ -89,8 +90,7 @@ def cpu_backend(request):
     """Both CPU decode paths: gather + SDPA, and the compiled paged-decode op."""
     if request.param == "torch":
         return TorchPagedAttention(native_ops=False)
-    if _KERNELS_DISABLED or not load_cpu_kernels():
-        pytest.skip("native CPU kernels disabled or not buildable here")
+    require_cpu_kernels()
     return TorchPagedAttention(native_ops=True)
 
 
@@ -161,10 +161,8 @@ def test_register_blocked_decode_head_dims(head_dim, num_heads, num_kv_heads, wi
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(_KERNELS_DISABLED, reason="native CPU kernels disabled")
 def test_native_op_rejects_bad_inputs():
-    if not load_cpu_kernels():
-        pytest.skip("native CPU kernels not buildable here")
+    require_cpu_kernels()
     op = torch.ops.hybridllm.paged_decode_attention
     q = torch.randn(2, 4, 8)
     cache = torch.zeros(2, 4, 4, 2, 8)

@@ -6,12 +6,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridllm.layers.cpu_kernels import load_cpu_kernels
 from hybridllm.layers.norm import RMSNorm
-
-pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="native CPU kernels unavailable")
+from tests.kernel_helpers import require_cpu_kernels
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels():
+    require_cpu_kernels()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -3,25 +3,20 @@ against their torch forms."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridllm.layers.cpu_kernels import DISABLE_ENV, load_cpu_kernels
 from hybridllm.layers.mlp import GatedMLP
 from hybridllm.layers.paged_attention_cpu import write_kv_cache
 from hybridllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary_
 from hybridllm.sample.sampler import Sampler
-
-pytestmark = pytest.mark.skipif(os.environ.get(DISABLE_ENV) == "0", reason="kernels disabled")
+from tests.kernel_helpers import require_cpu_kernels
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _kernels():
-    if not load_cpu_kernels():
-        pytest.skip("native CPU kernels not buildable here")
+    require_cpu_kernels()
 
 
 @pytest.mark.parametrize("rows,width", [(1, 8), (3, 1536), (64, 1536), (7, 100)])

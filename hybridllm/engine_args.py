@@ -77,7 +77,13 @@ class EngineArgs:
             raise ValueError(f"{model_path}: config has no 'architectures' entry")
         from hybridllm.models.registry import get_model_class
 
-        get_model_class(archs[0])  # fails early, naming the architecture
+        model_class = get_model_class(archs[0])  # fails early, naming the architecture
+        if self.tensor_parallel_size > 1 and not getattr(
+            model_class, "supports_tensor_parallel", True
+        ):
+            from hybridllm.models.moe import tensor_parallel_error
+
+            raise ValueError(tensor_parallel_error(archs[0]))
 
         model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
         max_model_len = self.max_model_len or model_max

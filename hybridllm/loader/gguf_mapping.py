@@ -1,4 +1,4 @@
-"""GGUF metadata and tensor names mapped to their Hugging Face equivalents (llama, qwen2, qwen3)."""
+"""GGUF metadata and tensor names mapped to their Hugging Face equivalents (Llama/Qwen families, MoEs)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,15 @@ GGUF_ARCHS = {
     "llama": GGUFArch("llama", "LlamaForCausalLM", rope_permuted=True),
     "qwen2": GGUFArch("qwen2", "Qwen2ForCausalLM", rope_permuted=False),
     "qwen3": GGUFArch("qwen3", "Qwen3ForCausalLM", rope_permuted=False),
+    "qwen2moe": GGUFArch("qwen2_moe", "Qwen2MoeForCausalLM", rope_permuted=False),
+    "qwen3moe": GGUFArch("qwen3_moe", "Qwen3MoeForCausalLM", rope_permuted=False),
+    "olmoe": GGUFArch("olmoe", "OlmoeForCausalLM", rope_permuted=False),
 }
+# llama.cpp writes Mixtral as a `llama` file with experts (`llama.expert_count` > 0)
+MIXTRAL_ARCH = GGUFArch("mixtral", "MixtralForCausalLM", rope_permuted=True)
+# Whether the top-k expert weights are renormalised when the file does not say
+# (`{arch}.expert_weights_norm`): what llama.cpp does for each architecture.
+_NORM_TOPK_DEFAULT = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True, "olmoe": False}
 
 # Tensors outside the transformer blocks.
 _GLOBAL_NAMES = {
@@ -45,6 +53,16 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    # mixture of experts: the router, every expert's projection stacked [E, rows, cols], and
+    # Qwen2-MoE's shared expert with its gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # Present in some files but not model parameters (llama 3.1 stores its rope factors as a tensor).
 ROPE_FREQS_TENSOR = "rope_freqs.weight"  # per-frequency divisors (Llama 3.1+ rope scaling)
@@ -60,6 +78,8 @@ def gguf_arch(metadata: dict[str, Any], path: str) -> GGUFArch:
         raise ModelLoadError(
             f"{path}: GGUF architecture {name!r} is not supported (supported: {', '.join(GGUF_ARCHS)})"
         )
+    if name == "llama" and metadata.get("llama.expert_count"):
+        return MIXTRAL_ARCH
     return arch
 
 
@@ -124,10 +144,34 @@ def hf_config_kwargs(
     }
     if arch.model_type == "llama":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    if arch.model_type in _NORM_TOPK_DEFAULT:
+        kwargs.update(_moe_kwargs(arch, get, tensor_names, kwargs))
     rope_scaling = _rope_scaling(get)
     if rope_scaling:
         kwargs["rope_scaling"] = rope_scaling
     return arch, kwargs
+
+
+def _moe_kwargs(
+    arch: GGUFArch, get: Any, tensor_names: set[str], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The expert fields of an MoE architecture's config."""
+    experts, top_k = get("expert_count", required=True), get("expert_used_count", required=True)
+    width = get("expert_feed_forward_length") or kwargs["intermediate_size"]
+    norm = bool(get("expert_weights_norm", _NORM_TOPK_DEFAULT[arch.model_type]))
+    if arch.model_type == "mixtral":
+        return {"num_local_experts": experts, "num_experts_per_tok": top_k}
+    out = {"num_experts": experts, "num_experts_per_tok": top_k, "norm_topk_prob": norm}
+    if arch.model_type == "olmoe":
+        return {**out, "intermediate_size": width, "clip_qkv": get("attention.clamp_kqv")}
+    # Qwen-MoE: a layer without a router is dense (transformers' mlp_only_layers)
+    layers = range(kwargs["num_hidden_layers"])
+    dense = [i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]
+    out.update(moe_intermediate_size=width, mlp_only_layers=dense, decoder_sparse_step=1)
+    if arch.model_type == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = get("expert_shared_feed_forward_length") or 0
+        out["qkv_bias"] = "blk.0.attn_q.bias" in tensor_names
+    return out
 
 
 def _rope_scaling(get: Any) -> dict[str, Any] | None:

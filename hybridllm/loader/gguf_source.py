@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -167,8 +168,10 @@ class GGUFSource(ModelSource):
             raw = gguf.raw_rows(info)
             if order is not None and len(info.shape) == 2:
                 raw = raw[order]  # [rows, bytes_per_row]: permute whole quantized rows
-            if info.ggml_type in quantized_types and len(info.shape) == 2:
-                yield name, QuantizedTensor(raw, info.ggml_type, info.shape)
+            if info.ggml_type in quantized_types and len(info.shape) >= 2:
+                # a stack of experts [E, rows, cols] as blocks of its E * rows rows
+                shape = (math.prod(info.shape[:-1]), info.shape[-1])
+                yield name, QuantizedTensor(raw, info.ggml_type, shape)
                 continue
             try:
                 tensor = dequantize(raw, info.ggml_type, info.shape)

@@ -42,6 +42,42 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "sliding_window": 4096,
         "max_window_layers": 28,
     },
+    "mixtral": {
+        **_LLAMA_DEFAULTS,
+        "max_position_embeddings": 4096 * 32,
+        "rms_norm_eps": 1e-5,
+        "num_experts_per_tok": 2,
+    },
+    "qwen2_moe": {
+        **_LLAMA_DEFAULTS,
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "decoder_sparse_step": 1,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": False,
+        "qkv_bias": True,
+    },
+    "qwen3_moe": {
+        **_LLAMA_DEFAULTS,
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "decoder_sparse_step": 1,
+        "moe_intermediate_size": 768,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": False,
+    },
+    "olmoe": {
+        **_LLAMA_DEFAULTS,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "clip_qkv": None,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": False,
+    },
     "opt": {
         "max_position_embeddings": 2048,
         "do_layer_norm_before": True,
@@ -53,7 +89,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }
 _REQUIRED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
 _REQUIRED_BY_TYPE = {"opt": ("ffn_dim",)}
-_ROPE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_ROPE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
 class HFConfig:

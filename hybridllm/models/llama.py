@@ -119,6 +119,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP. Subclasses swap the attention class or the MLP (`build_mlp`,
+    `mlp_weight_loaders`); an MoE layer builds an expert block in place of the dense MLP."""
+
+    attention_class: type[LlamaAttention] = LlamaAttention
+
     def __init__(
         self,
         hf_config: Any,
@@ -134,12 +139,23 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
-        self.self_attn = LlamaAttention(
+        self.self_attn = self.attention_class(
             hf_config, layer_idx, head_dim, qkv_bias, o_bias, qk_norm, dtype, device, tp_group
         )
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device)
-        self.mlp = GatedMLP(
-            hidden,
+        self.mlp = self.build_mlp(hf_config, layer_idx, dtype, device, tp_group)
+
+    def build_mlp(
+        self,
+        hf_config: Any,
+        layer_idx: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp_group: TPGroup | None,
+    ) -> nn.Module:
+        """The layer's feed-forward block: the dense gated MLP here."""
+        return GatedMLP(
+            hf_config.hidden_size,
             hf_config.intermediate_size,
             bool(getattr(hf_config, "mlp_bias", False)),
             getattr(hf_config, "hidden_act", "silu"),
@@ -147,6 +163,12 @@ class LlamaDecoderLayer(nn.Module):
             device,
             tp_group,
         )
+
+    def mlp_weight_loaders(self, prefix: str) -> dict[str, WeightLoader]:
+        """Loaders of the feed-forward block's weights, named under `prefix` ("...mlp.")."""
+        loaders = linear_loaders(prefix, self.mlp.gate_up_proj, ("gate_proj", "up_proj"))
+        loaders.update(linear_loaders(prefix, self.mlp.down_proj, "down_proj"))
+        return loaders
 
     def forward(
         self,
@@ -176,15 +198,14 @@ class LlamaDecoderLayer(nn.Module):
             ),
         }
         loaders.update(self.self_attn.weight_loaders(f"{prefix}self_attn."))
-        loaders.update(
-            linear_loaders(f"{prefix}mlp.", self.mlp.gate_up_proj, ("gate_proj", "up_proj"))
-        )
-        loaders.update(linear_loaders(f"{prefix}mlp.", self.mlp.down_proj, "down_proj"))
+        loaders.update(self.mlp_weight_loaders(f"{prefix}mlp."))
         return loaders
 
 
 class LlamaForCausalLM(CausalLMBase):
-    """Llama decoder stage. Subclasses change the attention options below."""
+    """Llama decoder stage. Subclasses change the attention options below or the layer class."""
+
+    decoder_layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
     def _attention_options(self, hf_config: Any) -> tuple[bool, bool, bool]:
         """(qkv_bias, o_bias, qk_norm) for this architecture."""
@@ -217,7 +238,7 @@ class LlamaForCausalLM(CausalLMBase):
         )
         self.rotary_emb = RotaryEmbedding(head_dim, rope_parameters(hf_config), dtype, device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(
+            self.decoder_layer_class(
                 hf_config, i, head_dim, qkv_bias, o_bias, qk_norm, dtype, device, tp_group
             )
             for i in range(self.start_layer, self.end_layer)

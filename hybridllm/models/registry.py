@@ -11,6 +11,10 @@ _MODELS = (
     ("Qwen2ForCausalLM", ("hybridllm.models.qwen2", "Qwen2ForCausalLM")),
     ("Qwen3ForCausalLM", ("hybridllm.models.qwen3", "Qwen3ForCausalLM")),
     ("OPTForCausalLM", ("hybridllm.models.opt", "OPTForCausalLM")),
+    ("MixtralForCausalLM", ("hybridllm.models.mixtral", "MixtralForCausalLM")),
+    ("Qwen2MoeForCausalLM", ("hybridllm.models.qwen2_moe", "Qwen2MoeForCausalLM")),
+    ("Qwen3MoeForCausalLM", ("hybridllm.models.qwen3_moe", "Qwen3MoeForCausalLM")),
+    ("OlmoeForCausalLM", ("hybridllm.models.olmoe", "OlmoeForCausalLM")),
 )
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(name for name, _ in _MODELS)

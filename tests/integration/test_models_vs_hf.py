@@ -197,6 +197,10 @@ def test_registry_and_bad_weights():
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
         "OPTForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "OlmoeForCausalLM",
     }
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"):
         get_model_class("GPT2LMHeadModel")

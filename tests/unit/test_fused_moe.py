@@ -1,0 +1,170 @@
+"""The MoE routing, grouping and expert op against a naive per-token loop; experts from GGUF blocks."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+
+from hybridllm.layers.expert_weights import StackedExpertWeight
+from hybridllm.layers.fused_moe import FusedMoE
+from hybridllm.layers.moe_routing import group_by_expert, select_experts
+from hybridllm.loader.quantized_tensor import QuantizedTensor
+from tests.gguf_helpers import random_k_quant_blocks
+from tests.kernel_helpers import require_cpu_kernels
+
+CPU = torch.device("cpu")
+
+
+def naive_routing(logits, top_k, scoring, renormalize):
+    """One token at a time: scores, the k best (ties to the lower id), optional renormalisation."""
+    weights, ids = [], []
+    for row in logits.double():
+        scores = torch.softmax(row, -1) if scoring == "softmax" else torch.sigmoid(row)
+        best = sorted(range(len(row)), key=lambda e: (-scores[e].item(), e))[:top_k]
+        w = torch.stack([scores[e] for e in best])
+        weights.append(w / w.sum() if renormalize else w)
+        ids.append(best)
+    return torch.stack(weights).float(), torch.tensor(ids)
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("top_k", [1, 3, 7])
+def test_select_experts_matches_a_naive_loop(scoring, renormalize, top_k):
+    logits = torch.randn(11, 7, generator=torch.Generator().manual_seed(top_k))
+    weights, ids = select_experts(logits, top_k, scoring, renormalize)
+    want_w, want_ids = naive_routing(logits, top_k, scoring, renormalize)
+    assert weights.dtype == torch.float32 and ids.tolist() == want_ids.tolist()
+    torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-6)
+    # bf16 logits route in fp32 too
+    assert select_experts(logits.bfloat16(), top_k, scoring)[0].dtype == torch.float32
+
+
+def test_select_experts_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="scoring"):
+        select_experts(torch.zeros(2, 4), 2, "relu")
+    with pytest.raises(ValueError, match="top_k 5"):
+        select_experts(torch.zeros(2, 4), 5)
+
+
+def test_group_by_expert_runs_and_inverse():
+    ids = torch.tensor([[4, 0], [0, 2], [4, 1], [2, 0]])  # 4 tokens, top-2, 6 experts
+    groups = group_by_expert(ids, 6)
+    assert groups.counts == [3, 1, 2, 0, 2, 0] and groups.active == [0, 1, 2, 4]
+    assert groups.offsets == [0, 3, 4, 6, 6, 8, 8]
+    flat = ids.reshape(-1)
+    for e in range(6):
+        pairs = groups.order[groups.offsets[e] : groups.offsets[e + 1]]
+        assert (flat[pairs] == e).all()
+        # tokens of one expert in order (stable)
+        assert groups.token_ids[groups.offsets[e] : groups.offsets[e + 1]].tolist() == sorted(
+            (pairs // 2).tolist()
+        )
+    assert torch.equal(groups.order[groups.inverse], torch.arange(8))
+
+
+def naive_moe(x, w13, w2, weights, ids):
+    """Token by token, slot by slot: the definition of the MoE output."""
+    out = torch.zeros_like(x)
+    inter = w2.shape[-1]
+    for t in range(x.shape[0]):
+        for slot in range(ids.shape[1]):
+            e = ids[t, slot]
+            gate_up = w13[e] @ x[t]
+            act = F.silu(gate_up[:inter]) * gate_up[inter:]
+            out[t] += weights[t, slot] * (w2[e] @ act)
+    return out
+
+
+def make_moe(num_experts, top_k, hidden, inter, renormalize=True, scoring="softmax", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    moe = FusedMoE(num_experts, top_k, hidden, inter, renormalize, torch.float32, CPU, scoring)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5
+    moe.w13.load(w13, "w13")
+    moe.w2.load(w2, "w2")
+    return moe, w13, w2
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 40])
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_fused_moe_matches_a_naive_loop(num_tokens, scoring):
+    moe, w13, w2 = make_moe(7, 3, 48, 20, renormalize=scoring == "softmax", scoring=scoring)
+    g = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, 48, generator=g)
+    logits = torch.randn(num_tokens, 7, generator=g)
+    weights, ids = select_experts(logits, 3, scoring, scoring == "softmax")
+    want = naive_moe(x, w13, w2, weights, ids)
+    torch.testing.assert_close(moe(x, logits), want, atol=1e-5, rtol=1e-5)
+    # the compiled SiLU-and-mul gives the same
+    from hybridllm.layers.cpu_kernels import load_cpu_kernels
+
+    if load_cpu_kernels():
+        moe.use_native_op()
+        torch.testing.assert_close(moe(x, logits), want, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_moe_reads_only_the_selected_experts():
+    # experts nobody selects may hold anything (NaN): their weights are never read
+    moe, w13, w2 = make_moe(6, 2, 32, 16)
+    logits = torch.full((3, 6), -10.0)
+    logits[:, 1], logits[:, 4] = 5.0, 4.0
+    moe.w13.weight[[0, 2, 3, 5]] = float("nan")
+    moe.w2.weight[[0, 2, 3, 5]] = float("nan")
+    x = torch.randn(3, 32)
+    assert torch.isfinite(moe(x, logits)).all()
+
+
+def random_blocks(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
+    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        return random_k_quant_blocks((rows, cols), qtype, seed=seed)
+    data = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.1
+    return gguf.quants.quantize(data, qtype)
+
+
+@pytest.mark.parametrize(
+    "qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name
+)
+def test_experts_computed_from_gguf_blocks(qtype):
+    # stacked gate and up blocks [E * I, bytes] stay blocks (interleaved per expert); each
+    # expert's product equals the dequantized weight's
+    require_cpu_kernels()
+    experts, inter, hidden = 5, 256, 256
+    gate, up = (random_blocks(qtype, experts * inter, hidden, s) for s in (1, 2))
+    down = random_blocks(qtype, experts * hidden, inter, 3)
+    w13 = StackedExpertWeight(experts, (inter, inter), hidden, torch.float32, CPU)
+    w2 = StackedExpertWeight(experts, (hidden,), inter, torch.float32, CPU)
+    blocks = [QuantizedTensor(b, qtype, (b.shape[0], hidden)) for b in (gate, up)]
+    w13.load(blocks[0], "gate", part=0)
+    w13.load(blocks[1], "up", part=1)
+    w2.load(QuantizedTensor(down, qtype, (experts * hidden, inter)), "down", part=0)
+    w13.finish_loading()
+    w2.finish_loading()
+    assert w13.ggml_type == w2.ggml_type == qtype and w13.weight.numel() == 0
+    dense13 = torch.cat([b.dequantize().view(experts, inter, hidden) for b in blocks], 1)
+    dense2 = QuantizedTensor(down, qtype, (experts * hidden, inter)).dequantize()
+    dense2 = dense2.view(experts, hidden, inter)
+    x = torch.randn(3, hidden)
+    for e in (0, 3, 4):
+        torch.testing.assert_close(w13.matmul(e, x), x @ dense13[e].T, atol=2e-3, rtol=2e-3)
+        h = torch.randn(3, inter)
+        torch.testing.assert_close(w2.matmul(e, h), h @ dense2[e].T, atol=2e-3, rtol=2e-3)
+
+
+def test_gate_and_up_blocks_of_different_types_are_decoded():
+    experts, inter, hidden = 3, 64, 64
+    gate = QuantizedTensor(random_blocks(Q.Q8_0, experts * inter, hidden, 1), Q.Q8_0, (192, 64))
+    up = QuantizedTensor(random_blocks(Q.Q4_0, experts * inter, hidden, 2), Q.Q4_0, (192, 64))
+    w13 = StackedExpertWeight(experts, (inter, inter), hidden, torch.float32, CPU)
+    w13.load(gate, "gate", part=0)
+    w13.load(up, "up", part=1)
+    w13.finish_loading()
+    assert w13.qweight is None
+    want = torch.cat([gate.dequantize().view(3, 64, 64), up.dequantize().view(3, 64, 64)], 1)
+    assert torch.equal(w13.weight, want)
+    with pytest.raises(ValueError, match="expected shape"):
+        w13.load(torch.zeros(3, 64, 64), "gate_up")

@@ -62,6 +62,7 @@ class Executor(ABC):
         """Raise EngineDeadError if a worker died; called while the engine idles, so that a
         dead worker is noticed without waiting for the next request. In-process workers
         cannot die on their own: nothing to check."""
+        return None
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -16,12 +16,13 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.openai_server import REPO_ROOT, RemoteServer
+from tests.integration.openai_server import REPO_ROOT, RemoteServer, parse_metrics
 
 pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 1024
 MAX_REQUEST_BYTES = 65536
+MAX_NUM_SEQS = 4  # few slots: the concurrency test queues most of its streams
 PROMPT = "The capital of France is"
 
 
@@ -33,7 +34,7 @@ def server():
         "--max-request-bytes",
         str(MAX_REQUEST_BYTES),
         "--max-num-seqs",
-        "64",
+        str(MAX_NUM_SEQS),
     ]
     with RemoteServer(args) as srv:
         yield srv
@@ -63,7 +64,7 @@ def greedy(client, model, prompt=PROMPT, max_tokens=8, **kwargs):
 
 
 def test_models_health_version(server, client, model):
-    assert model == "SmolLM2-135M-Instruct.Q4_1.gguf"  # the model path's basename
+    assert model == "SmolLM2-135M-Instruct"  # the embedded model by its short name
     card = client.models.list().data[0]
     assert card.max_model_len == MAX_MODEL_LEN
     assert httpx.get(f"{server.root}/health").status_code == 200
@@ -220,7 +221,7 @@ def test_logprobs(client, model):
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-4)
 
 
-def test_extension_sampling_fields(client, model):
+def test_extension_sampling_fields_are_accepted_together(client, model):
     result = client.completions.create(
         model=model,
         prompt=PROMPT,
@@ -242,9 +243,97 @@ def test_extension_sampling_fields(client, model):
     assert result.usage.completion_tokens == 5
 
 
-def test_32_concurrent_streams_complete_and_free_the_kv_cache(server, client, model):
+def _single_token_id(tokenizer, text: str) -> int:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) == 1, (text, ids)
+    return ids[0]
+
+
+def test_logit_bias_forces_and_bans_tokens(client, model, tokenizer):
+    # +100 on one token: every sampled token (temperature 1, three samples) is that token.
+    cat = _single_token_id(tokenizer, " cat")
+    forced = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=1.0,
+        seed=5,
+        n=3,
+        logit_bias={str(cat): 100},
+    )
+    assert [c.text for c in forced.choices] == [tokenizer.decode([cat] * 6)] * 3
+    # -100 on the greedy first token: greedy takes the runner-up instead. The reported
+    # logprobs are the model's own, before the bias.
+    plain = greedy(client, model, max_tokens=3, logprobs=2).choices[0].logprobs
+    best, runner_up = sorted(plain.top_logprobs[0], key=plain.top_logprobs[0].get, reverse=True)
+    assert plain.tokens[0] == best == " Paris"
+    banned = greedy(
+        client,
+        model,
+        max_tokens=3,
+        logprobs=2,
+        logit_bias={str(_single_token_id(tokenizer, best)): -100},
+    ).choices[0]
+    assert banned.logprobs.tokens[0] == runner_up and "Paris" not in banned.text
+
+
+def test_top_k_1_and_min_p_1_sample_the_greedy_text(client, model):
+    prompt = "Once upon a time"
+    reference = greedy(client, model, prompt=prompt, max_tokens=12).choices[0].text
+
+    def samples(seed, **extra):
+        result = client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=12,
+            temperature=1.0,
+            seed=seed,
+            n=3,
+            extra_body=extra,
+        )
+        return [c.text for c in result.choices]
+
+    for seed in (11, 12):
+        # Control: plain temperature-1 sampling with these seeds leaves the greedy path.
+        assert any(text != reference for text in samples(seed)), seed
+        assert samples(seed, top_k=1) == [reference] * 3, seed
+        assert samples(seed, min_p=1.0) == [reference] * 3, seed
+
+
+def test_repetition_penalty_breaks_a_repeating_pattern(client, model, tokenizer):
+    prompt = "1, 2, 3, 1, 2, 3, 1, 2, 3,"
+    prompt_tokens = [tokenizer.decode([t]) for t in tokenizer.encode(prompt)]
+
+    def repeats(penalty):
+        choice = greedy(
+            client,
+            model,
+            prompt=prompt,
+            max_tokens=12,
+            logprobs=0,
+            extra_body={"repetition_penalty": penalty, "ignore_eos": True},
+        ).choices[0]
+        tokens = choice.logprobs.tokens
+        assert len(tokens) == 12
+        seen = set(prompt_tokens)
+        count = 0
+        for token in tokens:
+            count += token in seen
+            seen.add(token)
+        return choice.text, count
+
+    plain_text, plain_repeats = repeats(1.0)
+    penalized_text, penalized_repeats = repeats(1.5)
+    assert plain_text.startswith(" 1, 2, 3"), plain_text  # greedy continues the pattern
+    assert penalized_text != plain_text
+    assert plain_repeats >= 10 and penalized_repeats <= 3, (plain_text, penalized_text)
+
+
+def test_more_concurrent_streams_than_slots_complete_and_free_the_kv_cache(server, client, model):
+    num_streams = 8 * MAX_NUM_SEQS
     prompts = [f"Count from {i}:" for i in (1, 5, 9, 20)]
     expected = {p: greedy(client, model, prompt=p, max_tokens=8).choices[0].text for p in prompts}
+    finished_before = server.metrics()['hybridllm_requests_total{outcome="length"}']
 
     async def one(aclient, prompt):
         stream = await aclient.completions.create(
@@ -252,16 +341,37 @@ def test_32_concurrent_streams_complete_and_free_the_kv_cache(server, client, mo
         )
         return prompt, "".join([c.choices[0].text async for c in stream if c.choices])
 
+    async def watch(done: asyncio.Event, samples: list):
+        async with httpx.AsyncClient(timeout=30) as http:
+            while not done.is_set():
+                response = await http.get(f"{server.root}/metrics")
+                m = parse_metrics(response.text)
+                samples.append(
+                    (m["hybridllm_num_requests_running"], m["hybridllm_num_requests_waiting"])
+                )
+                await asyncio.sleep(0.01)
+
     async def main():
+        done, samples = asyncio.Event(), []
+        watcher = asyncio.create_task(watch(done, samples))
         aclient = server.async_client()
         async with aclient:
-            return await asyncio.gather(*(one(aclient, prompts[i % 4]) for i in range(32)))
+            results = await asyncio.gather(
+                *(one(aclient, prompts[i % 4]) for i in range(num_streams))
+            )
+        done.set()
+        await watcher
+        return results, samples
 
-    results = asyncio.run(main())
-    assert len(results) == 32
+    results, samples = asyncio.run(main())
+    assert len(results) == num_streams
     for prompt, text in results:
         assert text == expected[prompt], prompt
+    # The slots were full and requests queued behind them, never more running than slots.
+    assert max(running for running, _ in samples) == MAX_NUM_SEQS, samples
+    assert max(waiting for _, waiting in samples) > 0, samples
     metrics = server.metrics()
+    assert metrics['hybridllm_requests_total{outcome="length"}'] == finished_before + num_streams
     assert metrics["hybridllm_num_requests_running"] == 0
     assert metrics["hybridllm_num_requests_waiting"] == 0
     assert metrics["hybridllm_kv_cache_free_blocks"] == metrics["hybridllm_kv_cache_total_blocks"]

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ipaddress
 import logging
 import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +18,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from hybridllm.entrypoints.logging_config import LOG_LEVELS, configure_logging
 from hybridllm.entrypoints.openai.async_engine import AsyncEngine
-from hybridllm.entrypoints.openai.errors import OpenAIError, error_response, install_error_handlers
+from hybridllm.entrypoints.openai.errors import (
+    OpenAIError,
+    engine_dead_message,
+    error_response,
+    install_error_handlers,
+)
 from hybridllm.entrypoints.openai.middleware import add_middlewares
 from hybridllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -24,14 +32,17 @@ from hybridllm.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
 )
-from hybridllm.entrypoints.openai.serving_base import ServedModel
+from hybridllm.entrypoints.openai.serving_base import RequestLimits, ServedModel
 from hybridllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from hybridllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from hybridllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from hybridllm.entrypoints.openai.token_table import TokenTable
 
 logger = logging.getLogger(__name__)
 
+EXIT_ENGINE_FAILED = 3  # the engine died while serving (a worker died, a device error)
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024  # a full 128k-token prompt as JSON fits with room
+_DEFAULT_LIMITS = RequestLimits()
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,18 @@ class ServerOptions:
     pooling: str = "last"
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     shutdown_timeout: float = 10.0
+    # Per-request caps (see RequestLimits).
+    max_prompts_per_request: int = _DEFAULT_LIMITS.max_prompts_per_request
+    max_request_work: int = _DEFAULT_LIMITS.max_request_work
+    max_stop_strings: int = _DEFAULT_LIMITS.max_stop_strings
+    max_stop_string_chars: int = _DEFAULT_LIMITS.max_stop_string_chars
+    max_chat_messages: int = _DEFAULT_LIMITS.max_chat_messages
+    trust_request_chat_template: bool = False
+    # Connection limits, enforced by uvicorn and our h11 protocol / body middleware.
+    limit_concurrency: int = 1024  # connections + requests; the excess get uvicorn's 503
+    timeout_keep_alive: float = 5.0  # idle kept-alive connections close after this
+    max_header_bytes: int = 16 * 1024  # request line + headers (h11's incomplete event size)
+    request_read_timeout: float = 30.0  # headers, and each piece of the body, within this
 
     def __post_init__(self) -> None:
         if self.pooling not in ("last", "mean"):
@@ -52,6 +75,46 @@ class ServerOptions:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.limit_concurrency < 1:
+            raise ValueError(f"limit_concurrency must be >= 1, got {self.limit_concurrency}")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"max_header_bytes must be >= 1024, got {self.max_header_bytes}")
+        for name in ("timeout_keep_alive", "request_read_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        _ = self.limits  # RequestLimits validates the caps: now, not at the first request
+
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(
+            max_prompts_per_request=self.max_prompts_per_request,
+            max_request_work=self.max_request_work,
+            max_stop_strings=self.max_stop_strings,
+            max_stop_string_chars=self.max_stop_string_chars,
+            max_chat_messages=self.max_chat_messages,
+            trust_request_chat_template=self.trust_request_chat_template,
+        )
+
+    @property
+    def exposed_without_key(self) -> bool:
+        """Bound beyond this machine (not loopback) with no API key."""
+        return self.api_key is None and not is_loopback(self.host)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def embedded_model_name() -> str:
+    """The embedded model's short name: its file name without quantization and extension."""
+    from hybridllm.loader.default_model import DEFAULT_MODEL_FILE
+
+    return DEFAULT_MODEL_FILE.split(".", 1)[0]
 
 
 def server_version() -> str:
@@ -70,35 +133,52 @@ def build_app(
 ) -> FastAPI:
     """The ASGI app; `engine` starts with the app's lifespan and is shut down with it."""
 
+    # The one thread that uses the tokenizer (HF fast tokenizers are not thread-safe).
+    tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridllm-tokenizer")
+    tokens = TokenTable.build(tokenizer) if tokenizer is not None else None
+
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         engine.start()
         logger.info("engine thread started; serving '%s' (%s)", model.names[0], model.path)
-        yield
-        logger.info(
-            "shutting down: finishing running requests (up to %.0f s)", options.shutdown_timeout
-        )
-        await engine.shutdown(options.shutdown_timeout)
-        logger.info("engine stopped")
+        try:
+            yield
+            logger.info(
+                "shutting down: finishing running requests (up to %.0f s)",
+                options.shutdown_timeout,
+            )
+            await engine.shutdown(options.shutdown_timeout)
+            logger.info("engine stopped")
+        finally:
+            tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     # strict_content_type=False: curl -d without a JSON content type still works.
     app = FastAPI(
         title="hybridllm", version=server_version(), lifespan=lifespan, strict_content_type=False
     )
     install_error_handlers(app)
-    add_middlewares(app, engine.metrics, options.api_key, options.max_request_bytes)
-    completion = OpenAIServingCompletion(engine, tokenizer, model)
-    chat = OpenAIServingChat(engine, tokenizer, model)
-    embedding = OpenAIServingEmbedding(engine, tokenizer, model, options.pooling)
-    card = ModelCard(id=model.names[0], root=model.path, max_model_len=model.max_model_len)
+    add_middlewares(
+        app,
+        engine.metrics,
+        options.api_key,
+        options.max_request_bytes,
+        options.request_read_timeout,
+        options.max_header_bytes,
+    )
+    shared = dict(tokenizer_pool=tokenizer_pool, limits=options.limits, tokens=tokens)
+    completion = OpenAIServingCompletion(engine, tokenizer, model, **shared)
+    chat = OpenAIServingChat(engine, tokenizer, model, **shared)
+    embedding = OpenAIServingEmbedding(engine, tokenizer, model, options.pooling, **shared)
+    card = ModelCard(
+        id=model.names[0], root=model.root or model.path, max_model_len=model.max_model_len
+    )
 
     @app.get("/health")
     async def health() -> Response:
         if engine.is_healthy:
             return Response(status_code=200)
-        return error_response(
-            f"the engine is not running: {engine.dead_reason}", 503, code="engine_dead"
-        )
+        # The first line only: a worker's traceback is in the log, not for every prober.
+        return error_response(engine_dead_message(engine.dead_reason), 503, code="engine_dead")
 
     @app.get("/version")
     async def version() -> JSONResponse:
@@ -177,6 +257,72 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="seconds running requests get to finish after SIGINT/SIGTERM (default 10)",
     )
     g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a request's own `chat_template` (sandboxed Jinja; it runs on the server's "
+        "tokenizer thread, so only for trusted clients); without it the field is a 400",
+    )
+    limits = parser.add_argument_group(
+        "request limits", "refused with a 400 naming the field, before anything is queued"
+    )
+    limits.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=_DEFAULT_LIMITS.max_prompts_per_request,
+        help=f"prompts in one /v1/completions request (default "
+        f"{_DEFAULT_LIMITS.max_prompts_per_request})",
+    )
+    limits.add_argument(
+        "--max-request-work",
+        type=int,
+        default=_DEFAULT_LIMITS.max_request_work,
+        help=f"n x prompts of one request (default {_DEFAULT_LIMITS.max_request_work})",
+    )
+    limits.add_argument(
+        "--max-stop-strings",
+        type=int,
+        default=_DEFAULT_LIMITS.max_stop_strings,
+        help=f"stop strings per request (default {_DEFAULT_LIMITS.max_stop_strings})",
+    )
+    limits.add_argument(
+        "--max-stop-string-chars",
+        type=int,
+        default=_DEFAULT_LIMITS.max_stop_string_chars,
+        help=f"characters per stop string (default {_DEFAULT_LIMITS.max_stop_string_chars})",
+    )
+    limits.add_argument(
+        "--max-chat-messages",
+        type=int,
+        default=_DEFAULT_LIMITS.max_chat_messages,
+        help=f"messages per chat request (default {_DEFAULT_LIMITS.max_chat_messages})",
+    )
+    conn = parser.add_argument_group("connection limits")
+    conn.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=ServerOptions.limit_concurrency,
+        help="open connections and requests at once; more get 503 (default 1024)",
+    )
+    conn.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=ServerOptions.timeout_keep_alive,
+        help="seconds an idle kept-alive connection stays open (default 5)",
+    )
+    conn.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=ServerOptions.max_header_bytes,
+        help="headers larger than this get a 431 (default 16 KiB)",
+    )
+    conn.add_argument(
+        "--request-read-timeout",
+        type=float,
+        default=ServerOptions.request_read_timeout,
+        help="seconds for a request's headers to arrive, and for each piece of its body; "
+        "slower clients get 408 (default 30)",
+    )
+    g.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
         default=None,
@@ -185,10 +331,23 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     return parser
 
 
-def served_model_names(args_names: list[str] | None, model_path: str) -> tuple[str, ...]:
+def served_model_names(
+    args_names: list[str] | None, model_path: str, embedded: bool = False
+) -> tuple[str, ...]:
     if args_names:
         return tuple(args_names)
+    if embedded:  # not the file name inside site-packages
+        return (embedded_model_name(),)
     return (os.path.basename(model_path.rstrip("/")) or model_path,)
+
+
+def warn_if_exposed(options: ServerOptions) -> None:
+    if options.exposed_without_key:
+        logger.warning(
+            "listening on %s without an API key: anyone who can reach this address can use "
+            "the model; set --api-key (or $HYBRIDLLM_API_KEY) or bind 127.0.0.1",
+            options.host,
+        )
 
 
 def run_server(args: argparse.Namespace) -> None:
@@ -197,6 +356,7 @@ def run_server(args: argparse.Namespace) -> None:
 
     from hybridllm.engine.llm_engine import LLMEngine
     from hybridllm.engine_args import EngineArgs
+    from hybridllm.entrypoints.openai.http_protocol import header_timeout_protocol
 
     configure_logging(args.log_level)
     options = ServerOptions(
@@ -206,16 +366,30 @@ def run_server(args: argparse.Namespace) -> None:
         pooling=args.pooling,
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout=args.shutdown_timeout,
+        max_prompts_per_request=args.max_prompts_per_request,
+        max_request_work=args.max_request_work,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_chars=args.max_stop_string_chars,
+        max_chat_messages=args.max_chat_messages,
+        trust_request_chat_template=args.trust_request_chat_template,
+        limit_concurrency=args.limit_concurrency,
+        timeout_keep_alive=args.timeout_keep_alive,
+        max_header_bytes=args.max_header_bytes,
+        request_read_timeout=args.request_read_timeout,
     )
+    warn_if_exposed(options)
     engine_args = EngineArgs.from_cli_args(args)
     async_engine = AsyncEngine.launch(lambda: LLMEngine.from_engine_args(engine_args))
     engine = async_engine.engine
     config = engine.model_config
+    embedded = args.model is None
+    names = served_model_names(args.served_model_name, config.model, embedded)
     model = ServedModel(
-        names=served_model_names(args.served_model_name, config.model),
+        names=names,
         path=config.model,
         max_model_len=config.max_model_len,
         vocab_size=config.vocab_size,
+        root=embedded_model_name() if embedded else None,
     )
     # The engine thread detokenizes with its tokenizer; the event loop gets its own copy.
     tokenizer = copy.deepcopy(engine.get_tokenizer())
@@ -231,5 +405,28 @@ def run_server(args: argparse.Namespace) -> None:
         access_log=False,  # AccessLogMiddleware writes one line per request, with latency
         timeout_graceful_shutdown=options.shutdown_timeout,
         lifespan="on",
+        # Our h11 subclass adds the header deadline; h11 (not httptools) also bounds headers.
+        http=header_timeout_protocol(options.request_read_timeout),
+        h11_max_incomplete_event_size=options.max_header_bytes,
+        limit_concurrency=options.limit_concurrency,
+        timeout_keep_alive=options.timeout_keep_alive,
     )
-    uvicorn.Server(uvicorn_config).run()
+    server = uvicorn.Server(uvicorn_config)
+    failures: list[BaseException] = []
+
+    def exit_on_engine_failure(exc: BaseException) -> None:
+        # In-flight requests were failed already; a server that lingers answering 503 is
+        # never restarted, so leave and let systemd, Docker or Kubernetes start a new one.
+        logger.critical(
+            "the engine failed (%s); shutting down with exit status %d so that a supervisor "
+            "restarts the server",
+            type(exc).__name__,
+            EXIT_ENGINE_FAILED,
+        )
+        failures.append(exc)
+        server.should_exit = True
+
+    async_engine.on_fatal = exit_on_engine_failure
+    server.run()
+    if failures:
+        sys.exit(EXIT_ENGINE_FAILED)

@@ -30,43 +30,62 @@ class _Command:
     future: concurrent.futures.Future | None = None
 
 
+_IDLE_HEALTH_CHECK_S = 1.0
 _END = object()  # wakes a consumer whose request was aborted by someone else
 
 
 class RequestStream:
-    """The outputs of one request, fed by the engine thread; `async with` aborts it on early exit."""
+    """The outputs of one request, fed by the engine thread; `async with` aborts it on early exit.
+
+    Bounded whatever the reader's pace: outputs are cumulative, so only the newest unfinished
+    one is kept (a slow reader gets coalesced deltas) plus at most one terminal item (the
+    final output, an error or the end of an abort). Putting never blocks the engine.
+    """
 
     def __init__(self, request_id: str, owner: AsyncEngine, arrival: float) -> None:
         self.request_id = request_id
         self._owner = owner
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._latest: RequestOutput | None = None  # newest unfinished output not yet read
+        self._terminal: Any = None  # finished output, exception or _END, once it came
+        self._ready = asyncio.Event()
         self.arrival = arrival
         self.first_token_time: float | None = None
         self.finished = False  # the engine will send nothing more (final output, error or abort)
         self._exhausted = False  # the consumer has seen the last item
 
+    @property
+    def num_buffered(self) -> int:
+        """Items waiting for the reader: never more than 2."""
+        return (self._latest is not None) + (self._terminal is not None)
+
     def _put(self, item: RequestOutput | BaseException | object) -> None:
-        self._queue.put_nowait(item)
+        if self._terminal is not None:
+            return  # the first terminal item wins; nothing comes after it
+        if isinstance(item, RequestOutput) and not item.finished:
+            self._latest = item  # replaces an unread older one: it holds everything that one did
+        else:
+            self._terminal = item
+        self._ready.set()
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self._exhausted:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        # Outputs are cumulative, so a consumer that fell behind can skip to the newest one.
-        while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
-            item = self._queue.get_nowait()
-        if item is _END:
-            self._exhausted = True
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            self._exhausted = True
-            raise item
-        if item.finished:
-            self._exhausted = True
-        return item
+        while not self._exhausted:
+            if self._latest is not None:
+                item, self._latest = self._latest, None
+                return item
+            if self._terminal is not None:
+                self._exhausted = True
+                item, self._terminal = self._terminal, None
+                if item is _END:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                return item
+            self._ready.clear()
+            await self._ready.wait()
+        raise StopAsyncIteration
 
     async def __aenter__(self) -> RequestStream:
         return self
@@ -91,6 +110,9 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._last_stats: Any | None = None
+        # Called on the event loop, after in-flight requests were failed, when the engine
+        # died of an error (not on shutdown): the server exits so a supervisor restarts it.
+        self.on_fatal: Callable[[BaseException], None] | None = None
 
     # ---- lifecycle ----
 
@@ -289,8 +311,15 @@ class AsyncEngine:
             stopping = False
             while not stopping:
                 if not engine.has_unfinished_requests():
-                    # Idle: block on the queue instead of spinning.
-                    stopping = not self._handle(self._commands.get())
+                    # Idle: block on the queue instead of spinning, looking at the workers
+                    # now and then so that a dead one ends the server before a request
+                    # finds it.
+                    try:
+                        command = self._commands.get(timeout=_IDLE_HEALTH_CHECK_S)
+                    except queue.Empty:
+                        engine.check_health()
+                        continue
+                    stopping = not self._handle(command)
                 while not stopping:
                     try:
                         command = self._commands.get_nowait()
@@ -304,7 +333,7 @@ class AsyncEngine:
                         self._loop.call_soon_threadsafe(self._dispatch, snapshots)
         except BaseException as exc:  # the engine is unusable after a failed step
             logger.exception("engine thread died")
-            self._die(exc)
+            self._die(exc, fatal=True)
         else:
             self._die(EngineDeadError("the engine was shut down"))
         finally:
@@ -339,7 +368,7 @@ class AsyncEngine:
             future.set_result(result)
         return True
 
-    def _die(self, exc: BaseException) -> None:
+    def _die(self, exc: BaseException, fatal: bool = False) -> None:
         with self._lock:
             self._dead = exc
             pending = []
@@ -355,6 +384,8 @@ class AsyncEngine:
         if self._loop is not None and not self._loop.is_closed():
             try:
                 self._loop.call_soon_threadsafe(self._fail_all, error)
+                if fatal and self.on_fatal is not None:
+                    self._loop.call_soon_threadsafe(self.on_fatal, exc)
             except RuntimeError:  # loop already closed during interpreter shutdown
                 pass
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from http import HTTPStatus
 from typing import Any
 
@@ -14,6 +15,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 
+REQUEST_ID_HEADER = "x-request-id"
+_REQUEST_ID_SCOPE_KEY = "hybridllm.request_id"  # set by AccessLogMiddleware on every HTTP scope
+_MAX_REASON_CHARS = 200
+
 # OpenAI's error `type` strings by status; the client maps the status to its exception class.
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -21,7 +26,9 @@ _ERROR_TYPES = {
     403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    431: "invalid_request_error",
     422: "invalid_request_error",
     500: "server_error",
     503: "service_unavailable",
@@ -51,6 +58,32 @@ class EngineDeadError(RuntimeError):
 
 class ClientDisconnected(Exception):
     """The client closed the connection before its response was ready."""
+
+
+def new_request_id(scope: dict[str, Any]) -> str:
+    """Give an HTTP request its id (answered as x-request-id, logged with its errors)."""
+    request_id = f"req-{uuid.uuid4().hex}"
+    scope[_REQUEST_ID_SCOPE_KEY] = request_id
+    return request_id
+
+
+def request_id_of(request: Request) -> str:
+    return request.scope.get(_REQUEST_ID_SCOPE_KEY) or "-"
+
+
+def short_reason(reason: str | None) -> str:
+    """The first line of a failure, bounded: worker tracebacks stay in the log."""
+    line = (reason or "unknown").strip().split("\n", 1)[0]
+    return line if len(line) <= _MAX_REASON_CHARS else line[: _MAX_REASON_CHARS - 3] + "..."
+
+
+def internal_error_message(request_id: str) -> str:
+    # The exception text may name files, tensors or other users' data: it goes to the log only.
+    return f"internal error (request id {request_id}); the server log has the details"
+
+
+def engine_dead_message(reason: str | None) -> str:
+    return f"the engine is not running: {short_reason(reason)}"
 
 
 def error_body(
@@ -138,7 +171,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(f"the engine is not running: {exc}", 503, code="engine_dead")
+        return error_response(engine_dead_message(str(exc)), 503, code="engine_dead")
 
     @app.exception_handler(ClientDisconnected)
     async def _client_gone(_: Request, exc: ClientDisconnected) -> JSONResponse:
@@ -147,5 +180,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(f"internal server error: {type(exc).__name__}: {exc}", 500)
+        request_id = request_id_of(request)
+        logger.exception(
+            "unhandled error on %s %s (request id %s)", request.method, request.url.path, request_id
+        )
+        # Starlette answers this one outside the middlewares, so the header is set here.
+        return JSONResponse(
+            error_body(internal_error_message(request_id), 500, code="internal_error"),
+            status_code=500,
+            headers={REQUEST_ID_HEADER: request_id},
+        )

@@ -169,6 +169,9 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # A Jinja template replacing the model's (vLLM's extension); refused with a 400 unless the
+    # server runs with --trust-request-chat-template, and sandboxed even then.
+    chat_template: str | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:

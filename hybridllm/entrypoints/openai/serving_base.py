@@ -1,11 +1,14 @@
-"""What every OpenAI endpoint shares: model check, tokenization, context limits, SSE, disconnects."""
+"""What every OpenAI endpoint shares: model check, tokenization, limits, SSE, disconnects."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
-from collections.abc import AsyncIterator, Awaitable
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -18,12 +21,21 @@ from hybridllm.entrypoints.openai.errors import (
     ClientDisconnected,
     EngineDeadError,
     OpenAIError,
+    engine_dead_message,
     error_body,
     from_value_error,
+    internal_error_message,
 )
+from hybridllm.entrypoints.openai.token_table import TokenTable
 from hybridllm.outputs import Logprob, RequestOutput
 
+logger = logging.getLogger(__name__)
+
 T = TypeVar("T")
+
+# Engine failures caused by the request itself (its prompt does not fit, its sampling
+# parameters fail), whose reason the client should read; any other failure is internal.
+_REQUEST_FAULT_PREFIXES = ("prompt has ", "its sampling parameters")
 
 
 @dataclass(frozen=True)
@@ -34,15 +46,67 @@ class ServedModel:
     path: str
     max_model_len: int
     vocab_size: int
+    root: str | None = None  # what /v1/models reports as `root`; None: the path
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Caps on one request's size, checked before anything is queued (400s naming the field)."""
+
+    max_prompts_per_request: int = 64
+    max_request_work: int = 256  # n x prompts: the engine sequences one request may start
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_chat_messages: int = 2048
+    trust_request_chat_template: bool = False
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_prompts_per_request",
+            "max_request_work",
+            "max_stop_strings",
+            "max_stop_string_chars",
+            "max_chat_messages",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 class OpenAIServing:
-    """Base of the completion, chat and embedding handlers."""
+    """Base of the completion, chat and embedding handlers.
 
-    def __init__(self, engine: AsyncEngine, tokenizer: Any, model: ServedModel) -> None:
+    Everything that uses the tokenizer runs on `tokenizer_pool`, one thread shared by all
+    handlers: HF fast tokenizers are not thread-safe, and a long prompt must not stall the
+    event loop (the Rust tokenizer releases the GIL while it works).
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        tokenizer: Any,
+        model: ServedModel,
+        tokenizer_pool: Executor | None = None,
+        limits: RequestLimits | None = None,
+        tokens: TokenTable | None = None,
+    ) -> None:
         self.engine = engine
-        self.tokenizer = tokenizer  # the server's own copy: HF fast tokenizers are not thread-safe
+        self.tokenizer = tokenizer  # the server's own copy, used only on tokenizer_pool
         self.model = model
+        self.tokenizer_pool = tokenizer_pool
+        self.limits = limits or RequestLimits()
+        self.tokens = tokens  # per-token text and bytes, read on the event loop
+        chars_per_token = tokens.max_token_chars if tokens is not None else None
+        # A text longer than this needs more tokens than the context holds: refused untokenized.
+        self.max_text_chars = (
+            None if chars_per_token is None else model.max_model_len * chars_per_token
+        )
+
+    async def in_tokenizer_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` on the tokenizer thread (the only thread that uses the tokenizer)."""
+        if self.tokenizer is None:
+            raise OpenAIError("this server has no tokenizer: send token ids", param="prompt")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenizer_pool, functools.partial(fn, *args))
 
     def check_model(self, name: str | None) -> str:
         if name is not None and name not in self.model.names and name != self.model.path:
@@ -54,8 +118,59 @@ class OpenAIServing:
             )
         return self.model.names[0]
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def check_text(self, text: str, param: str) -> None:
+        """Refuse a text too long for the context whatever it tokenizes to, before tokenizing."""
+        if self.max_text_chars is not None and len(text) > self.max_text_chars:
+            raise OpenAIError(
+                f"the {param} has {len(text)} characters, more than a context of "
+                f"{self.model.max_model_len} tokens can hold",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def tokenize_now(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize on the calling thread: only for code already on the tokenizer thread."""
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    async def tokenize_all(
+        self, texts: list[str], param: str, add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        for text in texts:
+            self.check_text(text, param)
+        return await self.in_tokenizer_thread(
+            lambda: [self.tokenize_now(text, add_special_tokens) for text in texts]
+        )
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await self.in_tokenizer_thread(self.tokenizer.decode, token_ids)
+
+    def check_request_size(self, num_prompts: int, n: int | None, stop: Any) -> None:
+        """The configured caps on prompts, samples and stop strings."""
+        limits = self.limits
+        if num_prompts > limits.max_prompts_per_request:
+            raise OpenAIError(
+                f"at most {limits.max_prompts_per_request} prompts per request, got {num_prompts}",
+                param="prompt",
+            )
+        work = num_prompts * (n or 1)
+        if work > limits.max_request_work:
+            raise OpenAIError(
+                f"n x prompts is {work}, more than this server's limit of "
+                f"{limits.max_request_work} sequences per request",
+                param="n",
+            )
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > limits.max_stop_strings:
+            raise OpenAIError(
+                f"at most {limits.max_stop_strings} stop strings, got {len(stops)}", param="stop"
+            )
+        longest = max((len(s) for s in stops), default=0)
+        if longest > limits.max_stop_string_chars:
+            raise OpenAIError(
+                f"stop strings may have at most {limits.max_stop_string_chars} characters, "
+                f"got one of {longest}",
+                param="stop",
+            )
 
     def check_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
         if not token_ids:
@@ -91,7 +206,11 @@ class OpenAIServing:
     def token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
-        return self.tokenizer.decode([token_id])
+        return self.tokens.text(token_id) if self.tokens is not None else str(token_id)
+
+    def token_bytes(self, token_id: int, text: str) -> list[int]:
+        """The token's own UTF-8 bytes (a piece of a multibyte character stays a piece)."""
+        return self.tokens.token_bytes(token_id) if self.tokens is not None else list(text.encode())
 
     async def add_all(
         self, request_id: str, prompts: list[list[int]], params: list[Any]
@@ -121,55 +240,71 @@ def sse(payload: BaseModel | dict) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def sse_error(exc: BaseException) -> str:
+def sse_error(exc: BaseException, request_id: str) -> str:
     """An error after the 200 was sent: the stream carries it as an OpenAI-style event."""
     if isinstance(exc, OpenAIError):
         body = error_body(exc.message, exc.status, exc.param, exc.code)
     elif isinstance(exc, EngineDeadError):
-        body = error_body(f"the engine is not running: {exc}", 503, code="engine_dead")
+        body = error_body(engine_dead_message(str(exc)), 503, code="engine_dead")
     else:
-        body = error_body(f"internal server error: {type(exc).__name__}: {exc}", 500)
+        logger.error("stream failed (request id %s)", request_id, exc_info=exc)
+        body = error_body(internal_error_message(request_id), 500, code="internal_error")
     return sse(body)
 
 
-def raise_if_failed(output: RequestOutput) -> None:
-    if output.error or any(c.finish_reason == "error" for c in output.outputs):
-        raise OpenAIError(f"generation failed: {output.error or 'engine error'}", status=500)
+def raise_if_failed(output: RequestOutput, request_id: str) -> None:
+    """A request the engine failed: 400 saying why when its own input was the cause, else a
+    500 that names only the request id (the reason goes to the log)."""
+    if not (output.error or any(c.finish_reason == "error" for c in output.outputs)):
+        return
+    reason = output.error or ""
+    if reason.startswith(_REQUEST_FAULT_PREFIXES):
+        raise OpenAIError(f"the request cannot run: {reason}", param="prompt")
+    logger.error(
+        "engine request %s failed (request id %s): %s",
+        output.request_id,
+        request_id,
+        reason or "no reason given",
+    )
+    raise OpenAIError(internal_error_message(request_id), status=500, code="internal_error")
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave the outputs of several requests as they come; leaving early aborts them all."""
+    """Interleave the outputs of several requests as they come; leaving early aborts them all.
+
+    Reads a stream only when the consumer asks for more, so a slow consumer leaves each
+    stream's bounded buffer to coalesce outputs instead of queueing them here.
+    """
     if len(streams) == 1:
         async with streams[0]:
             async for output in streams[0]:
                 yield 0, output
         return
-    merged: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+    pending: dict[asyncio.Future, int] = {}
 
-    async def pump(index: int, stream: RequestStream) -> None:
+    def read_next(index: int) -> None:
+        pending[asyncio.ensure_future(streams[index].__anext__())] = index
+
+    async with contextlib.AsyncExitStack() as stack:
+        for stream in streams:
+            await stack.enter_async_context(stream)  # aborts its request if left unfinished
+        for index in range(len(streams)):
+            read_next(index)
         try:
-            async with stream:
-                async for output in stream:
-                    merged.put_nowait((index, output))
-        except Exception as exc:
-            merged.put_nowait((index, exc))
-        merged.put_nowait((index, None))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await merged.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()  # a cancelled pump aborts its request in `async with stream`
-        await asyncio.gather(*tasks, return_exceptions=True)
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=pending.__getitem__):
+                    index = pending.pop(task)
+                    try:
+                        output = task.result()
+                    except StopAsyncIteration:
+                        continue
+                    yield index, output
+                    read_next(index)
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
 
 async def collect_final(streams: list[RequestStream]) -> list[RequestOutput]:

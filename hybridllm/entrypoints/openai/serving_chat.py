@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
 from hybridllm.entrypoints.openai.async_engine import RequestStream
-from hybridllm.entrypoints.openai.errors import OpenAIError
+from hybridllm.entrypoints.openai.errors import OpenAIError, request_id_of
 from hybridllm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -50,7 +52,15 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest, raw: Request
     ) -> Response:
         model_name = self.check_model(request.model)
-        prompt_ids = self.render_prompt(request)
+        self.check_request_size(1, request.n, request.stop)
+        if len(request.messages) > self.limits.max_chat_messages:
+            raise OpenAIError(
+                f"at most {self.limits.max_chat_messages} messages per request, "
+                f"got {len(request.messages)}",
+                param="messages",
+            )
+        http_id = request_id_of(raw)
+        prompt_ids = await self.render_prompt(request)
         self.check_prompt(prompt_ids, "messages")
         param = (
             "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
@@ -60,13 +70,13 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl")
         streams = await self.add_all(request_id, [prompt_ids], [params])
         if request.stream:
-            body = self._stream(request, request_id, model_name, streams)
+            body = self._stream(request, request_id, model_name, streams, http_id)
             return AbortingStreamingResponse(body, self.engine, streams)
         try:
             (final,) = await run_until_disconnected(raw, collect_final(streams))
         finally:
             abort_unfinished(self.engine, streams)
-        raise_if_failed(final)
+        raise_if_failed(final, http_id)
         choices = [
             ChatChoice(
                 index=out.index,
@@ -82,11 +92,32 @@ class OpenAIServingChat(OpenAIServing):
         )
         return JSONResponse(response.model_dump())
 
-    def render_prompt(self, request: ChatCompletionRequest) -> list[int]:
-        """Messages -> the chat template's text -> token ids (the template adds BOS itself)."""
-        if getattr(self.tokenizer, "chat_template", None) is None:
+    async def render_prompt(self, request: ChatCompletionRequest) -> list[int]:
+        """Messages -> the chat template's text -> token ids (the template adds BOS itself).
+
+        Templates, the model's and a trusted request's alike, render in transformers'
+        `apply_chat_template`, i.e. in jinja2's ImmutableSandboxedEnvironment: no dunder
+        attributes, no mutation of the data passed in, bounded `range`.
+        """
+        template = request.chat_template
+        if template is not None and not self.limits.trust_request_chat_template:
+            raise OpenAIError(
+                "chat_template is not accepted by this server (it runs the model's own chat "
+                "template; start it with --trust-request-chat-template to allow this field)",
+                param="chat_template",
+            )
+        if template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise OpenAIError(
                 "the served model has no chat template; use /v1/completions", param="messages"
+            )
+        kwargs = request.chat_template_kwargs or {}
+        # Keys that are apply_chat_template's own arguments would change what runs (a
+        # `chat_template` here would bypass the check above), not feed the template.
+        reserved = sorted(set(kwargs) & self._reserved_template_kwargs())
+        if reserved:
+            raise OpenAIError(
+                f"chat_template_kwargs may not set {', '.join(reserved)}",
+                param="chat_template_kwargs",
             )
         conversation = []
         for message in request.messages:
@@ -97,20 +128,48 @@ class OpenAIServingChat(OpenAIServing):
             if message.name:
                 turn["name"] = message.name
             conversation.append(turn)
+        return await self.in_tokenizer_thread(
+            self._render_and_tokenize, conversation, request, template, kwargs
+        )
+
+    def _reserved_template_kwargs(self) -> set[str]:
+        try:
+            names = set(inspect.signature(self.tokenizer.apply_chat_template).parameters)
+        except (TypeError, ValueError, AttributeError):
+            names = {"chat_template", "tokenize", "tools", "documents"}
+        return (names - {"kwargs"}) | {"messages", "chat_template"}
+
+    def _render_and_tokenize(
+        self,
+        conversation: list[dict[str, Any]],
+        request: ChatCompletionRequest,
+        template: str | None,
+        kwargs: dict[str, Any],
+    ) -> list[int]:
+        """On the tokenizer thread."""
         continue_final = request.continue_final_message
         try:
             text = self.tokenizer.apply_chat_template(
                 conversation,
+                chat_template=template,
                 tokenize=False,
                 add_generation_prompt=request.add_generation_prompt and not continue_final,
                 continue_final_message=continue_final,
-                **(request.chat_template_kwargs or {}),
+                **kwargs,
             )
-        except Exception as exc:  # jinja raise_exception() on e.g. bad role order
+        except Exception as exc:  # jinja raise_exception() on e.g. bad role order, sandbox errors
+            if template is not None:
+                raise OpenAIError(
+                    f"the request's chat_template failed: {type(exc).__name__}: {exc}",
+                    param="chat_template",
+                ) from exc
             raise OpenAIError(
                 f"the chat template rejected the messages: {exc}", param="messages"
             ) from exc
-        return self.tokenize(text, add_special_tokens=False)
+        if not isinstance(text, str):
+            raise OpenAIError("the chat template did not render text", param="chat_template")
+        self.check_text(text, "messages")
+        return self.tokenize_now(text, add_special_tokens=False)
 
     def _logprobs(
         self,
@@ -133,12 +192,14 @@ class OpenAIServingChat(OpenAIServing):
             tops = []
             for tid, lp in ranked:
                 text = self.token_text(tid, lp)
-                tops.append(TopLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode())))
+                tops.append(
+                    TopLogprob(token=text, logprob=lp.logprob, bytes=self.token_bytes(tid, text))
+                )
             content.append(
                 ChatTokenLogprob(
                     token=token,
                     logprob=_MISSING_LOGPROB if chosen is None else chosen.logprob,
-                    bytes=list(token.encode()),
+                    bytes=self.token_bytes(token_id, token),
                     top_logprobs=tops,
                 )
             )
@@ -150,6 +211,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id: str,
         model_name: str,
         streams: list[RequestStream],
+        http_id: str,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         n = request.n or 1
@@ -175,7 +237,7 @@ class OpenAIServingChat(OpenAIServing):
                 ]
             )
             async for _, output in merge_streams(streams):
-                raise_if_failed(output)
+                raise_if_failed(output, http_id)
                 choices = []
                 for out in output.outputs:
                     if out.index in finished:
@@ -206,7 +268,7 @@ class OpenAIServingChat(OpenAIServing):
             if request.include_usage and final is not None:
                 yield chunk([], _usage(final))
         except Exception as exc:
-            yield sse_error(exc)
+            yield sse_error(exc, http_id)
         yield SSE_DONE
 
 

@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from hybridllm.entrypoints.openai.async_engine import RequestStream
-from hybridllm.entrypoints.openai.errors import OpenAIError
+from hybridllm.entrypoints.openai.errors import OpenAIError, request_id_of
 from hybridllm.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -39,7 +39,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest, raw: Request) -> Response:
         model_name = self.check_model(request.model)
-        prompts = self._prompts(request.prompt)
+        http_id = request_id_of(raw)
+        prompts = await self._prompts(request)
         params = []
         for _, prompt_ids in prompts:
             self.check_prompt(prompt_ids)
@@ -49,14 +50,14 @@ class OpenAIServingCompletion(OpenAIServing):
         streams = await self.add_all(request_id, [ids for _, ids in prompts], params)
         texts = [text for text, _ in prompts]
         if request.stream:
-            body = self._stream(request, request_id, model_name, streams, texts)
+            body = self._stream(request, request_id, model_name, streams, texts, http_id)
             return AbortingStreamingResponse(body, self.engine, streams)
         try:
             finals = await run_until_disconnected(raw, collect_final(streams))
         finally:
             abort_unfinished(self.engine, streams)
         for final in finals:
-            raise_if_failed(final)
+            raise_if_failed(final, http_id)
         choices = [
             self._choice(request, pi, out, texts[pi], final, 0, 0, request.echo)[0]
             for pi, final in enumerate(finals)
@@ -66,17 +67,25 @@ class OpenAIServingCompletion(OpenAIServing):
         response = CompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage)
         return JSONResponse(response.model_dump())
 
-    def _prompts(self, prompt: object) -> list[tuple[str | None, list[int]]]:
-        """(text or None, token ids) per prompt, whatever shape the request used."""
+    async def _prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        """(text, token ids) per prompt, whatever shape the request used; the text is None
+        for token-id prompts unless `echo` needs it. Size caps come before any tokenizing."""
+        prompt = request.prompt
         if isinstance(prompt, str):
-            return [(prompt, self.tokenize(prompt))]
+            prompt = [prompt]
         if not prompt:
             raise OpenAIError("prompt must not be empty", param="prompt")
         if isinstance(prompt[0], int):
-            return [(None, list(prompt))]
+            prompt = [prompt]
+        self.check_request_size(len(prompt), request.n, request.stop)
         if isinstance(prompt[0], str):
-            return [(text, self.tokenize(text)) for text in prompt]
-        return [(None, list(ids)) for ids in prompt]
+            texts = list(prompt)
+            return list(zip(texts, await self.tokenize_all(texts, "prompt")))
+        ids = [list(p) for p in prompt]
+        if not request.echo:
+            return [(None, p) for p in ids]
+        texts = await self.in_tokenizer_thread(lambda: [self.tokenizer.decode(p) for p in ids])
+        return list(zip(texts, ids))
 
     def _choice(
         self,
@@ -91,13 +100,7 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> tuple[CompletionChoice, int]:
         """The choice for tokens [token_start:] of `out`; also returns the text offset reached."""
         text = out.text[text_start:]
-        echoed = ""
-        if request.echo:
-            echoed = (
-                prompt_text
-                if prompt_text is not None
-                else self.tokenizer.decode(final.prompt_token_ids)
-            )
+        echoed = (prompt_text or "") if request.echo else ""  # decoded up front when echoed
         prefix = echoed if echo else ""
         logprobs = None
         offset = 0
@@ -152,6 +155,7 @@ class OpenAIServingCompletion(OpenAIServing):
         model_name: str,
         streams: list[RequestStream],
         texts: list[str | None],
+        http_id: str,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         sent: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, sample) -> (chars, tokens)
@@ -159,7 +163,7 @@ class OpenAIServingCompletion(OpenAIServing):
         finals: dict[int, RequestOutput] = {}
         try:
             async for pi, output in merge_streams(streams):
-                raise_if_failed(output)
+                raise_if_failed(output, http_id)
                 choices = []
                 for out in output.outputs:
                     key = (pi, out.index)
@@ -191,7 +195,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     )
                 )
         except Exception as exc:
-            yield sse_error(exc)
+            yield sse_error(exc, http_id)
         yield SSE_DONE
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import array
 import base64
 import sys
+from concurrent.futures import Executor
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -21,25 +22,34 @@ from hybridllm.entrypoints.openai.protocol import (
 )
 from hybridllm.entrypoints.openai.serving_base import (
     OpenAIServing,
+    RequestLimits,
     ServedModel,
     run_until_disconnected,
 )
+from hybridllm.entrypoints.openai.token_table import TokenTable
 
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on inputs per request
 
 
 class OpenAIServingEmbedding(OpenAIServing):
     def __init__(
-        self, engine: AsyncEngine, tokenizer: Any, model: ServedModel, pooling: str
+        self,
+        engine: AsyncEngine,
+        tokenizer: Any,
+        model: ServedModel,
+        pooling: str,
+        tokenizer_pool: Executor | None = None,
+        limits: RequestLimits | None = None,
+        tokens: TokenTable | None = None,
     ) -> None:
-        super().__init__(engine, tokenizer, model)
+        super().__init__(engine, tokenizer, model, tokenizer_pool, limits, tokens)
         self.pooling = pooling  # "last" | "mean"
 
     async def create_embedding(self, request: EmbeddingRequest, raw: Request) -> Response:
         model_name = self.check_model(request.model)
         if request.dimensions is not None:
             raise OpenAIError("dimensions is not supported by this model", param="dimensions")
-        prompts = self._inputs(request.input)
+        prompts = await self._inputs(request.input)
         for prompt_ids in prompts:
             self.check_prompt(prompt_ids, "input")
         try:
@@ -57,9 +67,9 @@ class OpenAIServingEmbedding(OpenAIServing):
         response = EmbeddingResponse(model=model_name, data=data, usage=usage)
         return JSONResponse(response.model_dump(exclude={"usage": {"completion_tokens"}}))
 
-    def _inputs(self, inputs: object) -> list[list[int]]:
+    async def _inputs(self, inputs: object) -> list[list[int]]:
         if isinstance(inputs, str):
-            return [self.tokenize(inputs)]
+            return await self.tokenize_all([inputs], "input")
         if not inputs:
             raise OpenAIError("input must not be empty", param="input")
         if isinstance(inputs[0], int):
@@ -70,7 +80,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                 param="input",
             )
         if isinstance(inputs[0], str):
-            return [self.tokenize(text) for text in inputs]
+            return await self.tokenize_all(list(inputs), "input")
         return [list(ids) for ids in inputs]
 
 

@@ -1,0 +1,222 @@
+"""Property-based fuzzing of the request schema against a real server process.
+
+Every generated request, valid or hostile in any field, must get a 200 or a 4xx with an
+OpenAI error body, never a 5xx or a dropped connection; a normal request must succeed after
+each batch, so no request can have broken the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from tests.integration.openai_server import RemoteServer
+
+MAX_MODEL_LEN = 256
+CHECK_EVERY = 25  # a normal request after this many fuzzed ones
+BIG = 1 << 70
+
+# Values any field may get: wrong types, extremes, non-finite floats. The field strategies
+# below give valid values; `bodies` makes some of a body's fields hostile.
+HOSTILE = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-BIG, max_value=BIG),
+    st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 1e308, -1e-308]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+    st.lists(st.integers(min_value=-BIG, max_value=BIG), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+    st.sampled_from(["{{ ''.__class__.__mro__ }}", "{% for %}", "no-such-model"]),
+    st.fixed_dictionaries({"include_usage": st.booleans()}),
+    st.dictionaries(
+        st.sampled_from(["tokenize", "chat_template", "conversation", "tools"]),
+        st.text(max_size=8),
+        max_size=2,
+    ),
+)
+
+
+TOKEN = st.integers(min_value=0, max_value=49151)
+TEXT = st.text(min_size=1, max_size=12)
+SAMPLING_FIELDS = {
+    "temperature": st.floats(min_value=0, max_value=2),
+    "top_p": st.floats(min_value=0.01, max_value=1),
+    "top_k": st.sampled_from([-1, 0, 1, 5, 50, 49152, 1 << 63]),
+    "min_p": st.floats(min_value=0, max_value=1),
+    "seed": st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1),
+    "n": st.integers(min_value=1, max_value=3),
+    "presence_penalty": st.floats(min_value=-2, max_value=2),
+    "frequency_penalty": st.floats(min_value=-2, max_value=2),
+    "repetition_penalty": st.floats(min_value=0.5, max_value=2),
+    "stop": st.one_of(TEXT, st.lists(TEXT, max_size=3)),
+    "stop_token_ids": st.lists(TOKEN, max_size=3),
+    "logit_bias": st.dictionaries(
+        TOKEN.map(str), st.floats(min_value=-100, max_value=100), max_size=3
+    ),
+    "ignore_eos": st.booleans(),
+    "min_tokens": st.integers(min_value=0, max_value=1),
+    "skip_special_tokens": st.booleans(),
+    "include_stop_str_in_output": st.booleans(),
+    "stream": st.booleans(),
+    "user": TEXT,
+    "model": st.just("SmolLM2-135M-Instruct"),
+}
+COMPLETION_FIELDS = {
+    **SAMPLING_FIELDS,
+    "prompt": st.one_of(
+        TEXT,
+        st.lists(TOKEN, min_size=1, max_size=8),
+        st.lists(TEXT, min_size=1, max_size=3),
+        st.lists(st.lists(TOKEN, min_size=1, max_size=5), min_size=1, max_size=3),
+    ),
+    "max_tokens": st.integers(min_value=1, max_value=4),
+    "logprobs": st.integers(min_value=0, max_value=5),
+    "echo": st.booleans(),
+    # also sent, but only hostile: best_of (must equal n), suffix (unsupported),
+    # stream_options (needs stream)
+    "best_of": st.none(),
+    "suffix": st.none(),
+    "stream_options": st.none(),
+}
+MESSAGE = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["system", "user", "assistant"]),
+        "content": st.one_of(
+            TEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}))
+        ),
+    }
+)
+CHAT_FIELDS = {
+    **SAMPLING_FIELDS,
+    "messages": st.lists(MESSAGE, min_size=1, max_size=3),
+    "max_tokens": st.integers(min_value=1, max_value=4),
+    "max_completion_tokens": st.integers(min_value=1, max_value=4),
+    "logprobs": st.booleans(),
+    "add_generation_prompt": st.booleans(),
+    "chat_template_kwargs": st.dictionaries(st.just("foo"), st.integers(), max_size=1),
+    # only hostile: top_logprobs (needs logprobs), a client chat_template (refused without
+    # the server flag), continue_final_message (needs a final assistant message)
+    "top_logprobs": st.none(),
+    "chat_template": st.none(),
+    "continue_final_message": st.just(False),
+}
+
+
+@st.composite
+def bodies(draw, fields: dict, required: dict) -> dict:
+    """A body with a random subset of `fields` (the required ones usually present), all valid
+    in a third of the bodies, else with one to three fields (present or not) made hostile."""
+    optional = {name: value for name, value in fields.items() if name not in required}
+    body = draw(st.fixed_dictionaries(required, optional=optional))
+    if draw(st.sampled_from([False, False, False, False, False, True])):
+        body.pop(draw(st.sampled_from(sorted(required))))
+    num_hostile = draw(st.sampled_from([0, 0, 1, 1, 2, 3]))
+    for name in draw(st.lists(st.sampled_from(sorted(fields)), max_size=num_hostile)):
+        body[name] = draw(HOSTILE)
+    return body
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RemoteServer(["--max-model-len", str(MAX_MODEL_LEN)]) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        yield client
+
+
+def _post(http: httpx.Client, path: str, body: dict) -> httpx.Response:
+    # json.dumps writes NaN and Infinity literals, as a hostile client may.
+    return http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+
+
+def _check(response: httpx.Response, body: dict) -> None:
+    """200, or a 4xx with an OpenAI error body; a 200 stream carries no error."""
+    context = f"{response.status_code} for {body!r}: {response.text[:500]}"
+    assert response.status_code == 200 or 400 <= response.status_code < 500, context
+    if response.status_code != 200:
+        error = response.json()["error"]
+        assert isinstance(error["message"], str) and error["message"], context
+        assert error["type"] == "invalid_request_error" or response.status_code in (401, 404)
+        return
+    if body.get("stream") is True:
+        lines = [line for line in response.text.splitlines() if line]
+        assert lines[-1] == "data: [DONE]", context
+        for line in lines[:-1]:
+            # Requests are validated before the 200: no error may come after it.
+            assert "error" not in json.loads(line.removeprefix("data: ")), context
+    else:
+        assert response.json()["choices"] is not None, context
+
+
+class _Health:
+    """Sends a normal request every CHECK_EVERY fuzzed ones: the engine still serves."""
+
+    def __init__(self, http: httpx.Client, server: RemoteServer) -> None:
+        self.http = http
+        self.server = server
+        self.count = 0
+        self.statuses: dict[int, int] = {}
+
+    def tick(self, status: int) -> None:
+        self.statuses[status] = self.statuses.get(status, 0) + 1
+        self.count += 1
+        if self.count % CHECK_EVERY == 0:
+            self.check()
+
+    def check(self) -> None:
+        body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+        response = _post(self.http, "/completions", body)
+        assert response.status_code == 200, response.text
+        assert httpx.get(f"{self.server.root}/health", timeout=10).status_code == 200
+
+
+FUZZ = settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,  # the same requests every run: a failure reproduces
+    phases=(Phase.explicit, Phase.generate),  # no shrinking: a server round trip each
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    database=None,
+)
+
+
+def test_fuzzed_completions_never_fail_the_server(http, server):
+    health = _Health(http, server)
+
+    @FUZZ
+    @given(bodies(COMPLETION_FIELDS, {"prompt": COMPLETION_FIELDS["prompt"]}))
+    def run(body):
+        response = _post(http, "/completions", body)
+        _check(response, body)
+        health.tick(response.status_code)
+
+    run()
+    health.check()
+    # The fuzz reaches the engine: a good share of the requests generated.
+    assert health.statuses.get(200, 0) >= 20, health.statuses
+
+
+def test_fuzzed_chat_completions_never_fail_the_server(http, server):
+    health = _Health(http, server)
+
+    @FUZZ
+    # max_tokens usually present: without it a reply may fill the whole context
+    @given(bodies(CHAT_FIELDS, {k: CHAT_FIELDS[k] for k in ("messages", "max_tokens")}))
+    def run(body):
+        response = _post(http, "/chat/completions", body)
+        _check(response, body)
+        health.tick(response.status_code)
+
+    run()
+    health.check()
+    assert health.statuses.get(200, 0) >= 20, health.statuses

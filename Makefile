@@ -25,6 +25,8 @@ serve: setup
 
 test: setup
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests
+	# The CUDA decode kernels once more, under triton's interpreter on CPU tensors.
+	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q -p no:cacheprovider tests/unit/test_paged_attention.py -k triton
 
 lint: setup
 	$(VENV)/bin/ruff check hybridllm tests benchmarks

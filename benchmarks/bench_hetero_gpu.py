@@ -1,15 +1,19 @@
 """GPU benchmark of heterogeneous (GPU + CPU) execution on a Llama-3-8B-shaped random bf16 model.
 
 Writes the model on the spot (no downloads), caps the GPU so that about half the decoder layers
-run on the CPU, and measures side by side in one run: (1) hybridllm, device="heterogeneous" with
-max_gpu_memory = the budget; (2) Hugging Face accelerate, device_map="auto" under the same budget;
-(3) weight streaming: CPU-resident layers copied from pinned memory to the GPU every forward;
-(4) the floor: bytes each device reads per token / its measured bandwidth, for hybridllm's plan;
-(5) no cap: device="heterogeneous" must choose GPU-only and decode within 5% of device="cuda".
-Decode tokens/s per batch = tokens generated after the first over the time after it; TTFT is
-that of one --prompt-len prompt. Progress goes to stderr, the JSON of all results to stdout.
+run on the CPU, and measures these parts (--part; each fits one 10-minute call with the 8b
+shape, and one call writes the model once, whatever parts it runs): `hybrid`, hybridllm with
+device="heterogeneous" and max_gpu_memory = the budget, beside the floor (bytes each device reads
+per token / its measured bandwidth, for hybridllm's plan); `accelerate`, Hugging Face accelerate's
+device_map="auto" under the same budget; `streaming`, CPU-resident layers copied from pinned
+memory to the GPU every forward; `no_cap`, device="heterogeneous" must choose GPU-only and decode
+within 5% of device="cuda". Decode tokens/s per batch = tokens generated after the first over
+the time after it; TTFT is that of one --prompt-len prompt. Progress goes to stderr, the JSON of
+the results to stdout and --json (rewritten after every part, so a call cut short keeps what
+it measured); --combine merges the JSON files of separate calls and checks the targets.
 
-    python benchmarks/bench_hetero_gpu.py [--gpu-budget 9GiB] [--model-dir DIR] [--json out.json]
+    python benchmarks/bench_hetero_gpu.py --part hybrid --json hybrid.json  # then accelerate, ...
+    python benchmarks/bench_hetero_gpu.py --combine hybrid.json accelerate.json streaming.json
     python benchmarks/bench_hetero_gpu.py --shape tiny  # every part, quickly, on a GPU machine
     python benchmarks/bench_hetero_gpu.py --shape tiny --allow-cpu --batches 1,2 --new-tokens 8
 """
@@ -56,6 +60,7 @@ SHARD_BYTES = 2 << 30
 BLOCK_SIZE = 16  # hybridllm's default KV block
 BATCHED_TOKENS = 2048  # hybridllm's default step budget: it sizes the activation workspace
 TARGETS = {"batch1_vs_floor": 0.8, "batch1_vs_accelerate": 5.0, "no_cap_vs_cuda": 0.95}
+PARTS = ("hybrid", "accelerate", "streaming", "no_cap")
 _request_ids = itertools.count()
 # (prompts, new tokens) -> (time to first token, decode tokens/s after it)
 Generate = Callable[[list[list[int]], int], tuple[float, float | None]]
@@ -410,8 +415,8 @@ def check(value: float | None, target: float) -> dict[str, Any]:
 def targets(results: dict[str, Any]) -> dict[str, Any]:
     """Batch-1 decode vs the floor and vs accelerate; no cap vs device="cuda"."""
     out: dict[str, Any] = {}
-    b1 = results["hybridllm"]["decode_tok_s"].get("1")
-    if b1:
+    b1 = results.get("hybridllm", {}).get("decode_tok_s", {}).get("1")
+    if b1 and "floor" in results:
         floor = results["floor"]["batch1_tok_s"]
         out["batch1_vs_floor"] = check(b1 / floor, TARGETS["batch1_vs_floor"])
         acc = results.get("accelerate", {}).get("decode_tok_s", {}).get("1")
@@ -437,20 +442,60 @@ def parse_args() -> argparse.Namespace:
     add("--prompt-len", type=int, default=1024, help="prompt length of the TTFT run")
     add("--decode-prompt-len", type=int, default=64, help="prompt length of the decode runs")
     add("--backend", choices=("uni", "mp"), help="hybridllm's executor (default: its choice)")
+    add(
+        "--part",
+        default="all",
+        help=f"comma-separated parts to run: {', '.join(PARTS)} (default all)",
+    )
     add("--skip-accelerate", action="store_true", help="no accelerate baseline")
     add("--skip-streaming", action="store_true", help="no weight-streaming baseline")
     add("--skip-no-cap", action="store_true", help="no uncapped heterogeneous vs cuda run")
     add("--allow-cpu", action="store_true", help="with --shape tiny and no GPU: hybridllm on CPU")
-    add("--json", help="also write the results to this file")
+    add("--json", help="also write the results to this file (after every part)")
+    add(
+        "--combine",
+        nargs="+",
+        metavar="JSON",
+        help="merge the --json files of earlier runs, check the targets, run nothing",
+    )
     args = ap.parse_args()
     if min(args.new_tokens, args.hf_new_tokens) < 2:
         ap.error("a decode rate needs at least 2 new tokens")
-    return args
+    parts = PARTS if args.part == "all" else tuple(args.part.split(","))
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        ap.error(f"unknown --part {', '.join(unknown)}; choose from {', '.join(PARTS)}")
+    skipped = {p for p in ("accelerate", "streaming", "no_cap") if getattr(args, f"skip_{p}")}
+    args.parts = [p for p in PARTS if p in parts and p not in skipped]
+    return args  # fmt: skip
+
+
+def combine(paths: list[str]) -> dict[str, Any]:
+    """The results of several runs (one part each, say) as one, with the targets rechecked."""
+    merged: dict[str, Any] = {}
+    for path in paths:
+        part = json.loads(Path(path).read_text())
+        part.pop("targets", None)
+        for key, value in part.items():
+            merged.setdefault(key, value)  # machine and config: the first file's
+    merged["targets"] = targets(merged)
+    return merged
+
+
+def save(results: dict[str, Any], path: str | None) -> None:
+    """Write the results so far (a call stopped at its time limit keeps them)."""
+    if path:
+        Path(path).write_text(json.dumps(results, indent=2) + "\n")
 
 
 def main() -> None:
-    """Write or reuse the model, run every part, print (and write) the JSON."""
+    """Write or reuse the model (once per run), run the chosen parts, print (and write) the JSON."""
     args = parse_args()
+    if args.combine:
+        results = combine(args.combine)
+        save(results, args.json)
+        print(json.dumps(results, indent=2))
+        return
     cuda = torch.cuda.is_available()
     if not cuda and not (args.shape == "tiny" and args.allow_cpu):
         sys.exit(
@@ -476,58 +521,66 @@ def main() -> None:
     )  # fmt: skip
     budget = default_gpu_budget(size, kv_tokens)
     budget = parse_memory_size(args.gpu_budget) if args.gpu_budget else budget
-    config = {k: v for k, v in vars(args).items() if not k.startswith("skip")}
+    config = {k: v for k, v in vars(args).items() if not k.startswith(("skip", "combine"))}
     config.update(common, batches=batches, gpu_budget_bytes=budget if cuda else None)
     results: dict[str, Any] = {"machine": machine_info(), "config": config}
-    bandwidth = {"cpu": bandwidth_gbs("cpu"), "gpu": bandwidth_gbs("cuda") if cuda else None}
-    results["bandwidth_gbs"] = bandwidth
-    log(f"memory bandwidth, GB/s: {bandwidth}")
 
-    if cuda:
-        capped = dict(device="heterogeneous", max_gpu_memory=budget)
-    else:
-        log("no CUDA GPU: hybridllm runs on the CPU only and the GPU parts are skipped")
-        capped = dict(device="cpu")
-    hybrid = results["hybridllm"] = bench_hybrid(args, batches, True, **capped, **common)
-    seconds = hybrid["plan"]["cpu_bytes_per_token"] / (bandwidth["cpu"] * 1e9)
-    if hybrid["plan"]["gpu_bytes_per_token"]:
-        seconds += hybrid["plan"]["gpu_bytes_per_token"] / (bandwidth["gpu"] * 1e9)
-    results["floor"] = {"batch1_tok_s": 1 / seconds, "seconds_per_token": seconds}
+    def hybrid() -> None:
+        bandwidth = {"cpu": bandwidth_gbs("cpu"), "gpu": bandwidth_gbs("cuda") if cuda else None}
+        results["bandwidth_gbs"] = bandwidth
+        log(f"memory bandwidth, GB/s: {bandwidth}")
+        if cuda:
+            capped = dict(device="heterogeneous", max_gpu_memory=budget)
+        else:
+            log("no CUDA GPU: hybridllm runs on the CPU only and the GPU parts are skipped")
+            capped = dict(device="cpu")
+        run = results["hybridllm"] = bench_hybrid(args, batches, True, **capped, **common)
+        seconds = run["plan"]["cpu_bytes_per_token"] / (bandwidth["cpu"] * 1e9)
+        if run["plan"]["gpu_bytes_per_token"]:
+            seconds += run["plan"]["gpu_bytes_per_token"] / (bandwidth["gpu"] * 1e9)
+        results["floor"] = {"batch1_tok_s": 1 / seconds, "seconds_per_token": seconds}
 
-    def accelerate() -> dict[str, Any]:
+    def accelerate() -> None:
         model, on_gpu = load_accelerate(args.model_dir, budget)
-        return {"gpu_layers": on_gpu, **bench_hf("accelerate", model, args, batches)}
+        results["accelerate"] = {
+            "gpu_layers": on_gpu,
+            **bench_hf("accelerate", model, args, batches),
+        }
 
-    def streaming() -> dict[str, Any]:
+    def streaming() -> None:
         resident = streaming_resident_layers(size, budget, kv_tokens, args.prompt_len)
         model = load_streaming(args.model_dir, resident)
-        return {"gpu_layers": resident, **bench_hf("streaming", model, args, batches)}
+        results["streaming"] = {
+            "gpu_layers": resident,
+            **bench_hf("streaming", model, args, batches),
+        }
 
-    def no_cap() -> dict[str, Any]:
+    def no_cap() -> None:
         few = [b for b in (1, 8) if b <= max(batches)]
         het = bench_hybrid(args, few, False, device="heterogeneous", **common)
         ref = bench_hybrid(args, few, False, device="cuda", **common)
         ratio = {b: het["decode_tok_s"][b] / ref["decode_tok_s"][b] for b in ref["decode_tok_s"]}
         gpu_only = het["plan"]["cpu_layers"] == 0
         log(f"no cap: GPU-only plan {gpu_only}; heterogeneous / cuda decode tokens/s {ratio}")
-        return dict(gpu_only=gpu_only, ratio=ratio, heterogeneous=het, cuda=ref)
+        results["no_cap"] = dict(gpu_only=gpu_only, ratio=ratio, heterogeneous=het, cuda=ref)
 
-    parts = {"accelerate": accelerate, "streaming": streaming, "no_cap": no_cap}
-    for name, part in parts.items():
-        if not cuda or getattr(args, f"skip_{name}"):
+    runs = {"hybrid": hybrid, "accelerate": accelerate, "streaming": streaming, "no_cap": no_cap}
+    for name in args.parts:
+        if not cuda and name != "hybrid":
             continue
+        started = time.perf_counter()
         try:
-            results[name] = part()
+            runs[name]()
         except Exception as e:  # one part failing must not lose the others' results
             log(f"{name} failed: {type(e).__name__}: {e}")
-            results[name] = {"error": f"{type(e).__name__}: {e}"}
+            results[name if name != "hybrid" else "hybridllm"] = {
+                "error": f"{type(e).__name__}: {e}"
+            }
+        log(f"{name} took {time.perf_counter() - started:.0f} s")
         release_memory()
-
-    results["targets"] = targets(results)
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+        results["targets"] = targets(results)
+        save(results, args.json)
+    print(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

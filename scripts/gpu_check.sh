@@ -2,8 +2,9 @@
 # GPU checks for a machine with a CUDA GPU (not run by CI), in steps that each fit one device
 # call of at most 10 minutes:
 #   bash scripts/gpu_check.sh tests   # the CUDA-gated tests (they skip on a CPU-only machine)
-#   bash scripts/gpu_check.sh smoke   # a real GPU stage and a real CPU stage: tokens == GPU-only
-#   bash scripts/gpu_check.sh bench [bench_hetero_gpu.py flags]  # vs accelerate and streaming
+#   bash scripts/gpu_check.sh smoke   # a real GPU stage and a real CPU stage == GPU-only (fp32, bf16)
+#   bash scripts/gpu_check.sh bench --part hybrid [flags]  # vs accelerate and streaming: one
+#     part per call (hybrid, accelerate, streaming, no_cap), each within 10 minutes
 # Python: $PY, else .venv/bin/python if its torch sees a GPU, else python3 (the device image's,
 # which holds a CUDA torch); packages that python lacks come from .whl/ (scripts/gpu_wheels.sh,
 # run on a machine with PyPI) into /tmp/hybridllm-site. Results go to $OUT (default .).
@@ -21,6 +22,8 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/hybridllm-site .whl/*.whl
   export PYTHONPATH="/tmp/hybridllm-site${PYTHONPATH:+:$PYTHONPATH}"
+  # console scripts of the wheels (ninja, which torch.utils.cpp_extension runs) land here
+  export PATH="/tmp/hybridllm-site/bin:$PATH"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # hybridllm from this checkout
 OUT=${OUT:-.}
@@ -35,43 +38,17 @@ case "$step" in
       --ignore=tests/integration/test_smollm2.py 2>&1 | tee "$OUT/gpu_tests.log"
     ;;
   smoke)
-    # The tests' tiny random Llama, written on the spot: greedy tokens of GPU+CPU runs (a
-    # pipeline split each way, and a GPU + CPU tensor-parallel pair) == GPU-only.
-    "$PY" - <<'PYEOF'
-import tempfile
-
-from hybridllm import LLM, SamplingParams
-from tests.model_helpers import make_tiny_model, tiny_config
-
-
-def main() -> None:
-    path = str(make_tiny_model("llama", tempfile.mkdtemp()))
-    layers = tiny_config("llama").num_hidden_layers
-    prompts = [{"prompt_token_ids": [5, 17, 42, 99, 7]}, {"prompt_token_ids": list(range(3, 40))}]
-    p = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    common = dict(dtype="float32", use_tqdm=False, max_model_len=256)
-    ref = LLM(path, device="cuda", **common)
-    want = [o.outputs[0].token_ids for o in ref.generate(prompts, p)]
-    ref.shutdown()
-    for kwargs in (
-        {"gpu_layers": layers // 2, "distributed_executor_backend": "uni"},
-        {"gpu_layers": layers // 2, "distributed_executor_backend": "mp"},
-        {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
-    ):
-        llm = LLM(path, device="heterogeneous", **common, **kwargs)
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
-        llm.shutdown()
-        assert got == want, (kwargs, got, want)
-        print("heterogeneous", kwargs, "== GPU-only")
-
-
-if __name__ == "__main__":  # mp workers are spawned: they must not rerun this
-    main()
-PYEOF
+    # The tests' tiny random Llama, written on the spot: fp32 greedy tokens of GPU+CPU runs (a
+    # pipeline split each way, and a GPU + CPU tensor-parallel pair) == GPU-only, and the same
+    # runs in bf16 with logprobs within a tolerance (a greedy token may flip on a near-tie). A
+    # file, not stdin: the mp executor's spawned workers re-import the main module.
+    "$PY" scripts/gpu_smoke.py "$@" 2>&1 | tee "$OUT/gpu_smoke.log"
     ;;
   bench)
     # GPU + CPU against accelerate, weight streaming and the bandwidth floor. The default 8b shape
-    # writes a random Llama-3-8B-shaped model (about 16 GB) first; try --shape tiny before it.
+    # writes a random Llama-3-8B-shaped model (about 16 GB, once per call: later runs on the same
+    # machine reuse it) first; try --shape tiny before it. One --part per call fits 10 minutes;
+    # `bench_hetero_gpu.py --combine a.json b.json ...` merges the calls' JSON files here.
     "$PY" benchmarks/bench_hetero_gpu.py --json "$OUT/bench_hetero_gpu.json" "$@"
     ;;
   *)

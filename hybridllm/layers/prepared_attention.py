@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from hybridllm.layers.attention_metadata import AttentionMetadata
@@ -27,10 +28,26 @@ class PrefillSequence:
 
 
 @dataclass
+class VarlenPrefill:
+    """Every prefill sequence of a step as one variable-length attention call: queries are the
+    step's rows from the first prefill on; keys either the same rows (`kv_slots` None: no
+    sequence has a cached prefix) or each sequence's context gathered from the cache."""
+
+    cu_seqlens_q: torch.Tensor  # [num_prefills + 1] int32, query row offsets
+    cu_seqlens_k: torch.Tensor  # [num_prefills + 1] int32, key row offsets
+    max_query_len: int
+    max_key_len: int
+    # [cu_seqlens_k[-1]] int64 cache slots of each sequence's keys, from the first one its
+    # window lets a query see (the keys end where its queries end: causal, aligned bottom-right)
+    kv_slots: torch.Tensor | None
+
+
+@dataclass
 class PreparedAttention:
     """What every attention layer of one step needs, computed once per model forward.
 
-    Masks are built lazily per sliding window and cached here (this object lives one step).
+    Masks and varlen offsets are built lazily per sliding window and cached here (this object
+    lives one step).
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64
@@ -44,6 +61,7 @@ class PreparedAttention:
     decode_padded_len: int  # decode_blocks * block_size
     prefills: list[PrefillSequence]
     reads_cache: bool  # any decode row or cached prefix: attention must read the KV cache
+    block_tables: torch.Tensor | None = None  # [num_seqs, max_num_blocks] int32, every sequence
     _masks: dict = field(default_factory=dict)
 
     def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
@@ -81,6 +99,56 @@ class PreparedAttention:
                 mask &= key_pos > query_pos - sliding_window
             self._masks[key] = mask
         return mask
+
+    def varlen_prefill(self, sliding_window: int | None) -> VarlenPrefill:
+        """The prefills' offsets (and key slots) for one varlen attention call; built once per
+        step and window, on the host, with one copy to the device each."""
+        seqs = self.prefills
+        reads_cache = any(s.block_ids is not None for s in seqs)
+        key = ("varlen", sliding_window if reads_cache else None)
+        varlen = self._masks.get(key)
+        if varlen is not None:
+            return varlen
+        device = self.slot_mapping.device
+        q_lens = [s.query_len for s in seqs]
+        cu_q = _to_device(_offsets(q_lens), device)
+        if not reads_cache:
+            varlen = VarlenPrefill(cu_q, cu_q, max(q_lens), max(q_lens), None)
+        else:
+            # a query at position p sees keys in (p - window, p]: the chunk's first query
+            # bounds the keys its sequence needs
+            key_starts = [
+                0
+                if sliding_window is None
+                else max(0, s.context_len - s.query_len - sliding_window + 1)
+                for s in seqs
+            ]
+            k_lens = [s.context_len - k0 for s, k0 in zip(seqs, key_starts)]
+            seq_of_key = np.repeat(np.array([s.index for s in seqs], dtype=np.int64), k_lens)
+            pos = np.concatenate([np.arange(k0, s.context_len) for s, k0 in zip(seqs, key_starts)])
+            seq_t = _to_device(seq_of_key, device)
+            pos_t = _to_device(pos.astype(np.int64), device)
+            blocks = self.block_tables[seq_t, pos_t // self.block_size].long()
+            slots = blocks * self.block_size + pos_t % self.block_size  # [sum k_lens]
+            cu_k = _to_device(_offsets(k_lens), device)
+            varlen = VarlenPrefill(cu_q, cu_k, max(q_lens), max(k_lens), slots)
+        self._masks[key] = varlen
+        return varlen
+
+
+def _offsets(lengths: list[int]) -> np.ndarray:
+    """[0, l0, l0 + l1, ...] as int32."""
+    out = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device`; to a GPU from pinned memory without waiting for queued work."""
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def prepare_attention(meta: AttentionMetadata) -> PreparedAttention:
@@ -136,4 +204,5 @@ def prepare_attention(meta: AttentionMetadata) -> PreparedAttention:
         decode_padded_len=padded_len,
         prefills=prefills,
         reads_cache=bool(num_decodes) or any(s.block_ids is not None for s in prefills),
+        block_tables=meta.block_tables,
     )

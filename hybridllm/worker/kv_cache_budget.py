@@ -53,3 +53,25 @@ def cpu_kv_budget(
         if max_cpu_memory is not None:
             total = min(total, max_cpu_memory - fixed_bytes_on_cpu)
     return total // num_cpu_workers
+
+
+def profile_spans(
+    max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int
+) -> list[tuple[int, int, int]]:
+    """The biggest step the scheduler can send, as (start, query length, context length) per
+    sequence: the one a GPU worker runs to measure its activation peak.
+
+    A step holds up to `max_num_batched_tokens` tokens of at most `max_num_seqs` sequences, none
+    past `max_model_len`. A budget below `max_model_len` (chunked prefill) is at worst the last
+    chunk of the longest prompt, attending to a whole `max_model_len` context; otherwise as few
+    sequences as hold the budget, each a whole prompt (the longest attention there is).
+    """
+    if max_num_batched_tokens < max_model_len:
+        return [(max_model_len - max_num_batched_tokens, max_num_batched_tokens, max_model_len)]
+    spans: list[tuple[int, int, int]] = []
+    left = max_num_batched_tokens
+    while left > 0 and len(spans) < max_num_seqs:
+        n = min(left, max_model_len)
+        spans.append((0, n, n))
+        left -= n
+    return spans

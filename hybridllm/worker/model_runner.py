@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +26,7 @@ from hybridllm.platforms import Platform
 from hybridllm.sample import Sampler, SamplingMetadata, compute_prompt_logprobs
 from hybridllm.sampling_params import SamplingParams
 from hybridllm.worker.intermediate_tensors import IntermediateTensors
-from hybridllm.worker.kv_cache_budget import cpu_kv_budget, gpu_kv_budget
+from hybridllm.worker.kv_cache_budget import cpu_kv_budget, gpu_kv_budget, profile_spans
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,6 @@ class ModelRunner:
             return cc.num_gpu_blocks_override
         per_block = self.kv_cache_bytes_per_block()
         if self.device.type == "cuda":
-            free, total = self.platform.free_and_total_memory()
             if any(w.is_cpu for w in self.stage.workers):
                 # The CPU ranks of a mixed tensor-parallel group size their KV cache without a
                 # forward pass, so a profiling forward here would wait in its collectives for
@@ -129,6 +129,9 @@ class ModelRunner:
             else:
                 # Activations of one full step, measured by a profiling forward pass.
                 peak = self._profile_activation_bytes()
+            # Read after the forward: what it allocated outside torch's caching allocator
+            # (cuBLAS workspaces, NCCL buffers, lazily loaded kernels) stays and must count.
+            free, total = self.platform.free_and_total_memory()
             budget = gpu_kv_budget(
                 total,
                 free,
@@ -186,26 +189,46 @@ class ModelRunner:
         ]
 
     def _profile_activation_bytes(self) -> int:
-        """Peak device memory of `profile_forward` beyond what was allocated before it."""
-        torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        self.profile_forward()
+        """Peak device memory of `profile_forward` beyond what was allocated before its forward
+        (its temporary KV cache excluded: the real one is budgeted on its own)."""
+        base = 0
+
+        def cache_ready() -> None:
+            nonlocal base
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+
+        self.profile_forward(cache_ready)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         torch.cuda.empty_cache()
         return int(peak)
 
-    def profile_forward(self) -> int:
-        """One step of the largest batch the scheduler may send, for its memory peak: a prefill
-        of max_num_batched_tokens (at most 4096) through this stage's layers, on a temporary KV
-        cache; on the last stage logits for max_num_seqs rows and the sampler's most costly
-        path over them (top-k, top-p, penalties, logprobs). Returns the tokens run."""
+    def profile_forward(self, on_cache_ready: Callable[[], None] | None = None) -> int:
+        """One step of the largest batch the scheduler may send, for its memory peak: the spans
+        of `profile_spans` (max_num_batched_tokens tokens, or the last chunk of a max_model_len
+        prompt when chunked prefill cuts prompts shorter) through this stage's layers, on a
+        temporary KV cache; on the last stage logits for max_num_seqs rows and the sampler's
+        most costly path over them (top-k, top-p, penalties, logprobs). `on_cache_ready` runs
+        once the temporary cache exists. Returns the tokens run."""
         sc = self.config.scheduler_config
-        n = min(sc.max_num_batched_tokens, 4096)
-        blocks = -(-n // self.block_size)
-        self.initialize_kv_cache(blocks)
+        spans = profile_spans(sc.max_num_batched_tokens, sc.max_model_len, sc.max_num_seqs)
+        bs = self.block_size
+        # Each sequence gets blocks for the tokens it writes (+1: a chunk may straddle a block
+        # boundary); a longer context (a chunk's cached prefix) maps onto the same blocks
+        # again, so its reads cost what real ones do without a max_model_len cache.
+        tables, first = [], 0
+        for _, q, ctx in spans:
+            own = -(-q // bs) + 1
+            tables.append([first + j % own for j in range(-(-ctx // bs))])
+            first += own
+        self.initialize_kv_cache(first)
+        if on_cache_ready is not None:
+            on_cache_ready()
+        pos_np = np.concatenate([np.arange(start, start + q) for start, q, _ in spans])
+        n = len(pos_np)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        pos = torch.arange(n, device=self.device)
-        md = self._metadata([], [(0, n, n)], [list(range(blocks))], pos.cpu().numpy())
+        pos = torch.from_numpy(pos_np.astype(np.int64)).to(self.device)
+        md = self._metadata([], spans, tables, pos_np)
         stage_inputs = {}
         if not self.is_first_stage:
             hidden_size = self.config.model_config.hf_config.hidden_size
@@ -318,7 +341,12 @@ class ModelRunner:
             if not sample_states:
                 return out
             sampling_md = self._sampling_metadata(sample_states)
-        rows = torch.tensor(sample_rows, device=self.device)
+        rows = torch.tensor(sample_rows, dtype=torch.int64)  # [num_samples]
+        if self.device.type == "cuda":
+            # pinned + non_blocking: a pageable copy would wait for the queued forward pass
+            rows = rows.pin_memory().to(self.device, non_blocking=True)
+        else:
+            rows = rows.to(self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_samples, vocab]
         sampled = self.sampler(logits, sampling_md)
         out.req_ids = [st.req_id for st in sample_states]

@@ -51,6 +51,10 @@ class EngineArgs:
     gpu_layers: int | None = None  # like llama.cpp -ngl: the first N layers on the GPU
     max_gpu_memory: str | int | None = None  # per GPU, e.g. "8GiB"
     max_cpu_memory: str | int | None = None  # all CPU workers together
+    # CPU stages beside a GPU compute steps of at least this many tokens on it by streaming
+    # their weights: None = the cost model's crossover, -1 = never, 0 = always
+    stream_threshold: int | None = None
+    stream_device: str | None = None  # None: the plan's GPU; "cpu" checks the path without one
 
     def create_engine_config(self) -> EngineConfig:
         # Deferred imports: the loader and torch are heavy and not needed to parse flags.
@@ -166,6 +170,8 @@ class EngineArgs:
             kv_reserve_tokens=min(max_model_len, self.max_num_seqs * 256),
             max_num_batched_tokens=max_num_batched_tokens,
             dtype=self.dtype,
+            stream_threshold=self.stream_threshold,
+            stream_device=self.stream_device,
         )
         hw = discover_hardware()
         # Measuring rates costs seconds; only a machine with a GPU has a split to decide.
@@ -264,6 +270,7 @@ class EngineArgs:
             help="put the first N decoder layers on the GPU and the rest on the CPU "
             "(like llama.cpp's -ngl; default: the planner decides)",
         )
+        add_stream_cli_args(p)
         p.add_argument(
             "--max-gpu-memory",
             default=None,
@@ -293,6 +300,25 @@ class EngineArgs:
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def add_stream_cli_args(parser: argparse._ActionsContainer) -> None:
+    """--stream-threshold and --stream-device, shared by the engine commands and `plan`."""
+    parser.add_argument(
+        "--stream-threshold",
+        type=int,
+        default=None,
+        metavar="N",
+        help="CPU stages beside a GPU compute steps of at least N tokens on the GPU, streaming "
+        "their weights to it (0: always, -1: never; default: the cost model's crossover, "
+        "which `hybridllm plan` prints)",
+    )
+    parser.add_argument(
+        "--stream-device",
+        default=None,
+        help="where CPU stages stream to (default: the plan's GPU); 'cpu' runs the streaming "
+        "path on the host, to check it on a machine without a GPU",
+    )
 
 
 def parse_layer_split(split: str | list[int] | tuple[int, ...] | None) -> list[int] | None:

@@ -7,9 +7,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from hybridllm.layers.gguf_linear import GGML_F32, gguf_linear
+from hybridllm.loader.gguf_dequant import dequantize
 from hybridllm.loader.quantized_tensor import QuantizedTensor
 
 
@@ -109,6 +111,19 @@ class Linear(nn.Module):
             return packed_linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as floats [out, in], whichever form this layer holds it in (after
+        `finish_loading`): GGUF blocks are decoded, a plain weight is returned as is."""
+        if self.packed:
+            raise ValueError("a oneDNN-packed weight cannot be read back as a dense matrix")
+        if self.ggml_type == GGML_F32 or (self.qweight is None and not self.shard_blocks):
+            return self.weight.detach()
+        if self.qweight is not None:
+            return _decode_blocks(self.qweight, self.ggml_type, self.out_features, self.in_features)
+        return torch.cat(
+            [_decode_blocks(q, t, rows, self.in_features) for q, t, rows in self.shard_blocks]
+        )
+
     def use_f32_kernel(self) -> None:
         """Compute an fp32 weight with the native op (after loading; no loads afterwards)."""
         if f32_kernel_applies(self.weight, self.qweight):
@@ -175,3 +190,8 @@ class Linear(nn.Module):
         for shard, blocks in pending.items():
             start, size = self.offsets[shard], self.output_sizes[shard]
             self.weight[start : start + size].copy_(blocks.dequantize())
+
+
+def _decode_blocks(blocks: torch.Tensor, ggml_type: int, rows: int, cols: int) -> torch.Tensor:
+    """GGUF blocks [rows, bytes_per_row] uint8 -> float weights [rows, cols]."""
+    return dequantize(blocks.cpu().numpy(), GGMLQuantizationType(ggml_type), (rows, cols))

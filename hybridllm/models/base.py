@@ -166,6 +166,9 @@ class CausalLMBase(nn.Module):
         self.head_dim = head_dim
         self.tp_group = tp_group
         self.lm_head: nn.Module | None = None
+        # Set by the model runner on a CPU stage that streams its layers' weights to an
+        # accelerator for steps with many tokens (worker/weight_streamer.py); None otherwise.
+        self.weight_streamer: Any = None
         self._weight_loaders: dict[str, WeightLoader] = {}
         self._optional_weights: set[str] = set()
         self._weights_processed = False

@@ -237,10 +237,9 @@ class LlamaForCausalLM(CausalLMBase):
             vocab_embedding(vocab, hidden, dtype, device, tp_group) if self.is_first_stage else None
         )
         self.rotary_emb = RotaryEmbedding(head_dim, rope_parameters(hf_config), dtype, device)
+        self._layer_args = (head_dim, qkv_bias, o_bias, qk_norm)
         self.layers = nn.ModuleList(
-            self.decoder_layer_class(
-                hf_config, i, head_dim, qkv_bias, o_bias, qk_norm, dtype, device, tp_group
-            )
+            self.make_layer(i, dtype, device, tp_group)
             for i in range(self.start_layer, self.end_layer)
         )
         self.norm = None
@@ -250,6 +249,20 @@ class LlamaForCausalLM(CausalLMBase):
                 vocab, hidden, dtype, device, tp_group, self.embed_tokens if tied else None
             )
         self._set_weight_loaders(*self._build_weight_loaders(tied))
+
+    def make_layer(
+        self,
+        layer_idx: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp_group: TPGroup | None = None,
+    ) -> LlamaDecoderLayer:
+        """A new decoder layer `layer_idx` of this model (weights uninitialised), e.g. the
+        accelerator-side twin a weight streamer computes a CPU layer's steps with."""
+        head_dim, qkv_bias, o_bias, qk_norm = self._layer_args
+        return self.decoder_layer_class(
+            self.hf_config, layer_idx, head_dim, qkv_bias, o_bias, qk_norm, dtype, device, tp_group
+        )
 
     def _build_weight_loaders(self, tied: bool) -> tuple[dict[str, WeightLoader], set[str]]:
         loaders: dict[str, WeightLoader] = {}
@@ -287,9 +300,16 @@ class LlamaForCausalLM(CausalLMBase):
             if self.embed_tokens is None:
                 raise ValueError("a stage without the embedding needs hidden_states")
             hidden_states = self.embed_tokens(input_ids)  # [n, hidden]
-        for i, layer in enumerate(self.layers):
-            kv_cache = kv_caches[i] if kv_caches else None
-            hidden_states, residual = layer(hidden_states, residual, rotary, kv_cache, prep)
+        streamer = self.weight_streamer
+        if streamer is not None and streamer.wants(attn_metadata, kv_caches):
+            # Many tokens: the layers' weights go to the accelerator and compute there.
+            hidden_states, residual = streamer.run(
+                self.layers, kv_caches, hidden_states, residual, positions, attn_metadata
+            )
+        else:
+            for i, layer in enumerate(self.layers):
+                kv_cache = kv_caches[i] if kv_caches else None
+                hidden_states, residual = layer(hidden_states, residual, rotary, kv_cache, prep)
         if self.norm is None:
             return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)

@@ -18,6 +18,7 @@ CPU workers of one stage run at the same time and share the host's memory bandwi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from hybridllm.plan.hardware_profile import HardwareProfile
@@ -59,6 +60,8 @@ class PlanPrediction:
     prefill_tokens_per_s: float
     decode_latency_s: float  # one token at batch 1
     context_len: int
+    # per streaming stage: (pp_rank, decode crossover, prefill crossover) in tokens, -1: never
+    stream_crossovers: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,75 @@ class CostModel:
         read_s = weight_bytes / weight_rate + bytes_read / rates.read_bandwidth
         return fixed + max(read_s, flops / rates.matmul_flops)
 
+    def stream_time(
+        self, stage: StagePlan, size: ModelSize, num_tokens: int, num_seqs: int, context_len: int
+    ) -> float:
+        """Seconds a one-worker CPU stage takes when it streams its layers to its stream device.
+
+        Each layer's weights (dense, in the plan's dtype) and the KV its sequences attend over
+        cross the link on a copy stream while the device computes the previous layer, so a step
+        costs one layer's copy plus the larger of the remaining copies and the device's
+        compute; the hidden states cross twice, the step's new K/V rows come back, and the
+        embedding or LM head stay on the CPU.
+        """
+        device = stage.stream_device or "cpu"
+        link = self.device_rates(device, size.dtype).link_bandwidth
+        layers = stage.num_layers
+        cached = max(0, num_seqs * context_len - num_tokens)  # KV rows from earlier steps
+        kv_rows = cached + num_tokens  # read in, then the new ones written back
+        per_layer = (size.layer_bytes + kv_rows * size.kv_bytes_per_token_per_layer) / link
+        worker = dataclasses.replace(stage.workers[0], device=device)
+        twin = dataclasses.replace(
+            stage,
+            workers=(worker,),
+            has_embedding=False,
+            has_lm_head=False,
+            stream_device=None,
+        )
+        compute = self.worker_time(twin, 0, size, num_tokens, num_seqs, context_len)
+        ends = dataclasses.replace(stage, layer_end=stage.layer_start, stream_device=None)
+        on_cpu = 0.0
+        if stage.has_embedding or stage.has_lm_head:
+            on_cpu = self.worker_time(ends, 0, size, num_tokens, num_seqs, context_len)
+        hidden_io = 4 * num_tokens * size.hidden_size * size.dtype_bytes / link
+        return per_layer + max((layers - 1) * per_layer, compute) + hidden_io + on_cpu
+
+    def streams_step(
+        self, stage: StagePlan, num_tokens: int, num_seqs: int, context_len: int
+    ) -> bool:
+        """Whether the engine streams this step: the stage streams, the step has at least the
+        threshold's tokens and the KV it reads fits the staging buffers."""
+        return (
+            stage.streams
+            and num_tokens >= stage.stream_threshold
+            and num_seqs * context_len <= stage.stream_kv_tokens
+        )
+
+    def stream_crossover(
+        self, stage: StagePlan, size: ModelSize, context_len: int, max_tokens: int, decode: bool
+    ) -> int:
+        """The fewest tokens at which streaming beats computing on the CPU (decode-shaped steps
+        of `context_len` each, or one prompt's chunk), or -1 when it never does up to
+        `max_tokens`."""
+
+        def faster(n: int) -> bool:
+            seqs, ctx = (n, context_len) if decode else (1, n)
+            if seqs * ctx > stage.stream_kv_tokens:
+                return False
+            cpu = self.worker_time(stage, 0, size, n, seqs, ctx)
+            return self.stream_time(stage, size, n, seqs, ctx) < cpu
+
+        n = 1
+        while n <= max_tokens and not faster(n):
+            n *= 2
+        if n > max_tokens:
+            return -1
+        low = n // 2  # not faster (or 0); bisect (low, n]
+        while n - low > 1:
+            mid = (low + n) // 2
+            low, n = (low, mid) if faster(mid) else (mid, n)
+        return n
+
     def allreduce_time(self, stage: StagePlan, size: ModelSize, num_tokens: int) -> float:
         """Two all-reduces per layer (attention and MLP outputs) of [num_tokens, hidden]."""
         if len(stage.workers) == 1:
@@ -153,6 +225,8 @@ class CostModel:
     def stage_time(
         self, stage: StagePlan, size: ModelSize, num_tokens: int, num_seqs: int, context_len: int
     ) -> float:
+        if self.streams_step(stage, num_tokens, num_seqs, context_len):
+            return self.stream_time(stage, size, num_tokens, num_seqs, context_len)
         slowest = max(
             self.worker_time(stage, r, size, num_tokens, num_seqs, context_len)
             for r in range(len(stage.workers))
@@ -205,9 +279,20 @@ class CostModel:
 
     def predict(self, plan: Plan, size: ModelSize) -> PlanPrediction:
         decode = tuple((b, self.decode_tokens_per_s(plan, size, b)) for b in DECODE_BATCHES)
+        limit = max(stage.stream_kv_tokens for stage in plan.stages)
+        crossovers = tuple(
+            (
+                stage.pp_rank,
+                self.stream_crossover(stage, size, self.context_len, limit, decode=True),
+                self.stream_crossover(stage, size, self.context_len, limit, decode=False),
+            )
+            for stage in plan.stages
+            if stage.stream_device is not None
+        )
         return PlanPrediction(
             decode_tokens_per_s=decode,
             prefill_tokens_per_s=self.prefill_tokens_per_s(plan, size),
             decode_latency_s=1.0 / decode[0][1],
             context_len=self.context_len,
+            stream_crossovers=crossovers,
         )

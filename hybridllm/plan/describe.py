@@ -72,6 +72,8 @@ def describe_plan(
                 f"    rank {worker.rank}: {where:<34} {_shard_text(size, stage, tp_rank)}"
                 f"  weights {format_bytes(worker_weight_bytes(size, stage, tp_rank))}"
             )
+        if stage.stream_device is not None:
+            lines.append(_streaming_text(stage, size, prediction))
     lines.append("memory per device:")
     lines.append(
         f"  {'device':<8} {'budget':>12} {'weights':>12} {'activations':>12} "
@@ -117,3 +119,22 @@ def _stage_header(stage: StagePlan) -> str:
     if stage.has_lm_head:
         parts.append("final norm + LM head + sampling")
     return f"  stage {stage.pp_rank}: " + " + ".join(parts)
+
+
+def _streaming_text(stage: StagePlan, size: ModelSize, prediction: PlanPrediction | None) -> str:
+    if stage.stream_threshold < 0:
+        when = "never (threshold -1)"
+    else:
+        when = f"for steps of >= {stage.stream_threshold:,} tokens"
+    text = (
+        f"    streaming to {stage.stream_device} {when}: dense {size.dtype} copies of the "
+        f"layers (the GPU computes from no GGUF blocks), KV blocks copied per step"
+    )
+    crossing = [
+        c for c in (prediction.stream_crossovers if prediction else ()) if c[0] == stage.pp_rank
+    ]
+    if crossing:
+        _, decode, prefill = crossing[0]
+        shown = [f"{n:,} tokens" if n >= 0 else "never" for n in (decode, prefill)]
+        text += f"; cost-model crossover: decode {shown[0]}, prefill {shown[1]}"
+    return text

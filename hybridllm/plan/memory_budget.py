@@ -139,6 +139,20 @@ class DeviceMemory:
         return self.weight_bytes + self.activation_bytes + kv_tokens * self.kv_bytes_per_token
 
 
+# KV rows a streamed step may read: decode batches of long contexts stream too.
+_MIN_STREAM_KV_TOKENS = 65536
+
+
+def stream_kv_tokens(max_num_batched_tokens: int) -> int:
+    """KV rows (over a step's sequences) the staging buffers of a streaming stage hold."""
+    return max(2 * max_num_batched_tokens, _MIN_STREAM_KV_TOKENS)
+
+
+def stream_staging_bytes(size: ModelSize, kv_tokens: int) -> int:
+    """Two staging slots on the stream device, each a dense layer and `kv_tokens` of its KV."""
+    return 2 * (size.layer_bytes + kv_tokens * size.kv_bytes_per_token_per_layer)
+
+
 def device_memory(
     stages: Iterable[StagePlan], size: ModelSize, budgets: MemoryBudgets
 ) -> tuple[DeviceMemory, ...]:
@@ -150,6 +164,11 @@ def device_memory(
             t[0] += worker_weight_bytes(size, stage, rank)
             t[1] += size.activation_bytes(budgets.max_num_batched_tokens)
             t[2] += worker_kv_bytes_per_token(size, stage, rank)
+        if stage.stream_device is not None:
+            # staging slots on the device; pinned dense copies of the layers on the host
+            t = totals.setdefault(stage.stream_device, [0, 0, 0])
+            t[0] += stream_staging_bytes(size, stage.stream_kv_tokens)
+            totals.setdefault("cpu", [0, 0, 0])[0] += stage.num_layers * size.layer_bytes
     return tuple(
         DeviceMemory(device, budgets.budget_of(device), w, a, kv)
         for device, (w, a, kv) in totals.items()

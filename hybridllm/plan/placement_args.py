@@ -51,6 +51,12 @@ class PlacementArgs:
     kv_reserve_tokens: int = 4096
     max_num_batched_tokens: int = 2048
     dtype: str = "auto"
+    # CPU stages beside a GPU stream their weights to it for steps of at least this many
+    # tokens: None = the cost model's crossover, -1 = never, 0 = always
+    stream_threshold: int | None = None
+    # where CPU stages stream to: None = the plan's first GPU; "cpu" runs the streaming path
+    # on the host (it checks the staging logic on machines without a GPU; never faster)
+    stream_device: str | None = None
 
     def __post_init__(self) -> None:
         if self.device not in PLACEMENT_DEVICES:
@@ -64,6 +70,17 @@ class PlacementArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 when given, got {value}")
+        if self.stream_threshold is not None and self.stream_threshold < -1:
+            raise ValueError(
+                f"stream_threshold must be -1 (never), 0 (always) or a token count, "
+                f"got {self.stream_threshold}"
+            )
+        if self.stream_device is not None and not (
+            self.stream_device == "cpu" or self.stream_device.startswith("cuda")
+        ):
+            raise ValueError(
+                f"stream_device must be 'cpu' or 'cuda[:N]', got {self.stream_device!r}"
+            )
         if self.gpu_layers is not None and self.gpu_layers < 0:
             raise ValueError(f"gpu_layers must be >= 0, got {self.gpu_layers}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

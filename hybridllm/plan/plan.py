@@ -69,6 +69,15 @@ class StagePlan:
     tp_weights: tuple[float, ...]  # relative shard sizes (equal by default)
     has_embedding: bool
     has_lm_head: bool  # final norm + LM head + sampling
+    # A CPU stage may compute steps of at least `stream_threshold` tokens on `stream_device`
+    # by streaming its layers' weights there (worker/weight_streamer.py); -1: never.
+    stream_device: str | None = None
+    stream_threshold: int = -1
+    stream_kv_tokens: int = 0  # KV rows a streamed step may read (its staging buffers hold)
+
+    @property
+    def streams(self) -> bool:
+        return self.stream_device is not None and self.stream_threshold >= 0
 
     @property
     def num_layers(self) -> int:
@@ -107,6 +116,13 @@ class Plan:
             for tp_rank, w in enumerate(stage.workers):
                 if (w.pp_rank, w.tp_rank, w.rank) != (i, tp_rank, i * tp + tp_rank):
                     raise ValueError(f"worker {w} is out of place in stage {i}")
+            if stage.stream_device is not None and (
+                len(stage.workers) != 1 or not stage.workers[0].is_cpu
+            ):
+                raise ValueError(
+                    f"stage {i} streams its weights to {stage.stream_device}, but only a stage "
+                    "of one CPU worker can"
+                )
             if stage.has_embedding != (i == 0):
                 raise ValueError("the first stage, and only it, holds the embedding")
             if stage.has_lm_head != (i == len(self.stages) - 1):

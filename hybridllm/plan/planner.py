@@ -31,6 +31,8 @@ from hybridllm.plan.memory_budget import (
     fits,
     format_bytes,
     memory_budgets,
+    stream_kv_tokens,
+    stream_staging_bytes,
     worker_kv_bytes_per_token,
     worker_weight_bytes,
 )
@@ -80,6 +82,21 @@ class _Planner:
         return self.size.num_layers
 
     def build(self) -> Plan:
+        try:
+            return self._build()
+        except ValueError:
+            if self.args.stream_threshold is not None or self.hw.num_gpus == 0:
+                raise  # streaming was asked for, or plays no part
+            # The staging buffers and the layers' pinned copies did not fit: plan without.
+            args = dataclasses.replace(self.args, stream_threshold=-1)
+            plan = dataclasses.replace(self, args=args)._build()
+            logger.info(
+                "no room for weight streaming's staging buffers and host copies: "
+                "CPU stages compute every step"
+            )
+            return plan
+
+    def _build(self) -> Plan:
         args, gpus = self.args, self.hw.num_gpus
         if args.device == "cpu":
             return self._all_cpu()
@@ -219,6 +236,9 @@ class _Planner:
         size, budgets = self.size, self.budgets
         fixed = size.stage_bytes(0, 0, gpu_first, not gpu_first)
         fixed += size.activation_bytes(budgets.max_num_batched_tokens)
+        if self.args.stream_threshold != -1 and self.args.stream_device in (None, "cuda:0"):
+            # the CPU stage's staging buffers will live on this GPU
+            fixed += stream_staging_bytes(size, stream_kv_tokens(budgets.max_num_batched_tokens))
         per_layer = size.layer_bytes + budgets.kv_reserve_tokens * size.kv_bytes_per_token(1)
         k = (budgets.gpus[0] - fixed) // per_layer
         return int(max(0, min(k, self.num_layers - 1)))
@@ -286,7 +306,7 @@ class _Planner:
         for i, (row, n) in enumerate(zip(devices, split)):
             stages.append(self._stage(i, row, start, n, i == len(devices) - 1))
             start += n
-        return self._bind_cpu_workers(Plan(tuple(stages), self.num_layers))
+        return self._with_streaming(self._bind_cpu_workers(Plan(tuple(stages), self.num_layers)))
 
     def _tp_weights(self, stage: StagePlan) -> tuple[float, ...]:
         """Equal shards, except GPU+CPU groups: proportional to decode bandwidth, GPU capped to fit."""
@@ -333,6 +353,45 @@ class _Planner:
             if need > budgets.budget_of(w.device):
                 over.append(j)
         return over
+
+    def _stream_device(self, plan: Plan) -> str | None:
+        """Where CPU stages stream their weights: the user's choice, else the plan's first GPU."""
+        if self.args.stream_threshold == -1:
+            return None
+        gpus = (w.device for w in plan.workers() if not w.is_cpu)
+        return self.args.stream_device or next(gpus, None)
+
+    def _with_streaming(self, plan: Plan) -> Plan:
+        """Let one-worker CPU stages stream to the GPU for steps past the cost model's crossover
+        (or the user's --stream-threshold)."""
+        device = self._stream_device(plan)
+        if device is None:
+            return plan
+        kv_tokens = stream_kv_tokens(self.budgets.max_num_batched_tokens)
+        stages = []
+        for stage in plan.stages:
+            if len(stage.workers) == 1 and stage.workers[0].is_cpu:
+                stage = dataclasses.replace(
+                    stage, stream_device=device, stream_threshold=0, stream_kv_tokens=kv_tokens
+                )
+                threshold = self.args.stream_threshold
+                if threshold is None:
+                    threshold = self._crossover(stage)
+                stage = dataclasses.replace(stage, stream_threshold=threshold)
+            stages.append(stage)
+        return Plan(tuple(stages), plan.num_layers)
+
+    def _crossover(self, stage: StagePlan) -> int:
+        """The step size from which streaming wins: decode batches' crossover when streaming
+        ever wins for them, else a prompt chunk's (-1: never, or no cost model to tell)."""
+        if self.cost is None:
+            return -1
+        limit = self.budgets.max_num_batched_tokens
+        context = self.cost.context_len
+        decode = self.cost.stream_crossover(stage, self.size, context, limit, decode=True)
+        if decode >= 0:
+            return decode
+        return self.cost.stream_crossover(stage, self.size, context, limit, decode=False)
 
     def _bind_cpu_workers(self, plan: Plan) -> Plan:
         """Bind CPU workers to NUMA nodes (round-robin when they outnumber the nodes)."""

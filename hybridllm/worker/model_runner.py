@@ -7,6 +7,7 @@ import math
 import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -106,8 +107,45 @@ class ModelRunner:
         missing = sorted(model.expected_weight_names() - loaded)
         if missing:
             raise ValueError(f"{mc.model}: weights missing from the checkpoint: {missing[:8]}")
+        # Dense copies for streaming are taken before the CPU repacks its weights.
+        streamer = self._weight_streamer(model) if self.stage.streams else None
         model.process_weights_after_loading()
+        model.weight_streamer = streamer
         self.model = model.eval()
+
+    def _weight_streamer(self, model: torch.nn.Module) -> Any:
+        """The stage's weight streamer, or None (with a warning) for a model it cannot stage."""
+        from hybridllm.layers.linear import Linear
+        from hybridllm.worker.weight_streamer import WeightStreamer
+
+        stage = self.stage
+        if not hasattr(model, "make_layer"):
+            logger.warning(
+                "%s cannot stream its layers' weights; stage %d computes every step on the CPU",
+                type(model).__name__,
+                stage.pp_rank,
+            )
+            return None
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.finish_loading()  # GGUF blocks kept or decoded, as they will run
+        try:
+            streamer = WeightStreamer(
+                model, stage.stream_device, self.dtype, stage.stream_threshold,
+                stage.stream_kv_tokens,
+            )  # fmt: skip
+        except NotImplementedError as exc:
+            logger.warning("stage %d computes every step on the CPU: %s", stage.pp_rank, exc)
+            return None
+        logger.info(
+            "stage %d streams its %d layers to %s for steps of >= %d tokens (%.0f MiB staged)",
+            stage.pp_rank,
+            stage.num_layers,
+            stage.stream_device,
+            stage.stream_threshold,
+            streamer.staging_bytes / (1 << 20),
+        )
+        return streamer
 
     def kv_cache_bytes_per_block(self) -> int:
         m = self.model

@@ -124,3 +124,18 @@ def test_plan_errors_are_one_clear_line(capsys, monkeypatch, cache_dir, llama8b_
     with pytest.raises(SystemExit):
         main([llama8b_folder, "--max-gpu-memory", "8 parsecs"])
     assert "cannot read memory size '8 parsecs'" in capsys.readouterr().err
+
+
+def test_plan_shows_where_cpu_stages_stream_and_the_crossover(capsys, monkeypatch, cache_dir,
+                                                              llama8b_folder):  # fmt: skip
+    args = ("--fake-gpu", "RTX3060:12", "--fake-ram-gib", "64")
+    code, out, err = run_plan(capsys, monkeypatch, cache_dir, llama8b_folder, *args)
+    assert code == 0, err
+    assert stage_devices(out) == ["cpu", "cuda:0"]
+    line = next(x for x in out.splitlines() if "streaming to" in x)
+    assert re.search(r"streaming to cuda:0 (for steps of >= [\d,]+ tokens|never)", line), line
+    assert "dense bfloat16 copies" in line and "cost-model crossover: decode" in line
+    code, out, _ = run_plan(
+        capsys, monkeypatch, cache_dir, llama8b_folder, *args, "--stream-threshold", "-1"
+    )
+    assert code == 0 and "streaming to" not in out

@@ -11,7 +11,14 @@ import transformers
 
 from hybridllm.plan.cost_model import CostModel
 from hybridllm.plan.hardware_profile import CpuRates, HardwareProfile, nominal_gpu_rates
-from hybridllm.plan.memory_budget import device_memory, fits, memory_budgets, worker_weight_bytes
+from hybridllm.plan.memory_budget import (
+    device_memory,
+    fits,
+    memory_budgets,
+    stream_kv_tokens,
+    stream_staging_bytes,
+    worker_weight_bytes,
+)
 from hybridllm.plan.model_size import GGUFBlockSizes, model_size
 from hybridllm.plan.placement_args import PlacementArgs, parse_memory_size
 from hybridllm.plan.plan import Plan, partition
@@ -101,12 +108,21 @@ def test_a_model_too_big_fills_the_gpu_and_puts_the_rest_on_the_cpu(name, gpu_gi
     # About the layers the budget holds after the head, KV reserve and activations.
     size = model_size(config(name), "bfloat16")
     free = 0.9 * gpu_gib * GiB - size.lm_head_bytes - size.activation_bytes(2048)
+    free -= stream_staging_bytes(size, stream_kv_tokens(2048))  # the CPU stage streams here
     expected = free // (size.layer_bytes + 4096 * size.kv_bytes_per_token_per_layer)
     assert abs(gpu_layers - expected) <= 1, (gpu_layers, expected)
     # ... and no more: one more GPU layer would overflow the budget.
     bigger = Plan.uniform([["cpu"], ["cuda:0"]], plan.num_layers, [
         plan.stages[0].num_layers - 1, gpu_layers + 1])  # fmt: skip
-    assert not fits(bigger.stages, size, memory_budgets(hw, PlacementArgs()))
+    cpu = plan.stages[0]
+    streaming = dict(
+        stream_device=cpu.stream_device,
+        stream_threshold=cpu.stream_threshold,
+        stream_kv_tokens=cpu.stream_kv_tokens,
+    )
+    stages = (dataclasses.replace(bigger.stages[0], **streaming), bigger.stages[1])
+    assert cpu.stream_device == "cuda:0"
+    assert not fits(stages, size, memory_budgets(hw, PlacementArgs()))
 
 
 def test_the_chosen_stage_order_is_the_faster_one():

@@ -1,0 +1,314 @@
+"""Computes a CPU stage's decoder layers on an accelerator for steps with many tokens.
+
+A CPU stage reads its weights from DRAM once per step, so it decodes a few sequences well and
+is compute-bound on prefills and big batches. For those steps the `WeightStreamer` copies each
+layer's weights (pinned host copies made once at load, in the accelerator's dtype) into one of
+two staging slots on the accelerator, on a copy stream, while the accelerator computes the
+previous layer from the other slot; the layer then runs there as an ordinary accelerator layer.
+
+The KV cache of these layers stays on the CPU, where the CPU path (the common case: decoding a
+few sequences) reads it. A streamed step copies the blocks its sequences attend over into the
+slot beside the weights (a compact cache holding only those blocks, with block tables and slot
+mapping renumbered to match), attention runs on the accelerator, and the K/V rows the step wrote
+are copied back into the CPU cache at the end. Keeping KV on the accelerator instead would force
+every CPU-computed step to fetch it back; moving only what a streamed step reads costs less than
+the weights for prefills, and the cost model counts it for big decode batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from hybridllm.layers.attention import PagedAttention
+from hybridllm.layers.attention_metadata import AttentionMetadata
+from hybridllm.layers.linear import Linear
+from hybridllm.layers.prepared_attention import prepare_attention
+
+NUM_SLOTS = 2  # double buffering: copy layer j + 1 while layer j computes
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One parameter of a decoder layer in the flat staging layout."""
+
+    module: str  # path of its module in the layer
+    name: str  # attribute on that module
+    shape: tuple[int, ...]
+    offset: int  # in elements
+    numel: int
+
+
+def _layout(layer: nn.Module) -> tuple[list[_Entry], int]:
+    entries, offset = [], 0
+    for path, module in layer.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            entries.append(_Entry(path, name, tuple(param.shape), offset, param.numel()))
+            offset += param.numel()
+    return entries, offset
+
+
+def _dense(layer: nn.Module, entry: _Entry) -> torch.Tensor:
+    """The CPU layer's value of a parameter, as floats of the twin's shape."""
+    module = layer.get_submodule(entry.module)
+    if isinstance(module, Linear) and entry.name == "weight":
+        value = module.dense_weight()
+    else:
+        value = getattr(module, entry.name).detach()
+    if tuple(value.shape) != entry.shape:
+        raise NotImplementedError(
+            f"weight streaming cannot stage {entry.module}.{entry.name}: the CPU layer holds "
+            f"{tuple(value.shape)}, the accelerator layer expects {entry.shape}"
+        )
+    return value
+
+
+class _CopyStream:
+    """The copy stream and the events that order it against compute; no-ops off CUDA."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.copied: dict[int, torch.cuda.Event] = {}
+        self.computed: dict[int, torch.cuda.Event] = {}
+
+    def context(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+
+    def _event(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def after_compute(self, layer: int) -> None:
+        """Later copies wait until `layer` finished reading its slot."""
+        if self.cuda and layer in self.computed:
+            self.stream.wait_event(self.computed.pop(layer))
+
+    def mark_copied(self, layer: int) -> None:
+        if self.cuda:
+            self.copied[layer] = self._event(self.stream)
+
+    def host_wait_copied(self, layer: int) -> None:
+        """The host may refill the pinned buffers that `layer`'s copies read from."""
+        if self.cuda and layer in self.copied:
+            self.copied[layer].synchronize()
+
+    def wait_copied(self, layer: int) -> None:
+        if self.cuda:
+            torch.cuda.current_stream().wait_event(self.copied.pop(layer))
+
+    def mark_computed(self, layer: int) -> None:
+        if self.cuda:
+            self.computed[layer] = self._event(None)
+
+    def finish(self) -> None:
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()
+            self.copied.clear()
+            self.computed.clear()
+
+
+class _Slot:
+    """An accelerator twin of a decoder layer whose parameters are views into one flat
+    buffer, and a KV buffer for the blocks a step reads."""
+
+    def __init__(self, layer: nn.Module, entries: list[_Entry], numel: int, kv_numel: int):
+        param = next(layer.parameters())
+        self.weights = torch.empty(numel, dtype=param.dtype, device=param.device)
+        for e in entries:
+            view = self.weights[e.offset : e.offset + e.numel].view(e.shape)
+            setattr(layer.get_submodule(e.module), e.name, nn.Parameter(view, requires_grad=False))
+        self.layer = layer
+        self.attention = [m for m in layer.modules() if isinstance(m, PagedAttention)]
+        self.kv = torch.empty(kv_numel, dtype=param.dtype, device=param.device)
+
+
+@dataclass
+class _StepBlocks:
+    """A streamed step's view of the KV cache: the blocks it reads, renumbered."""
+
+    block_ids: torch.Tensor  # [num_blocks] int64, CPU: the CPU cache's blocks, ascending
+    metadata: AttentionMetadata  # on the accelerator, over the compact cache
+    cpu_slots: torch.Tensor  # [num_tokens] int64: where the step's K/V go in the CPU cache
+    compact_slots: torch.Tensor  # [num_tokens] int64, accelerator: the same rows, compact
+
+
+class WeightStreamer:
+    """Runs a CPU stage's layers on `device` for steps of at least `threshold` tokens."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        threshold: int,
+        kv_tokens: int,
+    ) -> None:
+        """`model`: the CPU stage (weights loaded, before CPU repacking); `kv_tokens`: the
+        KV rows (over all sequences of a step) a staging slot holds; larger steps stay on
+        the CPU."""
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.threshold = threshold
+        layers = list(model.layers)
+        twins = [model.make_layer(model.start_layer, dtype, self.device) for _ in range(NUM_SLOTS)]
+        self.entries, numel = _layout(twins[0])
+        pin = self.device.type == "cuda"
+        # One flat host copy per layer: a step copies each with a single transfer.
+        self.host = []
+        for layer in layers:
+            flat = torch.empty(numel, dtype=dtype, pin_memory=pin)
+            for e in self.entries:
+                flat[e.offset : e.offset + e.numel].view(e.shape).copy_(_dense(layer, e))
+            self.host.append(flat)
+        self.block_size = 0
+        self.kv_heads, self.head_dim = model.num_kv_heads, model.head_dim
+        self.kv_tokens = kv_tokens
+        kv_numel = 2 * kv_tokens * self.kv_heads * self.head_dim
+        self.slots = [_Slot(twin, self.entries, numel, kv_numel) for twin in twins]
+        self.host_kv = [torch.empty(kv_numel, dtype=dtype, pin_memory=pin) for _ in twins]
+        self.new_kv = torch.empty(0, dtype=dtype, pin_memory=pin)  # the step's new K/V rows
+        self.cpu_attention = [
+            [m for m in layer.modules() if isinstance(m, PagedAttention)] for layer in layers
+        ]
+        self.rotary = copy.deepcopy(model.rotary_emb).to(self.device)
+        self.rotary.dtype, self.rotary.native = dtype, False
+        self.rotary.cos_sin_cache = self.rotary._build(self.rotary.cos_sin_cache.shape[0])
+        self.copies = _CopyStream(self.device)
+        self._step: tuple[int, _StepBlocks] | None = None
+        self.num_streamed_steps = 0
+
+    @property
+    def staging_bytes(self) -> int:
+        """Accelerator memory the staging slots hold."""
+        return sum(s.weights.nbytes + s.kv.nbytes for s in self.slots)
+
+    # ---- the per-step choice ---------------------------------------------------------------
+
+    def wants(self, metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
+        """Stream this step: enough tokens, and the blocks it reads fit a slot."""
+        num_tokens = int(metadata.slot_mapping.shape[0])
+        if self.threshold < 0 or num_tokens < self.threshold or not kv_caches:
+            return False
+        blocks = self._step_blocks(metadata)
+        if blocks.block_ids.numel() * metadata.block_size > self.kv_tokens:
+            return False
+        self._step = (id(metadata), blocks)
+        return True
+
+    def _step_blocks(self, md: AttentionMetadata) -> _StepBlocks:
+        bs = md.block_size
+        table = md.block_tables.cpu().numpy()
+        used = [table[i, : -(-n // bs)] for i, n in enumerate(md.seq_lens_cpu)]
+        ids = np.unique(np.concatenate(used))  # ascending
+        compact_table = np.zeros_like(table)
+        for i, row in enumerate(used):
+            compact_table[i, : len(row)] = np.searchsorted(ids, row)
+        slots = md.slot_mapping.cpu().numpy()
+        compact = np.searchsorted(ids, slots // bs) * bs + slots % bs
+        dev = self.device
+        metadata = AttentionMetadata(
+            num_decodes=md.num_decodes,
+            num_decode_tokens=md.num_decode_tokens,
+            slot_mapping=torch.from_numpy(compact).to(dev),
+            query_start_loc=md.query_start_loc.to(dev),
+            seq_lens=md.seq_lens.to(dev),
+            block_tables=torch.from_numpy(compact_table).to(dev),
+            query_start_loc_cpu=md.query_start_loc_cpu,
+            seq_lens_cpu=md.seq_lens_cpu,
+            max_seq_len=md.max_seq_len,
+            block_size=bs,
+        )
+        return _StepBlocks(
+            torch.from_numpy(ids).long(), metadata, torch.from_numpy(slots), metadata.slot_mapping
+        )
+
+    # ---- one streamed step -----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(
+        self,
+        layers: nn.ModuleList,
+        kv_caches: list[torch.Tensor],
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stage's layers over one step, on the accelerator; returns (hidden, residual)
+        on the stage's device and dtype, and leaves the step's K/V in the CPU caches."""
+        if self._step is None or self._step[0] != id(metadata):
+            self._step = (id(metadata), self._step_blocks(metadata))
+        blocks = self._step[1]
+        self._step = None
+        dev, dtype = self.device, self.dtype
+        num_blocks = int(blocks.block_ids.numel())
+        kv_shape = (2, num_blocks, metadata.block_size, self.kv_heads, self.head_dim)
+        prep = prepare_attention(blocks.metadata)
+        rotary = self.rotary(positions.to(dev), metadata.max_seq_len)
+        h = hidden_states.to(dev, dtype)  # [num_tokens, hidden]
+        r = None if residual is None else residual.to(dev, dtype)
+        num_tokens = h.shape[0]
+        new_kv = self._new_kv_rows(len(layers), num_tokens)  # [layers, 2, tokens, kvh, D]
+        self._prefetch(0, blocks.block_ids, kv_caches, kv_shape)
+        for j in range(len(layers)):
+            slot = self.slots[j % NUM_SLOTS]
+            for twin, cpu in zip(slot.attention, self.cpu_attention[j]):
+                twin.sliding_window = cpu.sliding_window
+            kv = slot.kv[: _numel(kv_shape)].view(kv_shape)
+            self.copies.wait_copied(j)
+            h, r = slot.layer(h, r, rotary, kv, prep)
+            # The rows this layer wrote, for the CPU cache.
+            rows = kv.view(2, -1, self.kv_heads, self.head_dim).index_select(
+                1, blocks.compact_slots
+            )
+            new_kv[j].copy_(rows, non_blocking=True)
+            self.copies.mark_computed(j)
+            if j + 1 < len(layers):
+                self._prefetch(j + 1, blocks.block_ids, kv_caches, kv_shape)
+        self.copies.finish()
+        for j, cache in enumerate(kv_caches):
+            flat = cache.view(2, -1, self.kv_heads, self.head_dim)
+            flat.index_copy_(1, blocks.cpu_slots, new_kv[j].to(cache.dtype))
+        self.num_streamed_steps += 1
+        out_h = h.to(hidden_states.device, hidden_states.dtype)
+        return out_h, r.to(hidden_states.device, hidden_states.dtype)
+
+    def _prefetch(
+        self,
+        j: int,
+        block_ids: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        kv_shape: tuple[int, ...],
+    ) -> None:
+        """Queue layer j's weights and the step's KV blocks into slot j % 2."""
+        s = j % NUM_SLOTS
+        slot, host_kv = self.slots[s], self.host_kv[s][: _numel(kv_shape)].view(kv_shape)
+        self.copies.host_wait_copied(j - NUM_SLOTS)  # its pinned KV buffer is free again
+        host_kv.copy_(kv_caches[j].index_select(1, block_ids))  # a gather, on the host
+        self.copies.after_compute(j - NUM_SLOTS)  # the slot's previous layer is done with it
+        with self.copies.context():
+            slot.weights.copy_(self.host[j], non_blocking=True)
+            slot.kv[: host_kv.numel()].view(kv_shape).copy_(host_kv, non_blocking=True)
+            self.copies.mark_copied(j)
+
+    def _new_kv_rows(self, num_layers: int, num_tokens: int) -> torch.Tensor:
+        shape = (num_layers, 2, num_tokens, self.kv_heads, self.head_dim)
+        if self.new_kv.numel() < _numel(shape):
+            self.new_kv = torch.empty(
+                _numel(shape), dtype=self.dtype, pin_memory=self.device.type == "cuda"
+            )
+        return self.new_kv[: _numel(shape)].view(shape)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

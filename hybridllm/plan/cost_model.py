@@ -115,6 +115,19 @@ class CostModel:
         matmul = size.shard_matmul_params(shard.q_heads, shard.kv_heads, shard.intermediate)
         q_dim = shard.q_heads * size.head_dim
         flops = num_tokens * layers * (2 * matmul + 4 * q_dim * context_len)
+        experts_s = 0.0
+        if size.moe is not None and len(stage.workers) == 1:
+            # layer by layer: a step reads the experts its tokens select, not all of them;
+            # experts the plan put on the CPU beside a GPU stage cost the CPU's time
+            here = [
+                worker.is_cpu or not stage.experts_on_cpu(i)
+                for i in range(stage.layer_start, stage.layer_end)
+            ]
+            ids = range(stage.layer_start, stage.layer_end)
+            weight_bytes = sum(size.step_weight_bytes(i, num_tokens, r) for i, r in zip(ids, here))
+            active = sum(size.active_matmul_params(i, r) for i, r in zip(ids, here))
+            flops = num_tokens * (2 * active + layers * 4 * q_dim * context_len)
+            experts_s = self.cpu_expert_time(stage, size, num_tokens)
         if stage.has_embedding:
             bytes_read += num_tokens * size.hidden_size * size.dtype_bytes  # a gather of rows
         if stage.has_lm_head:
@@ -129,14 +142,41 @@ class CostModel:
         blocks = worker.is_cpu and size.matmul_bytes_per_param is not None
         weight_rate = rates.block_read_bandwidth if blocks else rates.read_bandwidth
         read_s = weight_bytes / weight_rate + bytes_read / rates.read_bandwidth
-        return fixed + max(read_s, flops / rates.matmul_flops)
+        return fixed + max(read_s, flops / rates.matmul_flops) + experts_s
+
+    def cpu_expert_time(self, stage: StagePlan, size: ModelSize, num_tokens: int) -> float:
+        """Seconds the host CPU spends on the routed experts a GPU stage keeps there: the
+        selected experts' bytes at the CPU's rate, top_k experts' FLOPs per token, and per layer
+        the hidden states and router logits crossing to the host and the routed sum back (the
+        GPU's shared expert overlaps this; not counted)."""
+        worker = stage.workers[0]
+        moe = size.moe
+        if moe is None or worker.is_cpu or stage.cpu_expert_layers == 0:
+            return 0.0
+        end = stage.layer_start + stage.cpu_expert_layers
+        layers = [i for i in range(stage.layer_start, end) if moe.is_sparse(i)]
+        if not layers:
+            return 0.0
+        cpu = size.cpu_view()
+        rates = self.device_rates("cpu", size.dtype)
+        link = self.device_rates(worker.device, size.dtype).link_bandwidth
+        share = moe.active_experts(num_tokens) / moe.num_experts
+        read = share * sum(cpu.routed_expert_bytes(i) for i in layers)
+        blocks = cpu.matmul_bytes_per_param is not None
+        read_s = read / (rates.block_read_bandwidth if blocks else rates.read_bandwidth)
+        flops = 2 * num_tokens * moe.top_k * moe.expert_params * len(layers)
+        # [tokens, hidden] out and back, [tokens, E] fp32 logits out
+        crossing = num_tokens * (2 * size.hidden_size * size.dtype_bytes + 4 * moe.num_experts)
+        hops = len(layers) * (HOP_LATENCY_S + crossing / link)
+        return len(layers) * CPU_LAYER_OVERHEAD_S + max(read_s, flops / rates.matmul_flops) + hops
 
     def stream_time(
         self, stage: StagePlan, size: ModelSize, num_tokens: int, num_seqs: int, context_len: int
     ) -> float:
         """Seconds a one-worker CPU stage takes when it streams its layers to its stream device.
 
-        Each layer's weights (dense, in the plan's dtype) and the KV its sequences attend over
+        Each layer's weights (GGUF blocks where the CPU keeps them, else dense values in the
+        plan's dtype; the device decodes blocks) and the KV its sequences attend over
         cross the link on a copy stream while the device computes the previous layer, so a step
         costs one layer's copy plus the larger of the remaining copies and the device's
         compute; the hidden states cross twice, the step's new K/V rows come back, and the
@@ -147,7 +187,8 @@ class CostModel:
         layers = stage.num_layers
         cached = max(0, num_seqs * context_len - num_tokens)  # KV rows from earlier steps
         kv_rows = cached + num_tokens  # read in, then the new ones written back
-        per_layer = (size.layer_bytes + kv_rows * size.kv_bytes_per_token_per_layer) / link
+        sent = size.for_worker(stage, 0).layer_bytes  # GGUF blocks cross as blocks
+        per_layer = (sent + kv_rows * size.kv_bytes_per_token_per_layer) / link
         worker = dataclasses.replace(stage.workers[0], device=device)
         twin = dataclasses.replace(
             stage,

@@ -8,6 +8,8 @@ from hybridllm.plan.memory_budget import (
     MemoryBudgets,
     device_memory,
     format_bytes,
+    host_expert_bytes,
+    stream_sent_layer_bytes,
     worker_shard,
     worker_weight_bytes,
 )
@@ -72,8 +74,12 @@ def describe_plan(
                 f"    rank {worker.rank}: {where:<34} {_shard_text(size, stage, tp_rank)}"
                 f"  weights {format_bytes(worker_weight_bytes(size, stage, tp_rank))}"
             )
+        if stage.cpu_expert_layers:
+            lines.append(_cpu_experts_text(stage, size))
         if stage.stream_device is not None:
             lines.append(_streaming_text(stage, size, prediction))
+    if size.moe is not None:
+        lines.append(_experts_per_device(plan, size))
     lines.append("memory per device:")
     lines.append(
         f"  {'device':<8} {'budget':>12} {'weights':>12} {'activations':>12} "
@@ -86,7 +92,8 @@ def describe_plan(
             f"{format_bytes(mem.activation_bytes):>12} {format_bytes(mem.kv_bytes_per_token):>10} "
             f"{mem.kv_capacity_tokens:>9,} tokens"
         )
-    capacity = min(m.kv_capacity_tokens for m in usage)
+    # a host holding only routed experts or streaming copies keeps no KV of its own
+    capacity = min((m.kv_capacity_tokens for m in usage if m.kv_bytes_per_token), default=0)
     lines.append(
         f"  KV cache: {capacity:,} tokens (the smallest device decides; "
         f"{budgets.kv_reserve_tokens:,} reserved)"
@@ -121,14 +128,51 @@ def _stage_header(stage: StagePlan) -> str:
     return f"  stage {stage.pp_rank}: " + " + ".join(parts)
 
 
+def _cpu_experts_text(stage: StagePlan, size: ModelSize) -> str:
+    end = stage.layer_start + stage.cpu_expert_layers
+    text = f"    routed experts of layers [{stage.layer_start}, {end}) on cpu"
+    if not stage.workers[0].is_cpu:
+        text += (
+            f" ({format_bytes(host_expert_bytes(size, stage))}); the router, shared expert and "
+            f"attention of those layers on {stage.workers[0].device}; hidden states cross per layer"
+        )
+    return text
+
+
+def _experts_per_device(plan: Plan, size: ModelSize) -> str:
+    """Routed experts per device: E experts x sparse layers, and their bytes."""
+    moe = size.moe
+    counts: dict[str, list[int]] = {}
+    for stage in plan.stages:
+        for layer in range(stage.layer_start, stage.layer_end):
+            if not moe.is_sparse(layer):
+                continue
+            where = "cpu" if stage.experts_on_cpu(layer) else stage.workers[0].device
+            view = size.cpu_view() if where == "cpu" else size
+            entry = counts.setdefault(where, [0, 0])
+            entry[0] += 1
+            entry[1] += view.routed_expert_bytes(layer)
+    parts = [
+        f"{device}: {n} layers x {moe.num_experts} ({format_bytes(nbytes)})"
+        for device, (n, nbytes) in counts.items()
+    ]
+    return f"routed experts (top-{moe.top_k} of {moe.num_experts}): " + ", ".join(parts)
+
+
 def _streaming_text(stage: StagePlan, size: ModelSize, prediction: PlanPrediction | None) -> str:
     if stage.stream_threshold < 0:
         when = "never (threshold -1)"
     else:
         when = f"for steps of >= {stage.stream_threshold:,} tokens"
+    sent = stream_sent_layer_bytes(size, stage)
+    what = (
+        "their GGUF blocks, decoded there"
+        if sent != size.layer_bytes
+        else f"dense {size.dtype} copies of the layers"
+    )
     text = (
-        f"    streaming to {stage.stream_device} {when}: dense {size.dtype} copies of the "
-        f"layers (the GPU computes from no GGUF blocks), KV blocks copied per step"
+        f"    streaming to {stage.stream_device} {when}: {what} "
+        f"({format_bytes(sent)} a layer), KV blocks copied per step"
     )
     crossing = [
         c for c in (prediction.stream_crossovers if prediction else ()) if c[0] == stage.pp_rank

@@ -99,9 +99,18 @@ def worker_weight_bytes(size: ModelSize, stage: StagePlan, tp_rank: int) -> int:
     """Parameter bytes of one worker: its shard of its stage's layers, embedding and LM head."""
     size = size.for_worker(stage, tp_rank)
     shard = worker_shard(size, stage, tp_rank)
-    total = stage.num_layers * size.shard_layer_bytes(
-        shard.q_heads, shard.kv_heads, shard.intermediate
-    )
+    if size.moe is not None:
+        # layer by layer; a GPU worker holds no routed experts the plan put on the CPU
+        on_cpu = stage.workers[tp_rank].is_cpu
+        layers = range(stage.layer_start, stage.layer_end)
+        total = sum(
+            size.layer_weight_bytes(i, on_cpu or not stage.experts_on_cpu(i)) for i in layers
+        )
+        total = round(total * stage.tp_share(tp_rank))  # MoE layers are not sharded: a bound
+    else:
+        total = stage.num_layers * size.shard_layer_bytes(
+            shard.q_heads, shard.kv_heads, shard.intermediate
+        )
     vocab_share = shard.vocab / size.vocab_size
     if stage.has_embedding:
         total += int(size.embedding_bytes * vocab_share)
@@ -109,6 +118,16 @@ def worker_weight_bytes(size: ModelSize, stage: StagePlan, tp_rank: int) -> int:
         total += size.final_norm_bytes
         total += int(size.head_matrix_bytes(stage.has_embedding) * vocab_share)
     return total
+
+
+def host_expert_bytes(size: ModelSize, stage: StagePlan) -> int:
+    """Bytes of the routed experts a GPU stage keeps on the host CPU (as a CPU worker holds
+    them: GGUF blocks where kept)."""
+    if stage.cpu_expert_layers == 0 or all(w.is_cpu for w in stage.workers):
+        return 0  # a CPU worker counts its experts among its own weights
+    cpu = size.cpu_view()
+    end = stage.layer_start + stage.cpu_expert_layers
+    return sum(cpu.routed_expert_bytes(i) for i in range(stage.layer_start, end))
 
 
 def worker_kv_bytes_per_token(size: ModelSize, stage: StagePlan, tp_rank: int) -> int:
@@ -148,9 +167,18 @@ def stream_kv_tokens(max_num_batched_tokens: int) -> int:
     return max(2 * max_num_batched_tokens, _MIN_STREAM_KV_TOKENS)
 
 
-def stream_staging_bytes(size: ModelSize, kv_tokens: int) -> int:
-    """Two staging slots on the stream device, each a dense layer and `kv_tokens` of its KV."""
-    return 2 * (size.layer_bytes + kv_tokens * size.kv_bytes_per_token_per_layer)
+def stream_sent_layer_bytes(size: ModelSize, stage: StagePlan) -> int:
+    """Bytes of one layer a streaming CPU stage sends: its GGUF blocks (the accelerator decodes
+    them), else the dense layer."""
+    return size.for_worker(stage, 0).layer_bytes
+
+
+def stream_staging_bytes(size: ModelSize, kv_tokens: int, sent_layer_bytes: int) -> int:
+    """Two staging slots on the stream device, each a dense layer, the blocks it is decoded
+    from when it arrives as blocks (dense values land in place), and `kv_tokens` of its KV."""
+    blocks = sent_layer_bytes if sent_layer_bytes != size.layer_bytes else 0
+    kv = kv_tokens * size.kv_bytes_per_token_per_layer
+    return 2 * (size.layer_bytes + blocks + kv)
 
 
 def device_memory(
@@ -164,11 +192,15 @@ def device_memory(
             t[0] += worker_weight_bytes(size, stage, rank)
             t[1] += size.activation_bytes(budgets.max_num_batched_tokens)
             t[2] += worker_kv_bytes_per_token(size, stage, rank)
+        experts = host_expert_bytes(size, stage)
+        if experts:
+            totals.setdefault("cpu", [0, 0, 0])[0] += experts
         if stage.stream_device is not None:
             # staging slots on the device; pinned dense copies of the layers on the host
             t = totals.setdefault(stage.stream_device, [0, 0, 0])
-            t[0] += stream_staging_bytes(size, stage.stream_kv_tokens)
-            totals.setdefault("cpu", [0, 0, 0])[0] += stage.num_layers * size.layer_bytes
+            sent = stream_sent_layer_bytes(size, stage)
+            t[0] += stream_staging_bytes(size, stage.stream_kv_tokens, sent)
+            totals.setdefault("cpu", [0, 0, 0])[0] += stage.num_layers * sent
     return tuple(
         DeviceMemory(device, budgets.budget_of(device), w, a, kv)
         for device, (w, a, kv) in totals.items()

@@ -15,6 +15,13 @@ Modes, in order of precedence:
   step (1 GiB for a 128k vocab at 4096 hidden): on the CPU that costs tens of ms per token. The
   cost model compares both orders at batch-1 decode (each with as many GPU layers as its own
   budget allows) and the faster wins; without a cost model, the LM head goes on the GPU.
+
+Mixtures of experts: `cpu_moe` / `n_cpu_moe` put the routed experts of every (or the first N)
+layer on the host CPU while the rest of those layers stays on their GPU stage (on a plan
+without a GPU the stages still record it, which runs the same code path on the host). With
+no flags, a model too big for the GPU first gets its routed experts moved to the CPU, layer by
+layer, just enough to fit; only if all of them there is not enough are whole layers moved
+(the GPU stage then keeps none of its layers' routed experts).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from hybridllm.plan.memory_budget import (
     format_bytes,
     memory_budgets,
     stream_kv_tokens,
+    stream_sent_layer_bytes,
     stream_staging_bytes,
     worker_kv_bytes_per_token,
     worker_weight_bytes,
@@ -195,6 +203,13 @@ class _Planner:
         whole = self._layout([["cuda:0"]], [self.num_layers])
         if fits(whole.stages, self.size, self.budgets):
             return whole
+        if self.size.moe is not None and not self.args.cpu_expert_prefix(self.num_layers):
+            plan = self._experts_to_cpu_plan()
+            if plan is not None:
+                return plan
+            # not even every routed expert on the host makes room: move layers too
+            args = dataclasses.replace(self.args, cpu_moe=True)
+            return dataclasses.replace(self, args=args)._automatic_plan()
         candidates = []
         for gpu_first in (False, True):
             k = self._max_gpu_layers(gpu_first)
@@ -218,7 +233,51 @@ class _Planner:
         )  # fmt: skip
         return plan
 
+    def _experts_to_cpu_plan(self) -> Plan | None:
+        """The whole model on cuda:0 with the routed experts of as few first layers as needed
+        on the CPU (fewest: the GPU reads its experts faster), or None when all do not suffice."""
+
+        def with_experts(n: int) -> tuple[Plan, bool]:
+            planner = dataclasses.replace(self, args=dataclasses.replace(self.args, n_cpu_moe=n))
+            plan = planner._layout([["cuda:0"]], [self.num_layers])
+            return plan, fits(plan.stages, self.size, self.budgets)
+
+        low, high = 0, self.num_layers  # does not fit with `low` layers' experts; try up to high
+        best, ok = with_experts(high)
+        if not ok:
+            return None
+        while high - low > 1:  # fitting only grows with n: bisect the fewest that fit
+            mid = (low + high) // 2
+            plan, ok = with_experts(mid)
+            low, high, best = (low, mid, plan) if ok else (mid, high, best)
+        logger.info(
+            "the model does not fit the GPU: the routed experts of its first %d of %d layers "
+            "go to the CPU", high, self.num_layers,
+        )  # fmt: skip
+        return best
+
     # --- pieces -----------------------------------------------------------------------------
+
+    def _cpu_experts(self, row: list[str], start: int, n: int) -> int:
+        """How many first layers of a stage on `row` at [start, start + n) keep their routed
+        experts on the CPU: those among the user's first N, on a GPU stage (or on any stage of
+        a plan without a GPU: the same code path then runs on the host)."""
+        prefix = self.args.cpu_expert_prefix(self.num_layers)
+        if prefix == 0:
+            return 0
+        if self.size.moe is None:
+            raise ValueError(
+                f"cpu_moe / n_cpu_moe place routed experts, but {self.size.model_type!r} is not a "
+                "mixture-of-experts model"
+            )
+        if len(row) != 1:
+            raise ValueError(
+                "cpu_moe / n_cpu_moe need tensor_parallel_size 1 (experts are not sharded)"
+            )
+        without_gpu = self.hw.num_gpus == 0 or self.args.device == "cpu"
+        if row[0] == "cpu" and not without_gpu:
+            return 0  # a CPU stage beside a GPU: its experts are on the CPU already
+        return max(0, min(start + n, prefix) - start)
 
     def _fastest(self, plans: list[Plan]) -> Plan:
         """The plan with the fastest batch-1 decode; without a cost model, LM head on the GPU."""
@@ -236,10 +295,19 @@ class _Planner:
         size, budgets = self.size, self.budgets
         fixed = size.stage_bytes(0, 0, gpu_first, not gpu_first)
         fixed += size.activation_bytes(budgets.max_num_batched_tokens)
+        if size.moe is not None and self.args.cpu_expert_prefix(self.num_layers):
+            # a GPU stage of an MoE split keeps its layers' routed experts on the host
+            per_layer = max(
+                size.layer_weight_bytes(i, routed=False) for i in range(self.num_layers)
+            )
+        else:
+            per_layer = size.layer_bytes
         if self.args.stream_threshold != -1 and self.args.stream_device in (None, "cuda:0"):
             # the CPU stage's staging buffers will live on this GPU
-            fixed += stream_staging_bytes(size, stream_kv_tokens(budgets.max_num_batched_tokens))
-        per_layer = size.layer_bytes + budgets.kv_reserve_tokens * size.kv_bytes_per_token(1)
+            cpu = StagePlan(0, 0, 1, (WorkerPlacement(0, "cpu", 0, 0),), (1.0,), True, False)
+            kv_tokens = stream_kv_tokens(budgets.max_num_batched_tokens)
+            fixed += stream_staging_bytes(size, kv_tokens, stream_sent_layer_bytes(size, cpu))
+        per_layer += budgets.kv_reserve_tokens * size.kv_bytes_per_token(1)
         k = (budgets.gpus[0] - fixed) // per_layer
         return int(max(0, min(k, self.num_layers - 1)))
 
@@ -293,7 +361,10 @@ class _Planner:
             WorkerPlacement(rank=index * tp + j, device=device, pp_rank=index, tp_rank=j)
             for j, device in enumerate(row)
         )
-        stage = StagePlan(index, start, start + n, workers, (1.0,) * tp, index == 0, last)
+        stage = StagePlan(
+            index, start, start + n, workers, (1.0,) * tp, index == 0, last,
+            cpu_expert_layers=self._cpu_experts(row, start, n),
+        )  # fmt: skip
         return dataclasses.replace(stage, tp_weights=self._tp_weights(stage))
 
     def _layout(self, devices: list[list[str]], split: list[int]) -> Plan:
@@ -370,7 +441,7 @@ class _Planner:
         kv_tokens = stream_kv_tokens(self.budgets.max_num_batched_tokens)
         stages = []
         for stage in plan.stages:
-            if len(stage.workers) == 1 and stage.workers[0].is_cpu:
+            if len(stage.workers) == 1 and stage.workers[0].is_cpu and not stage.cpu_expert_layers:
                 stage = dataclasses.replace(
                     stage, stream_device=device, stream_threshold=0, stream_kv_tokens=kv_tokens
                 )

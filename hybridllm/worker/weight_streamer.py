@@ -2,9 +2,11 @@
 
 A CPU stage reads its weights from DRAM once per step, so it decodes a few sequences well and
 is compute-bound on prefills and big batches. For those steps the `WeightStreamer` copies each
-layer's weights (pinned host copies made once at load, in the accelerator's dtype) into one of
-two staging slots on the accelerator, on a copy stream, while the accelerator computes the
-previous layer from the other slot; the layer then runs there as an ordinary accelerator layer.
+layer's weights (one pinned host copy per layer, made once at load) into one of two staging slots
+on the accelerator, on a copy stream, while the accelerator computes the previous layer from the
+other slot; the layer then runs there as an ordinary accelerator layer. GGUF blocks the CPU keeps
+cross as blocks (about 4x fewer bytes than bf16) and the accelerator decodes them into the slot
+(`layers/gguf_dequant_torch.py`); other weights cross as values in the accelerator's dtype.
 
 The KV cache of these layers stays on the CPU, where the CPU path (the common case: decoding a
 few sequences) reads it. A streamed step copies the blocks its sequences attend over into the
@@ -27,6 +29,7 @@ from torch import nn
 
 from hybridllm.layers.attention import PagedAttention
 from hybridllm.layers.attention_metadata import AttentionMetadata
+from hybridllm.layers.gguf_dequant_torch import TORCH_DECODED_TYPES, dequantize_torch
 from hybridllm.layers.linear import Linear
 from hybridllm.layers.prepared_attention import prepare_attention
 
@@ -51,6 +54,46 @@ def _layout(layer: nn.Module) -> tuple[list[_Entry], int]:
             entries.append(_Entry(path, name, tuple(param.shape), offset, param.numel()))
             offset += param.numel()
     return entries, offset
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """A run of one layer's host copy that fills elements of one twin parameter."""
+
+    entry: _Entry
+    start: int  # first element of the parameter it fills
+    numel: int
+    offset: int  # bytes into the layer's host copy (16-aligned)
+    nbytes: int
+    ggml_type: int | None = None  # GGUF blocks [rows, bytes per row] to decode; None: values
+    rows: int = 0
+
+
+def _align(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def _host_pieces(layer: nn.Module, entries: list[_Entry], dtype: torch.dtype) -> list[tuple]:
+    """(piece kind, source tensor, start, numel, ggml type, rows) for every parameter of the
+    twin: a Linear's decodable GGUF blocks as blocks (one run per stacked shard), else values."""
+    pieces = []
+    for e in entries:
+        module = layer.get_submodule(e.module)
+        cols = e.shape[-1]
+        if isinstance(module, Linear) and e.name == "weight":
+            if module.qweight is not None and module.ggml_type in TORCH_DECODED_TYPES:
+                pieces.append((e, module.qweight, 0, e.numel, module.ggml_type, e.shape[0]))
+                continue
+            if module.shard_blocks and all(
+                t in TORCH_DECODED_TYPES for _, t, _ in module.shard_blocks
+            ):
+                row = 0
+                for blocks, ggml_type, rows in module.shard_blocks:
+                    pieces.append((e, blocks, row * cols, rows * cols, ggml_type, rows))
+                    row += rows
+                continue
+        pieces.append((e, _dense(layer, e).to(dtype), 0, e.numel, None, 0))
+    return pieces
 
 
 def _dense(layer: nn.Module, entry: _Entry) -> torch.Tensor:
@@ -118,8 +161,11 @@ class _Slot:
     """An accelerator twin of a decoder layer whose parameters are views into one flat
     buffer, and a KV buffer for the blocks a step reads."""
 
-    def __init__(self, layer: nn.Module, entries: list[_Entry], numel: int, kv_numel: int):
+    def __init__(
+        self, layer: nn.Module, entries: list[_Entry], numel: int, kv_numel: int, raw_bytes: int
+    ):
         param = next(layer.parameters())
+        self.raw = torch.empty(raw_bytes, dtype=torch.uint8, device=param.device)
         self.weights = torch.empty(numel, dtype=param.dtype, device=param.device)
         for e in entries:
             view = self.weights[e.offset : e.offset + e.numel].view(e.shape)
@@ -160,18 +206,34 @@ class WeightStreamer:
         twins = [model.make_layer(model.start_layer, dtype, self.device) for _ in range(NUM_SLOTS)]
         self.entries, numel = _layout(twins[0])
         pin = self.device.type == "cuda"
-        # One flat host copy per layer: a step copies each with a single transfer.
-        self.host = []
+        # One flat host copy per layer (blocks and values side by side): a step copies each
+        # with a single transfer, and the accelerator unpacks it into the slot's parameters.
+        self.host: list[torch.Tensor] = []
+        self.pieces: list[list[_Piece]] = []
+        itemsize = torch.empty(0, dtype=dtype).element_size()
         for layer in layers:
-            flat = torch.empty(numel, dtype=dtype, pin_memory=pin)
-            for e in self.entries:
-                flat[e.offset : e.offset + e.numel].view(e.shape).copy_(_dense(layer, e))
+            sources, pieces, offset = _host_pieces(layer, self.entries, dtype), [], 0
+            # A layer of values only is laid out as the slot's parameters are: it lands in
+            # place; one with blocks lands in the slot's raw buffer and is unpacked there.
+            in_place = all(ggml_type is None for *_, ggml_type, _ in sources)
+            for e, src, start, count, ggml_type, rows in sources:
+                nbytes = src.numel() * src.element_size()
+                if in_place:
+                    offset = e.offset * itemsize
+                pieces.append(_Piece(e, start, count, offset, nbytes, ggml_type, rows))
+                offset = offset + nbytes if in_place else _align(offset + nbytes)
+            flat = torch.empty(offset, dtype=torch.uint8, pin_memory=pin)
+            for piece, (_, src, *_rest) in zip(pieces, sources):
+                run = flat[piece.offset : piece.offset + piece.nbytes]
+                run.view(src.dtype).view(src.shape).copy_(src)
             self.host.append(flat)
+            self.pieces.append([] if in_place else pieces)
+        raw_bytes = max((flat.numel() for flat, p in zip(self.host, self.pieces) if p), default=0)
         self.block_size = 0
         self.kv_heads, self.head_dim = model.num_kv_heads, model.head_dim
         self.kv_tokens = kv_tokens
         kv_numel = 2 * kv_tokens * self.kv_heads * self.head_dim
-        self.slots = [_Slot(twin, self.entries, numel, kv_numel) for twin in twins]
+        self.slots = [_Slot(twin, self.entries, numel, kv_numel, raw_bytes) for twin in twins]
         self.host_kv = [torch.empty(kv_numel, dtype=dtype, pin_memory=pin) for _ in twins]
         self.new_kv = torch.empty(0, dtype=dtype, pin_memory=pin)  # the step's new K/V rows
         self.cpu_attention = [
@@ -187,7 +249,12 @@ class WeightStreamer:
     @property
     def staging_bytes(self) -> int:
         """Accelerator memory the staging slots hold."""
-        return sum(s.weights.nbytes + s.kv.nbytes for s in self.slots)
+        return sum(s.weights.nbytes + s.raw.nbytes + s.kv.nbytes for s in self.slots)
+
+    @property
+    def host_bytes_per_layer(self) -> int:
+        """Bytes one layer's copy sends over the link (blocks where the CPU keeps them)."""
+        return max(flat.numel() for flat in self.host)
 
     # ---- the per-step choice ---------------------------------------------------------------
 
@@ -263,6 +330,7 @@ class WeightStreamer:
                 twin.sliding_window = cpu.sliding_window
             kv = slot.kv[: _numel(kv_shape)].view(kv_shape)
             self.copies.wait_copied(j)
+            self._unpack(j, slot)
             h, r = slot.layer(h, r, rotary, kv, prep)
             # The rows this layer wrote, for the CPU cache.
             rows = kv.view(2, -1, self.kv_heads, self.head_dim).index_select(
@@ -280,6 +348,22 @@ class WeightStreamer:
         out_h = h.to(hidden_states.device, hidden_states.dtype)
         return out_h, r.to(hidden_states.device, hidden_states.dtype)
 
+    def _unpack(self, j: int, slot: _Slot) -> None:
+        """Fill the slot's parameters from layer j's raw bytes: values copied, blocks decoded
+        (nothing to do for a layer that landed in place)."""
+        for piece in self.pieces[j]:
+            run = slot.raw[piece.offset : piece.offset + piece.nbytes]
+            start = piece.entry.offset + piece.start
+            target = slot.weights[start : start + piece.numel]
+            if piece.ggml_type is None:
+                target.copy_(run.view(self.dtype))
+            else:
+                cols = piece.numel // piece.rows
+                blocks = run.view(piece.rows, -1)
+                target.view(piece.rows, cols).copy_(
+                    dequantize_torch(blocks, piece.ggml_type, piece.rows, cols)
+                )
+
     def _prefetch(
         self,
         j: int,
@@ -294,7 +378,9 @@ class WeightStreamer:
         host_kv.copy_(kv_caches[j].index_select(1, block_ids))  # a gather, on the host
         self.copies.after_compute(j - NUM_SLOTS)  # the slot's previous layer is done with it
         with self.copies.context():
-            slot.weights.copy_(self.host[j], non_blocking=True)
+            # in place (values only), or into the raw buffer to be unpacked
+            target = slot.raw if self.pieces[j] else slot.weights.view(torch.uint8)
+            target[: self.host[j].numel()].copy_(self.host[j], non_blocking=True)
             slot.kv[: host_kv.numel()].view(kv_shape).copy_(host_kv, non_blocking=True)
             self.copies.mark_copied(j)
 

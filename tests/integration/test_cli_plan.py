@@ -134,7 +134,7 @@ def test_plan_shows_where_cpu_stages_stream_and_the_crossover(capsys, monkeypatc
     assert stage_devices(out) == ["cpu", "cuda:0"]
     line = next(x for x in out.splitlines() if "streaming to" in x)
     assert re.search(r"streaming to cuda:0 (for steps of >= [\d,]+ tokens|never)", line), line
-    assert "dense bfloat16 copies" in line and "cost-model crossover: decode" in line
+    assert "dense bfloat16 copies of the layers" in line and "cost-model crossover: decode" in line
     code, out, _ = run_plan(
         capsys, monkeypatch, cache_dir, llama8b_folder, *args, "--stream-threshold", "-1"
     )

@@ -88,7 +88,7 @@ def test_streaming_under_mp_workers(model_path, prompts, expected):
     assert tokens == expected
 
 
-def test_a_gguf_stage_streams_dense_copies_of_its_blocks(tmp_path):
+def test_a_gguf_stage_streams_its_blocks(tmp_path):
     model = tiny_hf_model("llama")
     quantize = {
         f"model.layers.{i}.{name}.weight": kind
@@ -104,6 +104,16 @@ def test_a_gguf_stage_streams_dense_copies_of_its_blocks(tmp_path):
     want, _ = _generate(path, prompts)
     got, steps = _generate(path, prompts, stream_threshold=0, **STREAMING)
     assert got == want and steps >= PARAMS.max_tokens
+    # the blocks cross as blocks (the accelerator decodes them), not as dense copies
+    llm = LLM(path, **COMMON, stream_threshold=0, **STREAMING)
+    try:
+        streamer = llm.llm_engine.executor.workers[0].model_runner.model.weight_streamer
+        kinds = {p.ggml_type for p in streamer.pieces[0] if p.entry.name == "weight"}
+        assert {int(Q.Q4_0), int(Q.Q8_0), int(Q.Q4_1)} <= kinds
+        dense = sum(e.numel for e in streamer.entries) * 4  # fp32 values
+        assert streamer.host_bytes_per_layer < dense / 3
+    finally:
+        llm.shutdown()
 
 
 def test_a_step_whose_kv_does_not_fit_the_staging_buffers_computes_on_the_cpu(

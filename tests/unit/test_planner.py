@@ -108,7 +108,9 @@ def test_a_model_too_big_fills_the_gpu_and_puts_the_rest_on_the_cpu(name, gpu_gi
     # About the layers the budget holds after the head, KV reserve and activations.
     size = model_size(config(name), "bfloat16")
     free = 0.9 * gpu_gib * GiB - size.lm_head_bytes - size.activation_bytes(2048)
-    free -= stream_staging_bytes(size, stream_kv_tokens(2048))  # the CPU stage streams here
+    free -= stream_staging_bytes(
+        size, stream_kv_tokens(2048), size.layer_bytes
+    )  # the CPU stage streams here
     expected = free // (size.layer_bytes + 4096 * size.kv_bytes_per_token_per_layer)
     assert abs(gpu_layers - expected) <= 1, (gpu_layers, expected)
     # ... and no more: one more GPU layer would overflow the budget.

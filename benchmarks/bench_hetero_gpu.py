@@ -7,7 +7,9 @@ device="heterogeneous" and max_gpu_memory = the budget, beside the floor (bytes 
 per token / its measured bandwidth, for hybridllm's plan); `accelerate`, Hugging Face accelerate's
 device_map="auto" under the same budget; `streaming`, CPU-resident layers copied from pinned
 memory to the GPU every forward; `no_cap`, device="heterogeneous" must choose GPU-only and decode
-within 5% of device="cuda". Decode tokens/s per batch = tokens generated after the first over
+within 5% of device="cuda"; `hybrid_policies`, hybridllm under the same budget with its CPU stage
+never streaming (--stream-threshold -1) and always streaming (0), against which `hybrid`'s
+per-step choice is checked. Decode tokens/s per batch = tokens generated after the first over
 the time after it; TTFT is that of one --prompt-len prompt. Progress goes to stderr, the JSON of
 the results to stdout and --json (rewritten after every part, so a call cut short keeps what
 it measured); --combine merges the JSON files of separate calls and checks the targets.
@@ -59,8 +61,16 @@ TOKENIZER_VOCAB = 512
 SHARD_BYTES = 2 << 30
 BLOCK_SIZE = 16  # hybridllm's default KV block
 BATCHED_TOKENS = 2048  # hybridllm's default step budget: it sizes the activation workspace
-TARGETS = {"batch1_vs_floor": 0.8, "batch1_vs_accelerate": 5.0, "no_cap_vs_cuda": 0.95}
-PARTS = ("hybrid", "accelerate", "streaming", "no_cap")
+TARGETS = {
+    "batch1_vs_floor": 0.8,
+    "batch1_vs_accelerate": 5.0,
+    "no_cap_vs_cuda": 0.95,
+    # weight streaming (issue 15): the per-step choice against its two fixed policies
+    "ttft_vs_accelerate": 10.0,  # accelerate's TTFT / ours
+    "choice_vs_best_policy": 0.9,  # ours / the better of always-CPU and always-streaming
+    "batch1_vs_always_streaming": 3.0,
+}
+PARTS = ("hybrid", "accelerate", "streaming", "no_cap", "hybrid_policies")
 _request_ids = itertools.count()
 # (prompts, new tokens) -> (time to first token, decode tokens/s after it)
 Generate = Callable[[list[list[int]], int], tuple[float, float | None]]
@@ -422,6 +432,22 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
         acc = results.get("accelerate", {}).get("decode_tok_s", {}).get("1")
         if acc:
             out["batch1_vs_accelerate"] = check(b1 / acc, TARGETS["batch1_vs_accelerate"])
+    ours = results.get("hybridllm", {})
+    acc_ttft = results.get("accelerate", {}).get("ttft_s")
+    if ours.get("ttft_s") and acc_ttft:
+        out["ttft_vs_accelerate"] = check(acc_ttft / ours["ttft_s"], TARGETS["ttft_vs_accelerate"])
+    policies = results.get("hybrid_policies", {})
+    for b, rate in ours.get("decode_tok_s", {}).items():
+        fixed = [policies.get(p, {}).get("decode_tok_s", {}).get(b) for p in ("never", "always")]
+        if rate and all(fixed):
+            out[f"batch{b}_choice_vs_best_policy"] = check(
+                rate / max(fixed), TARGETS["choice_vs_best_policy"]
+            )
+    always_b1 = policies.get("always", {}).get("decode_tok_s", {}).get("1")
+    if b1 and always_b1:
+        out["batch1_vs_always_streaming"] = check(
+            b1 / always_b1, TARGETS["batch1_vs_always_streaming"]
+        )
     if "ratio" in results.get("no_cap", {}):
         out["no_cap_gpu_only"] = {"met": results["no_cap"]["gpu_only"]}
         for b, ratio in results["no_cap"]["ratio"].items():
@@ -564,7 +590,28 @@ def main() -> None:
         log(f"no cap: GPU-only plan {gpu_only}; heterogeneous / cuda decode tokens/s {ratio}")
         results["no_cap"] = dict(gpu_only=gpu_only, ratio=ratio, heterogeneous=het, cuda=ref)
 
-    runs = {"hybrid": hybrid, "accelerate": accelerate, "streaming": streaming, "no_cap": no_cap}
+    def hybrid_policies() -> None:
+        # The per-step choice ("hybrid") against never streaming and always streaming.
+        results["hybrid_policies"] = {
+            name: bench_hybrid(
+                args,
+                batches,
+                True,
+                device="heterogeneous",
+                max_gpu_memory=budget,
+                stream_threshold=threshold,
+                **common,
+            )  # fmt: skip
+            for name, threshold in (("never", -1), ("always", 0))
+        }
+
+    runs = {
+        "hybrid": hybrid,
+        "accelerate": accelerate,
+        "streaming": streaming,
+        "no_cap": no_cap,
+        "hybrid_policies": hybrid_policies,
+    }
     for name in args.parts:
         if not cuda and name != "hybrid":
             continue

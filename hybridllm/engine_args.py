@@ -55,6 +55,9 @@ class EngineArgs:
     # their weights: None = the cost model's crossover, -1 = never, 0 = always
     stream_threshold: int | None = None
     stream_device: str | None = None  # None: the plan's GPU; "cpu" checks the path without one
+    # MoE: routed experts of every layer (cpu_moe) or of the first N layers on the CPU
+    cpu_moe: bool = False
+    n_cpu_moe: int | None = None
 
     def create_engine_config(self) -> EngineConfig:
         # Deferred imports: the loader and torch are heavy and not needed to parse flags.
@@ -172,6 +175,8 @@ class EngineArgs:
             dtype=self.dtype,
             stream_threshold=self.stream_threshold,
             stream_device=self.stream_device,
+            cpu_moe=self.cpu_moe,
+            n_cpu_moe=self.n_cpu_moe,
         )
         hw = discover_hardware()
         # Measuring rates costs seconds; only a machine with a GPU has a split to decide.
@@ -271,6 +276,7 @@ class EngineArgs:
             "(like llama.cpp's -ngl; default: the planner decides)",
         )
         add_stream_cli_args(p)
+        add_moe_cli_args(p)
         p.add_argument(
             "--max-gpu-memory",
             default=None,
@@ -318,6 +324,24 @@ def add_stream_cli_args(parser: argparse._ActionsContainer) -> None:
         default=None,
         help="where CPU stages stream to (default: the plan's GPU); 'cpu' runs the streaming "
         "path on the host, to check it on a machine without a GPU",
+    )
+
+
+def add_moe_cli_args(parser: argparse._ActionsContainer) -> None:
+    """--cpu-moe and --n-cpu-moe, shared by the engine commands and `plan`."""
+    parser.add_argument(
+        "--cpu-moe",
+        action="store_true",
+        help="mixtures of experts: every layer's routed experts on the CPU, the rest of each "
+        "layer (attention, router, shared expert) on the GPU, like llama.cpp's --cpu-moe",
+    )
+    parser.add_argument(
+        "--n-cpu-moe",
+        type=int,
+        default=None,
+        metavar="N",
+        help="mixtures of experts: the routed experts of the first N layers on the CPU "
+        "(default: only when the model does not fit the GPU, as few as needed)",
     )
 
 

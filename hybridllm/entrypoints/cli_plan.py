@@ -7,7 +7,7 @@ import dataclasses
 import sys
 
 from hybridllm.config import SUPPORTED_QUANTIZATION
-from hybridllm.engine_args import add_stream_cli_args
+from hybridllm.engine_args import add_moe_cli_args, add_stream_cli_args
 from hybridllm.entrypoints.logging_config import LOG_LEVELS, configure_logging
 from hybridllm.plan.placement_args import (
     PLACEMENT_DEVICES,
@@ -71,6 +71,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         help="like llama.cpp -ngl: the last N layers and the LM head on the GPU, the rest on the CPU",
     )
     add_stream_cli_args(parser)
+    add_moe_cli_args(parser)
     parser.add_argument(
         "--max-gpu-memory", type=_parse_memory_size, default=None, help="cap per GPU, e.g. 8GiB"
     )
@@ -186,6 +187,8 @@ def placement_args_from_cli(args: argparse.Namespace) -> PlacementArgs:
         dtype=args.dtype,
         stream_threshold=args.stream_threshold,
         stream_device=args.stream_device,
+        cpu_moe=args.cpu_moe,
+        n_cpu_moe=args.n_cpu_moe,
     )
 
 

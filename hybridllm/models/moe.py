@@ -4,7 +4,9 @@ Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE share this; each names its config fields
 Experts load from a checkpoint's per-expert tensors (`mlp.experts.3.up_proj.weight`),
 transformers 5's stacked ones (`mlp.experts.gate_up_proj` [E, 2I, H]) or a GGUF file's
 (`ffn_up_exps` -> `mlp.experts.up_proj.weight` [E, I, H]); a stacked tensor stands for the
-per-expert names it holds.
+per-expert names it holds. A stage whose plan keeps the routed experts of its first layers on
+the host CPU builds those layers' experts there (`experts_device`) and sends each step's hidden
+states across; the router and shared expert stay on the stage's device.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from hybridllm.layers.mlp import GatedMLP
 from hybridllm.loader.quantized_tensor import QuantizedTensor
 from hybridllm.models.base import WeightLoader, linear_loaders
 from hybridllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from hybridllm.plan.moe_size import expert_count, qwen_dense_layers
+
+__all__ = ["MoeSpec", "SparseMoeBlock", "expert_count", "qwen_dense_layers"]
 
 if TYPE_CHECKING:
     from hybridllm.distributed.parallel_groups import TPGroup
@@ -32,6 +37,7 @@ if TYPE_CHECKING:
 # transformers 5 keeps stacked experts as parameters without a `.weight` suffix
 _STACKED_NO_SUFFIX = re.compile(r"(\.mlp\.experts\.(?:gate_up_proj|down_proj))$")
 _PARTS = ("gate_proj", "up_proj", "down_proj")
+_EXPERT_LAYER = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.")
 
 
 @dataclass(frozen=True)
@@ -47,32 +53,26 @@ class MoeSpec:
     scoring: str = "softmax"
 
 
-def expert_count(hf_config: Any, default: int) -> int:
-    """The number of routed experts: config.json names it `num_experts` or `num_local_experts`
-    (transformers 5 saves Qwen3-MoE's under the latter), else the config class's default."""
-    for name in ("num_experts", "num_local_experts"):
-        value = getattr(hf_config, name, None)
-        if value is not None:
-            return int(value)
-    return default
-
-
-def qwen_dense_layers(hf_config: Any) -> frozenset[int]:
-    """Qwen-MoE's dense layers: `mlp_only_layers`, and all but every `decoder_sparse_step`-th."""
-    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
-    only = set(getattr(hf_config, "mlp_only_layers", None) or ())
-    layers = range(hf_config.num_hidden_layers)
-    return frozenset(i for i in layers if i in only or (i + 1) % step != 0)
-
-
 class SparseMoeBlock(nn.Module):
-    """Router, routed experts and an optional shared expert scaled by a sigmoid gate."""
+    """Router, routed experts and an optional shared expert scaled by a sigmoid gate.
+
+    `experts_device` (None: the block's own device) holds and computes the routed experts: the
+    host CPU beside a GPU stage. The step's hidden states and router logits cross to it and the
+    routed sum comes back, while the shared expert runs on the block's device meanwhile.
+    """
 
     def __init__(
-        self, spec: MoeSpec, hidden_size: int, hidden_act: str, dtype: torch.dtype, device: Any
+        self,
+        spec: MoeSpec,
+        hidden_size: int,
+        hidden_act: str,
+        dtype: torch.dtype,
+        device: Any,
+        experts_device: torch.device | None = None,
     ):
         super().__init__()
         self.spec = spec
+        self.experts_device = experts_device
         self.gate = Linear(hidden_size, spec.num_experts, False, dtype, device)  # router
         self.experts = FusedMoE(
             spec.num_experts,
@@ -81,7 +81,7 @@ class SparseMoeBlock(nn.Module):
             spec.intermediate_size,
             spec.renormalize,
             dtype,
-            device,
+            device if experts_device is None else experts_device,
             scoring=spec.scoring,
             hidden_act=hidden_act,
         )
@@ -94,12 +94,24 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = Linear(hidden_size, 1, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))  # [n, hidden]
-        if self.shared_expert is not None:
-            # [n, 1] sigmoid gate times the shared expert's [n, hidden]
-            shared = self.shared_expert(x).mul_(torch.sigmoid(self.shared_expert_gate(x)))
-            out = out.add_(shared)
-        return out
+        logits = self.gate(x)  # [n, E]
+        if self.experts_device is None:
+            out = self.experts(x, logits)  # [n, hidden]
+            shared = self._shared(x)
+            return out if shared is None else out.add_(shared)
+        # Only the step's hidden states [n, hidden] and logits [n, E] cross to the experts'
+        # device (a copy off a GPU waits for the router); the shared expert is queued on this
+        # device before the experts compute, so a GPU runs it while the host works.
+        host_x, host_logits = x.to(self.experts_device), logits.to(self.experts_device)
+        shared = self._shared(x)
+        out = self.experts(host_x, host_logits).to(x.device)  # [n, hidden]
+        return out if shared is None else out.add_(shared)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert's [n, hidden] times its [n, 1] sigmoid gate (None: no shared expert)."""
+        if self.shared_expert is None:
+            return None
+        return self.shared_expert(x).mul_(torch.sigmoid(self.shared_expert_gate(x)))
 
     def stacked_names(self, prefix: str) -> dict[str, set[str]]:
         """Stacked expert tensors -> the per-expert names each stands for."""
@@ -160,7 +172,12 @@ class SparseMoeBlock(nn.Module):
 
 class MoeDecoderLayer(LlamaDecoderLayer):
     """A Llama-family decoder layer whose MLP is a `SparseMoeBlock` (unless the spec makes it
-    dense). Subclasses give the architecture's spec."""
+    dense). Subclasses give the architecture's spec. `experts_device`: where its routed
+    experts live when not on the layer's device (the host CPU beside a GPU stage)."""
+
+    def __init__(self, *args: Any, experts_device: torch.device | None = None, **kwargs: Any):
+        self._experts_device = experts_device  # read by build_mlp, which the base __init__ calls
+        super().__init__(*args, **kwargs)
 
     @staticmethod
     def moe_spec(hf_config: Any) -> MoeSpec:
@@ -178,7 +195,7 @@ class MoeDecoderLayer(LlamaDecoderLayer):
         if layer_idx in spec.dense_layers:
             return super().build_mlp(hf_config, layer_idx, dtype, device, tp_group)
         act = getattr(hf_config, "hidden_act", "silu")
-        return SparseMoeBlock(spec, hf_config.hidden_size, act, dtype, device)
+        return SparseMoeBlock(spec, hf_config.hidden_size, act, dtype, device, self._experts_device)
 
     def mlp_weight_loaders(self, prefix: str) -> dict[str, WeightLoader]:
         if isinstance(self.mlp, SparseMoeBlock):
@@ -188,7 +205,9 @@ class MoeDecoderLayer(LlamaDecoderLayer):
 
 class MoeForCausalLM(LlamaForCausalLM):
     """An MoE decoder stage. Tensor parallelism is refused: split such a model into pipeline
-    stages instead (experts are not sharded yet)."""
+    stages instead (experts are not sharded yet). `cpu_expert_layers`: the routed experts of the
+    stage's first N layers are built, loaded and computed on the host CPU (the plan's
+    `StagePlan.cpu_expert_layers`)."""
 
     supports_tensor_parallel = False
     decoder_layer_class: type[MoeDecoderLayer] = MoeDecoderLayer
@@ -201,11 +220,28 @@ class MoeForCausalLM(LlamaForCausalLM):
         start_layer: int = 0,
         end_layer: int | None = None,
         tp_group: TPGroup | None = None,
+        cpu_expert_layers: int = 0,
     ):
         if tp_group is not None:
             raise ValueError(tensor_parallel_error(type(self).__name__))
         self._check_config(hf_config)
+        # read by make_layer, which the base __init__ calls for every layer
+        self._cpu_experts_end = start_layer + cpu_expert_layers
         super().__init__(hf_config, dtype, device, start_layer, end_layer)
+
+    def make_layer(
+        self,
+        layer_idx: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp_group: TPGroup | None = None,
+    ) -> MoeDecoderLayer:
+        head_dim, qkv_bias, o_bias, qk_norm = self._layer_args
+        experts = torch.device("cpu") if layer_idx < self._cpu_experts_end else None
+        return self.decoder_layer_class(
+            self.hf_config, layer_idx, head_dim, qkv_bias, o_bias, qk_norm, dtype, device,
+            tp_group, experts_device=experts,
+        )  # fmt: skip
 
     def _check_config(self, hf_config: Any) -> None:
         """Raise for config options this implementation does not support."""
@@ -226,10 +262,24 @@ class MoeForCausalLM(LlamaForCausalLM):
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]
     ) -> set[str]:
+        if self.device.type != "cpu" and self._cpu_experts_end > self.start_layer:
+            weights = self._blocks_for_host_experts_only(weights)
         loaded = super().load_weights(weights)
         for name in [n for n in loaded if n in self._covers]:
             loaded |= self._covers[name]
         return loaded
+
+    def _blocks_for_host_experts_only(
+        self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]
+    ) -> Iterable[tuple[str, torch.Tensor | QuantizedTensor]]:
+        """A GPU stage with host experts is given the CPU's GGUF blocks: only those experts
+        keep them; every tensor bound for the GPU is decoded."""
+        for name, tensor in weights:
+            if isinstance(tensor, QuantizedTensor):
+                match = _EXPERT_LAYER.match(name)
+                if match is None or int(match.group(1)) >= self._cpu_experts_end:
+                    tensor = tensor.dequantize()
+            yield name, tensor
 
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:
@@ -241,9 +291,10 @@ class MoeForCausalLM(LlamaForCausalLM):
         for module in experts:
             module.finish_loading()
         super().process_weights_after_loading()
-        if self.device.type != "cpu" or not load_cpu_kernels():
+        host = [m for m in experts if m.w13.weight.device.type == "cpu"]  # also a GPU stage's
+        if not host or not load_cpu_kernels():
             return
-        for module in experts:
+        for module in host:
             module.use_native_op()
             if own_f32_gemm_preferred():
                 module.use_f32_kernel()

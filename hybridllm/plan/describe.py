@@ -90,7 +90,7 @@ def describe_plan(
         lines.append(
             f"  {mem.device:<8} {format_bytes(mem.budget):>12} {format_bytes(mem.weight_bytes):>12} "
             f"{format_bytes(mem.activation_bytes):>12} {format_bytes(mem.kv_bytes_per_token):>10} "
-            f"{mem.kv_capacity_tokens:>9,} tokens"
+            + (f"{mem.kv_capacity_tokens:>9,} tokens" if mem.kv_bytes_per_token else f"{'-':>16}")
         )
     # a host holding only routed experts or streaming copies keeps no KV of its own
     capacity = min((m.kv_capacity_tokens for m in usage if m.kv_bytes_per_token), default=0)

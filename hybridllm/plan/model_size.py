@@ -6,11 +6,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hybridllm.plan.moe_size import MoeSize, moe_size
+
 if TYPE_CHECKING:
     from hybridllm.plan.plan import StagePlan
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,9 @@ class ModelSize:
     # `GGUFBlockSizes`); None: every worker holds dtype-sized weights.
     cpu_blocks: GGUFBlockSizes | None = None
     matmul_bytes_per_param: float | None = None  # set on the CPU view only; else dtype bytes
+    # Mixtures of experts: layers differ (sparse or dense), `layer_bytes` and
+    # `matmul_params_per_layer` are the largest layer's; use the `layer_*` methods below.
+    moe: MoeSize | None = None
 
     @property
     def dtype_bytes(self) -> int:
@@ -50,8 +56,14 @@ class ModelSize:
 
     def for_worker(self, stage: StagePlan, tp_rank: int) -> ModelSize:
         """The sizes worker `tp_rank` of `stage` holds: GGUF blocks on a CPU worker."""
+        if not stage.workers[tp_rank].is_cpu:
+            return self
+        return self.cpu_view()
+
+    def cpu_view(self) -> ModelSize:
+        """The sizes a CPU worker holds (GGUF blocks where it keeps them; else unchanged)."""
         blocks = self.cpu_blocks
-        if blocks is None or not stage.workers[tp_rank].is_cpu:
+        if blocks is None:
             return self
         bytes_per_param = blocks.matmul_bytes_per_param(self.dtype_bytes)
         head = self.lm_head_bytes if blocks.lm_head_bytes is None else blocks.lm_head_bytes
@@ -77,7 +89,7 @@ class ModelSize:
         self, layer_start: int, layer_end: int, has_embedding: bool, has_lm_head: bool
     ) -> int:
         """Parameter bytes of one pipeline stage (before tensor-parallel sharding)."""
-        total = (layer_end - layer_start) * self.layer_bytes
+        total = sum(self.layer_weight_bytes(i) for i in range(layer_start, layer_end))
         if has_embedding:
             total += self.embedding_bytes
         if has_lm_head:
@@ -98,6 +110,47 @@ class ModelSize:
         matmul = self.shard_matmul_params(q_heads, kv_heads, intermediate)
         per_param = self.matmul_bytes_per_param or self.dtype_bytes
         return round(matmul * per_param) + self.layer_other_bytes
+
+    def layer_matmul_params(self, layer: int, routed: bool = True) -> int:
+        """Matmul weights of decoder layer `layer`, its routed experts left out unless `routed`."""
+        if self.moe is None:
+            return self.matmul_params_per_layer
+        attention = self.shard_matmul_params(self.num_heads, self.num_kv_heads, 0)
+        return attention + self.moe.mlp_params(layer, routed)
+
+    def layer_weight_bytes(self, layer: int, routed: bool = True) -> int:
+        """Parameter bytes of decoder layer `layer` (unsharded), without its routed experts
+        unless `routed`."""
+        if self.moe is None:
+            return self.layer_bytes
+        per_param = self.matmul_bytes_per_param or self.dtype_bytes
+        return round(self.layer_matmul_params(layer, routed) * per_param) + self.layer_other_bytes
+
+    def routed_expert_bytes(self, layer: int) -> int:
+        """Bytes of every routed expert of `layer` (0 for dense layers and dense models)."""
+        if self.moe is None or not self.moe.is_sparse(layer):
+            return 0
+        return round(self.moe.routed_params * (self.matmul_bytes_per_param or self.dtype_bytes))
+
+    def step_weight_bytes(self, layer: int, num_tokens: int, routed: bool = True) -> float:
+        """Weight bytes one step of `num_tokens` tokens reads in `layer`: every non-expert
+        weight, and only the experts its tokens select (expected distinct experts)."""
+        if self.moe is None:
+            return self.layer_bytes
+        fixed = self.layer_weight_bytes(layer, routed=False)
+        if not routed or not self.moe.is_sparse(layer):
+            return fixed
+        share = self.moe.active_experts(num_tokens) / self.moe.num_experts
+        return fixed + share * self.routed_expert_bytes(layer)
+
+    def active_matmul_params(self, layer: int, routed: bool = True) -> int:
+        """Weights one token multiplies by in `layer` (top_k experts of a sparse layer)."""
+        if self.moe is None:
+            return self.matmul_params_per_layer
+        attention = self.shard_matmul_params(self.num_heads, self.num_kv_heads, 0)
+        if not routed:
+            return attention + self.moe.mlp_params(layer, routed=False)
+        return attention + self.moe.active_mlp_params(layer)
 
     def kv_bytes_per_token(self, num_layers: int) -> int:
         return num_layers * self.kv_bytes_per_token_per_layer
@@ -131,13 +184,14 @@ class GGUFBlockSizes:
 
 
 def model_size(hf_config: Any, dtype: str, cpu_blocks: GGUFBlockSizes | None = None) -> ModelSize:
-    """Sizes of a Llama-family (Llama, Mistral, Qwen2/2.5, Qwen3, SmolLM2) or OPT model."""
+    """Sizes of a Llama-family (Llama, Mistral, Qwen2/2.5, Qwen3, SmolLM2), MoE (Mixtral, Qwen2-MoE,
+    Qwen3-MoE, OLMoE) or OPT model."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}; got {dtype!r}")
     model_type = getattr(hf_config, "model_type", "") or ""
     if model_type == "opt":
         return dataclasses.replace(_opt_size(hf_config, dtype), cpu_blocks=cpu_blocks)
-    if model_type in _LLAMA_LIKE or hasattr(hf_config, "intermediate_size"):
+    if model_type in _LLAMA_LIKE + _MOE or hasattr(hf_config, "intermediate_size"):
         size = _llama_size(hf_config, dtype, model_type or "llama")
         return dataclasses.replace(size, cpu_blocks=cpu_blocks)
     raise ValueError(
@@ -154,14 +208,21 @@ def _llama_size(c: Any, dtype: str, model_type: str) -> ModelSize:
     q, kv = heads * head_dim, kv_heads * head_dim
     # Qwen2 always biases q/k/v; Llama/Qwen3 only with attention_bias (then o_proj too).
     attention_bias = bool(getattr(c, "attention_bias", False))
-    qkv_bias = model_type == "qwen2" or attention_bias
-    o_bias = attention_bias and model_type != "qwen2"
-    matmul = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter
+    qwen2 = model_type in ("qwen2", "qwen2_moe")
+    qkv_bias = qwen2 or attention_bias
+    o_bias = attention_bias and not qwen2
+    moe = moe_size(c)
+    mlp = 3 * hidden * inter
+    if moe is not None:  # the largest layer's MLP; `inter` sizes the activation workspace
+        mlp = max(moe.mlp_params(i) for i in range(c.num_hidden_layers))
+        inter = moe.activation_width
+    matmul = hidden * (q + 2 * kv) + q * hidden + mlp
     extra = 2 * hidden  # input and post-attention RMSNorm
     extra += (q + 2 * kv) if qkv_bias else 0
     extra += hidden if o_bias else 0
     extra += (2 * inter + hidden) if getattr(c, "mlp_bias", False) else 0
-    extra += 2 * head_dim if model_type == "qwen3" else 0  # per-head q/k RMSNorm
+    extra += 2 * head_dim if model_type in ("qwen3", "qwen3_moe") else 0  # per-head q/k RMSNorm
+    extra += (q + kv) if model_type == "olmoe" else 0  # OLMoE's q/k RMSNorm over all heads
     return ModelSize(
         model_type=model_type,
         dtype=dtype,
@@ -181,6 +242,7 @@ def _llama_size(c: Any, dtype: str, model_type: str) -> ModelSize:
         kv_bytes_per_token_per_layer=2 * kv * b,
         mlp_matrices=3,
         layer_other_bytes=extra * b,
+        moe=moe,
     )
 
 

@@ -57,6 +57,10 @@ class PlacementArgs:
     # where CPU stages stream to: None = the plan's first GPU; "cpu" runs the streaming path
     # on the host (it checks the staging logic on machines without a GPU; never faster)
     stream_device: str | None = None
+    # Mixtures of experts (llama.cpp's --cpu-moe / --n-cpu-moe): the routed experts of every
+    # layer, or of the first N layers, on the CPU while the rest of those layers stays on the GPU
+    cpu_moe: bool = False
+    n_cpu_moe: int | None = None
 
     def __post_init__(self) -> None:
         if self.device not in PLACEMENT_DEVICES:
@@ -81,6 +85,10 @@ class PlacementArgs:
             raise ValueError(
                 f"stream_device must be 'cpu' or 'cuda[:N]', got {self.stream_device!r}"
             )
+        if self.n_cpu_moe is not None and self.n_cpu_moe < 0:
+            raise ValueError(f"n_cpu_moe must be >= 0, got {self.n_cpu_moe}")
+        if self.cpu_moe and self.n_cpu_moe is not None:
+            raise ValueError("give cpu_moe or n_cpu_moe, not both")
         if self.gpu_layers is not None and self.gpu_layers < 0:
             raise ValueError(f"gpu_layers must be >= 0, got {self.gpu_layers}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -103,6 +111,12 @@ class PlacementArgs:
                 raise ValueError("give gpu_layers or layer_split, not both")
         if self.device == "cpu" and self.gpu_layers:
             raise ValueError(f"gpu_layers={self.gpu_layers} asks for a GPU but device is 'cpu'")
+
+    def cpu_expert_prefix(self, num_layers: int) -> int:
+        """How many first layers the user put the routed experts of on the CPU (0: none asked)."""
+        if self.cpu_moe:
+            return num_layers
+        return min(self.n_cpu_moe or 0, num_layers)
 
     @property
     def num_stages(self) -> int:

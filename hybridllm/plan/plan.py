@@ -74,6 +74,13 @@ class StagePlan:
     stream_device: str | None = None
     stream_threshold: int = -1
     stream_kv_tokens: int = 0  # KV rows a streamed step may read (its staging buffers hold)
+    # Mixtures of experts: the routed experts of the stage's first `cpu_expert_layers` layers
+    # live and compute on the host CPU; the router, shared expert and the rest stay here.
+    cpu_expert_layers: int = 0
+
+    def experts_on_cpu(self, layer: int) -> bool:
+        """Whether layer `layer`'s routed experts live on the CPU beside this stage."""
+        return self.layer_start <= layer < self.layer_start + self.cpu_expert_layers
 
     @property
     def streams(self) -> bool:
@@ -122,6 +129,16 @@ class Plan:
                 raise ValueError(
                     f"stage {i} streams its weights to {stage.stream_device}, but only a stage "
                     "of one CPU worker can"
+                )
+            if not 0 <= stage.cpu_expert_layers <= stage.num_layers:
+                raise ValueError(
+                    f"stage {i} puts the experts of {stage.cpu_expert_layers} layers on the CPU; "
+                    f"it has {stage.num_layers}"
+                )
+            if stage.cpu_expert_layers and (len(stage.workers) != 1 or stage.stream_device):
+                raise ValueError(
+                    f"stage {i} has routed experts on the CPU: it needs one worker (experts are "
+                    "not sharded) and no weight streaming"
                 )
             if stage.has_embedding != (i == 0):
                 raise ValueError("the first stage, and only it, holds the embedding")

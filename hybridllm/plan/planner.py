@@ -21,7 +21,8 @@ layer on the host CPU while the rest of those layers stays on their GPU stage (o
 without a GPU the stages still record it, which runs the same code path on the host). With
 no flags, a model too big for the GPU first gets its routed experts moved to the CPU, layer by
 layer, just enough to fit; only if all of them there is not enough are whole layers moved
-(the GPU stage then keeps none of its layers' routed experts).
+(the GPU stage then keeps none of its layers' routed experts). MoE stages never stream
+their weights (a layer would copy every expert for the few a step selects).
 """
 
 from __future__ import annotations
@@ -302,7 +303,8 @@ class _Planner:
             )
         else:
             per_layer = size.layer_bytes
-        if self.args.stream_threshold != -1 and self.args.stream_device in (None, "cuda:0"):
+        streams = self.args.stream_threshold != -1 and size.moe is None
+        if streams and self.args.stream_device in (None, "cuda:0"):
             # the CPU stage's staging buffers will live on this GPU
             cpu = StagePlan(0, 0, 1, (WorkerPlacement(0, "cpu", 0, 0),), (1.0,), True, False)
             kv_tokens = stream_kv_tokens(budgets.max_num_batched_tokens)
@@ -427,8 +429,8 @@ class _Planner:
 
     def _stream_device(self, plan: Plan) -> str | None:
         """Where CPU stages stream their weights: the user's choice, else the plan's first GPU."""
-        if self.args.stream_threshold == -1:
-            return None
+        if self.args.stream_threshold == -1 or self.size.moe is not None:
+            return None  # an MoE layer would stream every expert: its experts run on the host
         gpus = (w.device for w in plan.workers() if not w.is_cpu)
         return self.args.stream_device or next(gpus, None)
 

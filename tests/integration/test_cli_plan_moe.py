@@ -1,0 +1,86 @@
+"""`hybridllm plan` of a mixture of experts: --cpu-moe, --n-cpu-moe and the automatic split under --fake-gpu."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from hybridllm.plan import hardware_profile
+from hybridllm.plan.hardware_profile import CpuRates, HardwareProfile, nominal_gpu_rates
+from tests.integration.test_cli_plan import run_plan, stage_devices
+
+# Qwen3-30B-A3B's shape: 57 GiB of bf16 weights, 54 GiB of them routed experts
+QWEN3_30B = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+    intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+    num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+    vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6, norm_topk_prob=True,
+    tie_word_embeddings=False,
+)  # fmt: skip
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """Fixed device rates instead of measuring this busy machine (the CLI reads them at run)."""
+
+    def profile(hw, refresh=False):
+        cpu = CpuRates(read_bandwidth=50e9, fp32_flops=1e12, bf16_flops=1e12, threads=32)
+        return HardwareProfile(cpu, tuple(nominal_gpu_rates(g.name) for g in hw.gpus))
+
+    monkeypatch.setattr(hardware_profile, "load_or_measure_profile", profile)
+    return str(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_folder(tmp_path_factory):
+    """A config-only folder: planning never reads weights."""
+    folder = tmp_path_factory.mktemp("qwen3_30b_a3b_shaped")
+    (folder / "config.json").write_text(json.dumps(QWEN3_30B))
+    return str(folder)
+
+
+def experts_line(out: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith("routed experts"))
+
+
+@pytest.mark.parametrize(
+    "flags, host_layers, gpu_experts",
+    [
+        (["--fake-gpu", "H100:80"], None, "cuda:0: 48 layers x 128"),  # fits whole
+        (["--fake-gpu", "H100:80", "--cpu-moe"], "[0, 48)", None),
+        (["--fake-gpu", "H100:80", "--n-cpu-moe", "10"], "[0, 10)", "cuda:0: 38 layers x 128"),
+        (["--fake-gpu", "RTX4090:24"], "automatic", "cuda:0"),  # too big: experts move first
+    ],
+)
+def test_plan_places_routed_experts(
+    capsys, monkeypatch, cache_dir, qwen3_moe_folder, flags, host_layers, gpu_experts
+):
+    argv = (qwen3_moe_folder, "--fake-ram-gib", "256", *flags)
+    code, out, err = run_plan(capsys, monkeypatch, cache_dir, *argv)
+    assert code == 0, err
+    assert "qwen3_moe, 48 layers" in out and stage_devices(out) == ["cuda:0"]
+    line = experts_line(out)
+    assert line.startswith("routed experts (top-8 of 128):")
+    if host_layers is None:
+        assert "cpu:" not in line and "on cpu" not in out
+    elif host_layers == "automatic":
+        match = re.search(r"routed experts of layers \[0, (\d+)\) on cpu", out)
+        assert match and 0 < int(match.group(1)) < 48
+    else:
+        assert f"routed experts of layers {host_layers} on cpu" in out
+        assert re.search(r"^  cpu .*GiB", out, re.M)  # the host's memory row holds them
+    if gpu_experts:
+        assert gpu_experts in line
+    assert re.search(r"decode batch   1: +[\d,.]+ tokens/s", out)
+
+
+def test_cpu_moe_on_a_dense_model_is_one_clear_error(capsys, monkeypatch, cache_dir, tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps(dict(QWEN3_30B, architectures=["Qwen3ForCausalLM"], model_type="qwen3"))
+    )
+    code, _, err = run_plan(
+        capsys, monkeypatch, cache_dir, str(tmp_path), "--fake-gpu", "H100:80", "--cpu-moe"
+    )
+    assert code == 2 and "not a mixture-of-experts model" in err

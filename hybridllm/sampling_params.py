@@ -7,7 +7,10 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 
+from hybridllm.structured.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
+MAX_N = 1024  # samples per request: each is a sequence of its own; millions exhaust memory
 _SEED_MIN = -(1 << 63)  # seeds are taken modulo 2**64: int64 and uint64 values both fit
 _SEED_END = 1 << 64
 _FLOAT_FIELDS = (
@@ -46,8 +49,19 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    # the output must match a JSON schema, regex, choice or grammar (hybridllm/structured/)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "SamplingParams.structured_outputs must be a StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}"
+            )
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         for name in ("stop", "stop_token_ids"):
@@ -81,8 +95,8 @@ class SamplingParams:
         for name in _FLOAT_FIELDS:
             if not is_finite(getattr(self, name)):
                 raise bad(name, "must be a finite number")
-        if not is_int(self.n) or self.n < 1:
-            raise bad("n", "must be an integer >= 1")
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an integer in [1, {MAX_N}]")
         if self.temperature < 0:
             raise bad("temperature", "must be >= 0")
         if not 0.0 < self.top_p <= 1.0:

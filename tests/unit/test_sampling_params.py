@@ -41,6 +41,8 @@ from hybridllm.sampling_params import SamplingParams
         ("temperature", "0.5"),
         ("temperature", True),
         ("n", True),
+        ("n", 1025),
+        ("n", 4208393),
         ("top_k", 1.0),
         ("max_tokens", "16"),
         ("seed", 1 << 64),

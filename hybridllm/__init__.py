@@ -2,9 +2,18 @@
 
 from hybridllm.outputs import CompletionOutput, Logprob, RequestOutput
 from hybridllm.sampling_params import SamplingParams
+from hybridllm.structured.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "__version__",
+]
 
 
 def __getattr__(name: str):

@@ -19,6 +19,7 @@ from hybridllm.engine_args import EngineArgs
 from hybridllm.executor.executor import EngineDeadError
 from hybridllm.outputs import RequestOutput
 from hybridllm.sampling_params import SamplingParams
+from hybridllm.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,9 @@ class LLMEngine:
             self.executor.shutdown()
             raise
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_blocks)
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, config.model_config.vocab_size, config.model_config.eos_token_ids
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._pending_outputs: list[RequestOutput] = []  # aborted requests, reported next step
         self._closed = False
@@ -104,6 +108,10 @@ class LLMEngine:
         if self.output_processor.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         params = self.verify_params(params)
+        if params.structured_outputs is not None:
+            # Cheap checks only: the grammar compiles on a background thread while the
+            # request waits (LLM.generate and the server compile first, to raise/400).
+            self.structured_output.check(params.structured_outputs)
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -119,9 +127,12 @@ class LLMEngine:
                 child_params = dataclasses.replace(
                     child_params, stop_token_ids=child_params.stop_token_ids + extra
                 )
-            self.scheduler.add_request(
-                Request(child_id, token_ids, child_params, eos[0] if eos else None, arrival)
-            )
+            request = Request(child_id, token_ids, child_params, eos[0] if eos else None, arrival)
+            if child_params.structured_outputs is not None:
+                request.structured_output = self.structured_output.new_state(
+                    child_params.structured_outputs
+                )
+            self.scheduler.add_request(request)
 
     def verify_params(self, params: SamplingParams) -> SamplingParams:
         """Check `params` against the loaded model (ValueError naming the field); returns
@@ -210,8 +221,16 @@ class LLMEngine:
             self._pending_outputs = outputs + self._pending_outputs + self._fail_all(e)
             raise
 
-    def _step_one(self) -> list[RequestOutput]:
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's next step, with the grammar bitmask of its constrained rows."""
         scheduler_output = self.scheduler.schedule()
+        self.structured_output.attach_bitmask(scheduler_output, self.scheduler.requests)
+        if scheduler_output.is_empty and self.scheduler.waiting and not self.scheduler.running:
+            time.sleep(0.001)  # only requests whose grammars compile: do not spin a core
+        return scheduler_output
+
+    def _step_one(self) -> list[RequestOutput]:
+        scheduler_output = self._schedule()
         if _nothing_to_run(scheduler_output):
             # Requests finished by the scheduler without running (e.g. larger than the pool).
             return self._apply(scheduler_output, None)
@@ -236,7 +255,7 @@ class LLMEngine:
         """Fill the pipeline up to its depth, then collect the oldest micro-batch."""
         while len(self._in_flight) < self._max_in_flight:
             # Requests already in flight are skipped: this schedules other work, if any.
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self._schedule()
             if _nothing_to_run(scheduler_output):
                 # kept as pending until the end: a dead worker below must not lose them
                 self._pending_outputs += self._apply(scheduler_output, None)
@@ -338,6 +357,7 @@ class LLMEngine:
         if self._closed:
             return
         self._closed = True
+        self.structured_output.shutdown()
         self.executor.shutdown()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from hybridllm.engine.kv_cache_utils import BlockHash, extend_block_hashes
 from hybridllm.sampling_params import SamplingParams
@@ -73,6 +74,9 @@ class Request:
         self.num_preemptions = 0
         # Chained hashes of the full blocks of all_token_ids, extended as tokens arrive.
         self.block_hashes: list[BlockHash] = []
+        # structured outputs: its grammar matcher (structured/request_state.py GrammarState),
+        # set by the engine; the request waits until the grammar is compiled
+        self.structured_output: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:

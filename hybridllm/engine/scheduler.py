@@ -177,6 +177,7 @@ class Scheduler:
             index += 1
 
         # Admitting new work in a step that had to preempt would only thrash.
+        compiling: list[Request] = []  # grammars still compiling: later requests go ahead
         while (
             not preempted
             and self.waiting
@@ -184,6 +185,14 @@ class Scheduler:
             and len(self.running) < config.max_num_seqs
         ):
             request = self.waiting[0]
+            grammar = request.structured_output
+            if grammar is not None and not grammar.is_ready(request.output_token_ids):
+                compiling.append(self.waiting.popleft())
+                continue
+            if grammar is not None and grammar.error is not None:
+                self.waiting.popleft()
+                self._fail_unscheduled(request, grammar.error)
+                continue
             computed_blocks, num_hit = self.block_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if num_new > budget and not config.enable_chunked_prefill:
@@ -197,6 +206,7 @@ class Scheduler:
             new_reqs.append(self._new_request_data(request))
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
 
         self._in_flight.update(num_scheduled)
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
@@ -207,6 +217,13 @@ class Scheduler:
             total_num_scheduled_tokens=config.max_num_batched_tokens - budget,
             finished_req_ids=finished_req_ids,
         )
+
+    def _fail_unscheduled(self, request: Request, error: str) -> None:
+        """Finish a waiting request that never ran (no blocks, no worker state) with `error`."""
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = error
+        del self.requests[request.request_id]
+        self._finished_unreported.append(request)
 
     def _admit(self, request: Request, num_hit: int) -> None:
         if request.status == RequestStatus.WAITING:  # first time, not a resume
@@ -310,6 +327,14 @@ class Scheduler:
                 )
             request.append_output_token_ids(token_id)
             status = self._check_stop(request, token_id)
+            grammar = request.structured_output
+            if grammar is not None and status is None:
+                # The matcher follows the output tokens (the mask made this one allowed).
+                if not grammar.accept(token_id):
+                    request.error = f"sampled token {token_id} does not match the grammar"
+                    status = RequestStatus.FINISHED_ERROR
+                elif grammar.is_terminated:
+                    status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 self._finish(request, status)
                 any_finished = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from hybridllm.sampling_params import SamplingParams
 
@@ -44,6 +45,11 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)
+    # structured outputs: the requests that sample this step under a grammar, and their
+    # allowed next tokens (np.ndarray int32 [len(structured_req_ids), ceil(vocab / 32)],
+    # bit t of a row set = token t allowed), built by the engine from its matchers
+    structured_req_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

@@ -81,6 +81,10 @@ class LLM:
         # Parameters the model cannot run are the caller's mistake: ValueError naming the
         # field, before anything is queued.
         params = [self.llm_engine.verify_params(p) for p in params]
+        for p in params:
+            if p.structured_outputs is not None:
+                # compiled now (cached): an invalid schema raises here, naming the field
+                self.llm_engine.structured_output.compile(p.structured_outputs)
         if self.llm_engine.model_config.skip_tokenizer_init:
             # A batch that needs a tokenizer is a usage error, not a failed prompt: raise
             # before anything is queued.

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridllm.engine.scheduler_output import Logprobs
+from hybridllm.sample.grammar_mask import grammar_masked
 from hybridllm.sample.logprobs import LogprobsTensors, gather_logprobs
 from hybridllm.sample.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
 from hybridllm.sample.sampling_metadata import SamplingMetadata
@@ -30,8 +31,8 @@ class SamplerOutput:
 
 
 class Sampler(torch.nn.Module):
-    """Order: logit_bias, min_tokens, repetition, frequency/presence penalties; then greedy
-    rows take the argmax and the others go through temperature, top-k, top-p, min-p and a
+    """Order: the grammar mask (structured outputs), logit_bias, min_tokens, repetition,
+    frequency/presence penalties; then greedy rows take the argmax and the others go through temperature, top-k, top-p, min-p and a
     sync-free draw. No step of the common path waits on the device.
 
     With `native_argmax` (CPU logits, compiled kernels loaded) greedy rows use
@@ -61,7 +62,10 @@ class Sampler(torch.nn.Module):
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_rows, vocab]
 
         if not metadata.no_logit_changes:
-            logits = logits.clone()  # the caller's logits stay untouched
+            if metadata.grammar_forbidden is not None:
+                logits = grammar_masked(logits, metadata)  # a new tensor
+            else:
+                logits = logits.clone()  # the caller's logits stay untouched
             apply_logit_bias(logits, metadata)
             apply_min_tokens(logits, metadata)
             apply_penalties(logits, metadata)

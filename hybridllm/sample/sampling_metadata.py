@@ -52,12 +52,18 @@ class SamplingMetadata:
     # logprobs: per row the number of top logprobs asked for (None: no logprobs)
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int | None = None  # None when no row asks for logprobs
+    # structured outputs (sample/grammar_mask.py): rows whose grammar forbids tokens this step
+    grammar_rows: torch.Tensor | None = None  # [num_constrained] int64
+    grammar_forbidden: torch.Tensor | None = None  # [num_constrained, vocab] bool, True = -inf
+    grammar_covers_all_rows: bool = False
 
     @property
     def no_logit_changes(self) -> bool:
-        """True when the logits reach temperature/top-k unchanged (no bias/min_tokens/penalty)."""
+        """True when the logits reach temperature/top-k unchanged (no grammar mask, bias,
+        min_tokens or penalty)."""
         return (
-            self.bias_rows is None
+            self.grammar_forbidden is None
+            and self.bias_rows is None
             and self.min_tokens_rows is None
             and self.repetition_penalties is None
         )

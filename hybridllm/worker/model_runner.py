@@ -20,11 +20,12 @@ from hybridllm.engine.scheduler_output import (
 )
 from hybridllm.layers.attention_metadata import AttentionMetadata
 from hybridllm.layers.cpu_kernels import load_cpu_kernels
-from hybridllm.plan.memory_budget import worker_weight_bytes
+from hybridllm.plan.memory_budget import host_expert_bytes, worker_weight_bytes
 from hybridllm.plan.model_size import model_size
 from hybridllm.plan.plan import StagePlan
 from hybridllm.platforms import Platform
 from hybridllm.sample import Sampler, SamplingMetadata, compute_prompt_logprobs
+from hybridllm.sample.grammar_mask import with_grammar_mask
 from hybridllm.sampling_params import SamplingParams
 from hybridllm.worker.intermediate_tensors import IntermediateTensors
 from hybridllm.worker.kv_cache_budget import cpu_kv_budget, gpu_kv_budget, profile_spans
@@ -92,12 +93,16 @@ class ModelRunner:
         source = open_model_source(mc.model)
         model_cls = get_model_class(mc.architecture)
         # Only tensor-parallel models take a group: plain models keep their signature.
-        extra = {} if self.tp_group is None else {"tp_group": self.tp_group}
+        extra: dict[str, Any] = {} if self.tp_group is None else {"tp_group": self.tp_group}
+        if self.stage.cpu_expert_layers:  # MoE: those layers' routed experts on the host
+            extra["cpu_expert_layers"] = self.stage.cpu_expert_layers
         start, end = self.stage.layer_start, self.stage.layer_end
         with torch.device(self.device):
             model = model_cls(mc.hf_config, self.dtype, self.device, start, end, **extra)
         # On a CPU worker GGUF linears stay in their blocks (read ~6x fewer bytes per token).
-        keep = gguf_kernel_types(self.device) if mc.quantization == "auto" else ()
+        # Host experts of a GPU stage keep them too (the model decodes what goes to the GPU).
+        host = torch.device("cpu") if self.stage.cpu_expert_layers else self.device
+        keep = gguf_kernel_types(host) if mc.quantization == "auto" else ()
         weights = source.iter_weights(model.owns_weight, keep)
         if self.show_progress:
             from tqdm import tqdm
@@ -218,6 +223,7 @@ class ModelRunner:
         weights = sum(
             worker_weight_bytes(size, plan.stage_of(w.rank), w.tp_rank) for w in cpu_workers
         )
+        weights += sum(host_expert_bytes(size, stage) for stage in plan.stages)  # GPU stages' MoE
         return weights + len(cpu_workers) * size.activation_bytes(sc.max_num_batched_tokens)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -379,6 +385,15 @@ class ModelRunner:
             if not sample_states:
                 return out
             sampling_md = self._sampling_metadata(sample_states)
+        if so.grammar_bitmask is not None:
+            sampling_md = with_grammar_mask(
+                sampling_md,
+                [st.req_id for st in sample_states],
+                so.structured_req_ids,
+                so.grammar_bitmask,
+                self.config.model_config.vocab_size,
+                self.device,
+            )
         rows = torch.tensor(sample_rows, dtype=torch.int64)  # [num_samples]
         if self.device.type == "cuda":
             # pinned + non_blocking: a pageable copy would wait for the queued forward pass

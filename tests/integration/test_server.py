@@ -15,6 +15,7 @@ import time
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.openai_server import REPO_ROOT, RemoteServer, parse_metrics
 
@@ -333,7 +334,7 @@ def test_more_concurrent_streams_than_slots_complete_and_free_the_kv_cache(serve
     num_streams = 8 * MAX_NUM_SEQS
     prompts = [f"Count from {i}:" for i in (1, 5, 9, 20)]
     expected = {p: greedy(client, model, prompt=p, max_tokens=8).choices[0].text for p in prompts}
-    finished_before = server.metrics()['hybridllm_requests_total{outcome="length"}']
+    finished_before = server.metrics()['hybridllm:request_success_total{finished_reason="length"}']
 
     async def one(aclient, prompt):
         stream = await aclient.completions.create(
@@ -347,7 +348,7 @@ def test_more_concurrent_streams_than_slots_complete_and_free_the_kv_cache(serve
                 response = await http.get(f"{server.root}/metrics")
                 m = parse_metrics(response.text)
                 samples.append(
-                    (m["hybridllm_num_requests_running"], m["hybridllm_num_requests_waiting"])
+                    (m["hybridllm:num_requests_running"], m["hybridllm:num_requests_waiting"])
                 )
                 await asyncio.sleep(0.01)
 
@@ -371,14 +372,17 @@ def test_more_concurrent_streams_than_slots_complete_and_free_the_kv_cache(serve
     assert max(running for running, _ in samples) == MAX_NUM_SEQS, samples
     assert max(waiting for _, waiting in samples) > 0, samples
     metrics = server.metrics()
-    assert metrics['hybridllm_requests_total{outcome="length"}'] == finished_before + num_streams
-    assert metrics["hybridllm_num_requests_running"] == 0
-    assert metrics["hybridllm_num_requests_waiting"] == 0
-    assert metrics["hybridllm_kv_cache_free_blocks"] == metrics["hybridllm_kv_cache_total_blocks"]
+    assert (
+        metrics['hybridllm:request_success_total{finished_reason="length"}']
+        == finished_before + num_streams
+    )
+    assert metrics["hybridllm:num_requests_running"] == 0
+    assert metrics["hybridllm:num_requests_waiting"] == 0
+    assert metrics["hybridllm:kv_cache_free_blocks"] == metrics["hybridllm:kv_cache_total_blocks"]
 
 
 def test_client_disconnect_aborts_the_request(server, client, model):
-    aborted_before = server.metrics()['hybridllm_requests_total{outcome="abort"}']
+    aborted_before = server.metrics()['hybridllm:request_success_total{finished_reason="abort"}']
     body = {
         "model": model,
         "prompt": PROMPT,
@@ -402,9 +406,9 @@ def test_client_disconnect_aborts_the_request(server, client, model):
     while time.monotonic() < deadline:
         m = server.metrics()
         if (
-            m['hybridllm_requests_total{outcome="abort"}'] == aborted_before + 2
-            and m["hybridllm_num_requests_running"] == 0
-            and m["hybridllm_kv_cache_free_blocks"] == m["hybridllm_kv_cache_total_blocks"]
+            m['hybridllm:request_success_total{finished_reason="abort"}'] == aborted_before + 2
+            and m["hybridllm:num_requests_running"] == 0
+            and m["hybridllm:kv_cache_free_blocks"] == m["hybridllm:kv_cache_total_blocks"]
         ):
             break
         time.sleep(0.2)
@@ -521,15 +525,30 @@ def test_embeddings(server, client, model, tokenizer):
 
 def test_metrics_exposition(server):
     text = httpx.get(f"{server.root}/metrics").text
-    assert "# TYPE hybridllm_time_to_first_token_seconds histogram" in text
+    # prometheus_client's own parser reads it; every latency and length metric is a histogram
+    # whose +Inf bucket equals its count, and which has counted the requests served so far.
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in (
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+    ):
+        family = families[f"hybridllm:{name}"]
+        assert family.type == "histogram", name
+        values = {(s.name, s.labels.get("le")): s.value for s in family.samples}
+        count = values[(f"hybridllm:{name}_count", None)]
+        assert count > 0 and values[(f"hybridllm:{name}_bucket", "+Inf")] == count, name
     m = server.metrics()
-    assert m["hybridllm_time_to_first_token_seconds_count"] > 0
-    assert m["hybridllm_time_per_output_token_seconds_count"] > 0
-    assert m['hybridllm_requests_total{outcome="length"}'] > 0
-    assert m['hybridllm_http_responses_total{status="200"}'] > 0
-    assert m['hybridllm_worker_busy_seconds_total{worker="worker0"}'] > 0
-    assert 0 <= m["hybridllm_kv_cache_usage_perc"] <= 1
-    assert m["hybridllm_engine_healthy"] == 1
+    assert m["hybridllm:time_to_first_token_seconds_count"] > 0
+    assert m["hybridllm:request_time_per_output_token_seconds_count"] > 0
+    assert m['hybridllm:request_success_total{finished_reason="length"}'] > 0
+    assert m['hybridllm:http_responses_total{status="200"}'] > 0
+    assert m['hybridllm:worker_busy_seconds_total{worker="worker0"}'] > 0
+    assert 0 <= m["hybridllm:kv_cache_usage_perc"] <= 1
+    assert m["hybridllm:engine_healthy"] == 1
 
 
 def test_bench_serve_against_the_server(server, tmp_path):

@@ -84,11 +84,37 @@ COMPLETION_FIELDS = {
     "suffix": st.none(),
     "stream_options": st.none(),
 }
+FUNCTION_NAME = st.sampled_from(["get_weather", "search", "f-1"])
+ARGUMENTS = st.one_of(
+    st.just('{"city": "Paris"}'), st.just("{}"), st.just("[1]"), st.just("{bad"), TEXT
+)
+TOOL_CALL = st.fixed_dictionaries(
+    {
+        "id": TEXT,
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries({"name": FUNCTION_NAME, "arguments": ARGUMENTS}),
+    }
+)
 MESSAGE = st.fixed_dictionaries(
     {
-        "role": st.sampled_from(["system", "user", "assistant"]),
+        "role": st.sampled_from(["system", "user", "assistant", "tool"]),
         "content": st.one_of(
             TEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}))
+        ),
+    },
+    optional={"tool_calls": st.lists(TOOL_CALL, max_size=2), "tool_call_id": TEXT},
+)
+SCHEMA = st.one_of(
+    st.just({"type": "object", "properties": {"city": {"type": "string"}}}),
+    st.just({"type": "array"}),
+    st.dictionaries(st.sampled_from(["type", "properties", "required"]), HOSTILE, max_size=2),
+)
+TOOL = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": st.one_of(FUNCTION_NAME, TEXT)},
+            optional={"description": TEXT, "parameters": SCHEMA, "strict": st.booleans()},
         ),
     }
 )
@@ -105,6 +131,30 @@ CHAT_FIELDS = {
     "top_logprobs": st.none(),
     "chat_template": st.none(),
     "continue_final_message": st.just(False),
+    "tools": st.lists(TOOL, max_size=3),
+    "tool_choice": st.one_of(
+        st.sampled_from(["none", "auto", "required"]),
+        st.fixed_dictionaries(
+            {
+                "type": st.just("function"),
+                "function": st.fixed_dictionaries({"name": FUNCTION_NAME}),
+            }
+        ),
+    ),
+}
+TOKENIZE_FIELDS = {
+    "model": st.just("SmolLM2-135M-Instruct"),
+    "prompt": TEXT,
+    "messages": st.lists(MESSAGE, min_size=1, max_size=3),
+    "add_special_tokens": st.booleans(),
+    "add_generation_prompt": st.booleans(),
+    "return_token_strs": st.booleans(),
+    "tools": st.lists(TOOL, max_size=2),
+    "chat_template_kwargs": st.dictionaries(st.just("foo"), st.integers(), max_size=1),
+}
+DETOKENIZE_FIELDS = {
+    "model": st.just("SmolLM2-135M-Instruct"),
+    "tokens": st.lists(st.integers(min_value=-5, max_value=49160), max_size=8),
 }
 
 
@@ -124,7 +174,8 @@ def bodies(draw, fields: dict, required: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def server():
-    with RemoteServer(["--max-model-len", str(MAX_MODEL_LEN)]) as srv:
+    args = ["--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
+    with RemoteServer(["--max-model-len", str(MAX_MODEL_LEN), *args]) as srv:
         yield srv
 
 
@@ -220,3 +271,40 @@ def test_fuzzed_chat_completions_never_fail_the_server(http, server):
     run()
     health.check()
     assert health.statuses.get(200, 0) >= 20, health.statuses
+
+
+def test_fuzzed_tokenize_and_detokenize_never_fail_the_server(http, server):
+    root = httpx.Client(base_url=server.root, timeout=60)
+    statuses: dict[int, int] = {}
+
+    @settings(FUZZ, max_examples=100)
+    @given(
+        st.one_of(
+            st.tuples(st.just("/tokenize"), bodies(TOKENIZE_FIELDS, {"prompt": TEXT})),
+            st.tuples(
+                st.just("/tokenize"),
+                bodies(TOKENIZE_FIELDS, {"messages": TOKENIZE_FIELDS["messages"]}),
+            ),
+            st.tuples(
+                st.just("/detokenize"),
+                bodies(DETOKENIZE_FIELDS, {"tokens": DETOKENIZE_FIELDS["tokens"]}),
+            ),
+        )
+    )
+    def run(case):
+        path, body = case
+        response = _post(root, path, body)
+        context = f"{response.status_code} for {path} {body!r}: {response.text[:500]}"
+        assert response.status_code == 200 or 400 <= response.status_code < 500, context
+        if response.status_code != 200:
+            assert response.json()["error"]["message"], context
+        elif path == "/tokenize":
+            assert response.json()["count"] == len(response.json()["tokens"]), context
+        else:
+            assert isinstance(response.json()["prompt"], str), context
+        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+
+    with root:
+        run()
+    assert statuses.get(200, 0) >= 20, statuses
+    _Health(http, server).check()

@@ -41,8 +41,8 @@ def test_engine_death_is_503_everywhere():
         again = http.post("/v1/completions", json={"prompt": [1], "max_tokens": 5})
         assert again.status_code == 503
         metrics = http.get("/metrics").text
-        assert "hybridllm_engine_healthy 0" in metrics
-        assert 'hybridllm_requests_total{outcome="error"} 1' in metrics
+        assert "hybridllm:engine_healthy 0.0" in metrics
+        assert 'hybridllm:request_success_total{finished_reason="error"} 1.0' in metrics
     assert engine.shut_down
 
 

@@ -34,7 +34,7 @@ def test_generate_streams_cumulative_outputs_on_one_thread():
         assert await ae.embed([[1, 2, 3]]) == [[3.0, 0.0]]
         assert (await ae.get_stats()).num_running == 0
         await ae.shutdown(timeout=1)
-        assert ae.metrics.requests_by_outcome["length"] == 1
+        assert ae.metrics.finished("length") == 1
         return ae
 
     ae = run(main())
@@ -79,7 +79,7 @@ def test_cancelled_consumer_aborts_its_request():
                 break
             await asyncio.sleep(0.01)
         assert engine.aborted == ["slow"]
-        assert ae.metrics.requests_by_outcome["abort"] == 1
+        assert ae.metrics.finished("abort") == 1
         assert ae.num_in_flight == 0
         # Breaking out of the iterator early aborts too.
         async for _ in ae.generate("brk", [1], SamplingParams(max_tokens=10_000)):

@@ -6,10 +6,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from hybridllm.benchmarks.serve_client import RequestResult
 from hybridllm.benchmarks.serve_metrics import compute_metrics, format_report, percentile
-from hybridllm.entrypoints.openai.metrics import Histogram, ServerMetrics
+from hybridllm.entrypoints.openai.metrics import ServerMetrics
 
 
 @dataclass
@@ -24,45 +25,58 @@ class Stats:
 
 
 def samples(text: str) -> dict[str, float]:
-    return {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line and not line.startswith("#")
-    }
-
-
-def test_histogram_buckets_are_cumulative():
-    h = Histogram((0.1, 1.0))
-    for v in (0.05, 0.1, 0.5, 2.0):
-        h.observe(v)
-    s = samples("\n".join(h.render("x")))
-    assert s['x_bucket{le="0.1"}'] == 2  # le is inclusive
-    assert s['x_bucket{le="1.0"}'] == 3
-    assert s['x_bucket{le="+Inf"}'] == 4 == s["x_count"]
-    assert s["x_sum"] == pytest.approx(2.65)
+    """Parsed with prometheus_client's own text parser: {'name{label="v"}': value}."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
 
 
 def test_server_metrics_render():
     m = ServerMetrics()
     m.observe_first_token(0.2)
+    m.observe_tokens(0.3, 3)
+    m.observe_queued(0.001)
     m.observe_finished("length", 5, 8, 1.0, 0.1)
     m.observe_finished("abort", 0, 0, 0.5, None)
     m.observe_http(200)
     m.observe_http(400)
+    m.observe_tool_choice("auto")
+    m.observe_tool_calls(2)
     text = m.render(Stats(), engine_healthy=True, num_in_flight=3)
-    assert "# TYPE hybridllm_time_per_output_token_seconds histogram" in text
+    assert "# TYPE hybridllm:inter_token_latency_seconds histogram" in text
     s = samples(text)
-    assert s['hybridllm_requests_total{outcome="length"}'] == 1
-    assert s['hybridllm_requests_total{outcome="abort"}'] == 1
-    assert s['hybridllm_requests_total{outcome="error"}'] == 0
-    assert s['hybridllm_http_responses_total{status="400"}'] == 1
-    assert s["hybridllm_time_per_output_token_seconds_count"] == 1
-    assert s["hybridllm_kv_cache_free_blocks"] == 30 and s["hybridllm_num_requests_waiting"] == 1
-    assert s['hybridllm_worker_busy_seconds_total{worker="worker1"}'] == 0.5
-    assert s["hybridllm_requests_in_flight"] == 3
+    assert s['hybridllm:request_success_total{finished_reason="length"}'] == 1
+    assert s['hybridllm:request_success_total{finished_reason="abort"}'] == 1
+    assert s['hybridllm:request_success_total{finished_reason="error"}'] == 0
+    assert m.finished("length") == 1
+    assert s['hybridllm:http_responses_total{status="400"}'] == 1
+    assert s["hybridllm:prompt_tokens_total"] == 5 and s["hybridllm:generation_tokens_total"] == 8
+    assert s["hybridllm:request_time_per_output_token_seconds_count"] == 1
+    assert s["hybridllm:inter_token_latency_seconds_count"] == 3
+    assert s['hybridllm:inter_token_latency_seconds_bucket{le="0.1"}'] == 3  # le is inclusive
+    assert s["hybridllm:inter_token_latency_seconds_sum"] == pytest.approx(0.3)
+    assert s["hybridllm:request_queue_time_seconds_count"] == 1
+    # Lengths of aborted requests are not lengths: only the finished one counts.
+    assert s["hybridllm:request_prompt_tokens_count"] == 1
+    assert s['hybridllm:request_generation_tokens_bucket{le="8.0"}'] == 1
+    assert s['hybridllm:request_generation_tokens_bucket{le="4.0"}'] == 0
+    assert s['hybridllm:tool_call_requests_total{tool_choice="auto"}'] == 1
+    assert s['hybridllm:tool_calls_total{source="parsed"}'] == 2
+    assert s["hybridllm:kv_cache_free_blocks"] == 30 and s["hybridllm:num_requests_waiting"] == 1
+    assert s['hybridllm:worker_busy_seconds_total{worker="worker1"}'] == 0.5
+    assert s["hybridllm:requests_in_flight"] == 3
     # A dead engine has no stats: the server's own metrics still render.
     dead = samples(m.render(None, engine_healthy=False, num_in_flight=0))
-    assert dead["hybridllm_engine_healthy"] == 0 and "hybridllm_kv_cache_free_blocks" not in dead
+    assert dead["hybridllm:engine_healthy"] == 0 and "hybridllm:kv_cache_free_blocks" not in dead
+
+
+def test_registries_are_per_instance():
+    a, b = ServerMetrics(), ServerMetrics()
+    a.observe_http(200)
+    assert 'status="200"' not in b.render(None, True, 0)
 
 
 def test_percentile_matches_numpy():

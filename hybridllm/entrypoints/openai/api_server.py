@@ -13,30 +13,40 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from hybridllm.entrypoints.logging_config import LOG_LEVELS, configure_logging
 from hybridllm.entrypoints.openai.async_engine import AsyncEngine
+from hybridllm.entrypoints.openai.chat_parsing import ChatParsing
 from hybridllm.entrypoints.openai.errors import (
     OpenAIError,
     engine_dead_message,
     error_response,
     install_error_handlers,
 )
+from hybridllm.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from hybridllm.entrypoints.openai.middleware import add_middlewares
 from hybridllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     EmbeddingRequest,
     ModelCard,
     ModelList,
 )
+from hybridllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from hybridllm.entrypoints.openai.serving_base import RequestLimits, ServedModel
 from hybridllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from hybridllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from hybridllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from hybridllm.entrypoints.openai.serving_tokenize import (
+    OpenAIServingTokenization,
+    parse_tokenize_request,
+)
 from hybridllm.entrypoints.openai.token_table import TokenTable
+from hybridllm.entrypoints.openai.tool_choice import ToolChoiceEnforcer
+from hybridllm.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +72,8 @@ class ServerOptions:
     max_stop_string_chars: int = _DEFAULT_LIMITS.max_stop_string_chars
     max_chat_messages: int = _DEFAULT_LIMITS.max_chat_messages
     trust_request_chat_template: bool = False
+    tool_call_parser: str | None = None  # hermes | llama3_json: tool calls for tool_choice auto
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1: <think> -> reasoning_content
     # Connection limits, enforced by uvicorn and our h11 protocol / body middleware.
     limit_concurrency: int = 1024  # connections + requests; the excess get uvicorn's 503
     timeout_keep_alive: float = 5.0  # idle kept-alive connections close after this
@@ -83,6 +95,7 @@ class ServerOptions:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         _ = self.limits  # RequestLimits validates the caps: now, not at the first request
+        _ = self.parsing  # ChatParsing checks the parser names
 
     @property
     def limits(self) -> RequestLimits:
@@ -94,6 +107,10 @@ class ServerOptions:
             max_chat_messages=self.max_chat_messages,
             trust_request_chat_template=self.trust_request_chat_template,
         )
+
+    @property
+    def parsing(self) -> ChatParsing:
+        return ChatParsing(self.tool_call_parser, self.reasoning_parser)
 
     @property
     def exposed_without_key(self) -> bool:
@@ -129,9 +146,17 @@ def server_version() -> str:
 
 
 def build_app(
-    engine: AsyncEngine, tokenizer: Any, model: ServedModel, options: ServerOptions
+    engine: AsyncEngine,
+    tokenizer: Any,
+    model: ServedModel,
+    options: ServerOptions,
+    tool_choice_enforcer: ToolChoiceEnforcer | None = None,
 ) -> FastAPI:
-    """The ASGI app; `engine` starts with the app's lifespan and is shut down with it."""
+    """The ASGI app; `engine` starts with the app's lifespan and is shut down with it.
+
+    `tool_choice_enforcer`: the structured-output engine's hook that constrains replies for
+    tool_choice required / named (tool_choice.py); without it those choices are a 400.
+    """
 
     # The one thread that uses the tokenizer (HF fast tokenizers are not thread-safe).
     tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridllm-tokenizer")
@@ -167,7 +192,15 @@ def build_app(
     )
     shared = dict(tokenizer_pool=tokenizer_pool, limits=options.limits, tokens=tokens)
     completion = OpenAIServingCompletion(engine, tokenizer, model, **shared)
-    chat = OpenAIServingChat(engine, tokenizer, model, **shared)
+    chat = OpenAIServingChat(
+        engine,
+        tokenizer,
+        model,
+        parsing=options.parsing,
+        tool_choice_enforcer=tool_choice_enforcer,
+        **shared,
+    )
+    tokenization = OpenAIServingTokenization(engine, tokenizer, model, chat=chat, **shared)
     embedding = OpenAIServingEmbedding(engine, tokenizer, model, options.pooling, **shared)
     card = ModelCard(
         id=model.names[0], root=model.root or model.path, max_model_len=model.max_model_len
@@ -188,7 +221,7 @@ def build_app(
     async def metrics() -> PlainTextResponse:
         stats = await engine.get_stats()
         text = engine.metrics.render(stats, engine.is_healthy, engine.num_in_flight)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(text, media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
@@ -210,6 +243,15 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create_chat_completion(request, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(body: Any = Body(...)) -> JSONResponse:
+        response = await tokenization.create_tokenize(parse_tokenize_request(body))
+        return JSONResponse(response.model_dump(exclude_none=True))
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse((await tokenization.create_detokenize(request)).model_dump())
 
     @app.post("/v1/embeddings")
     async def create_embedding(request: EmbeddingRequest, raw: Request) -> Response:
@@ -261,6 +303,22 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         action="store_true",
         help="accept a request's own `chat_template` (sandboxed Jinja; it runs on the server's "
         "tokenizer thread, so only for trusted clients); without it the field is a 400",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="parse tool calls out of replies for tool_choice 'auto' (the default when a "
+        "request has tools): hermes = <tool_call>{json}</tool_call> blocks (Qwen2.5, Qwen3, "
+        'Hermes); llama3_json = Llama 3\'s {"name", "parameters"} JSON. Without it, '
+        "tool_choice 'auto' is a 400",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="split a reply's <think>...</think> block into reasoning_content: qwen3 (only "
+        "when the reply opens with <think>) or deepseek_r1 (reasoning from the first token)",
     )
     limits = parser.add_argument_group(
         "request limits", "refused with a 400 naming the field, before anything is queued"
@@ -372,6 +430,8 @@ def run_server(args: argparse.Namespace) -> None:
         max_stop_string_chars=args.max_stop_string_chars,
         max_chat_messages=args.max_chat_messages,
         trust_request_chat_template=args.trust_request_chat_template,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         limit_concurrency=args.limit_concurrency,
         timeout_keep_alive=args.timeout_keep_alive,
         max_header_bytes=args.max_header_bytes,

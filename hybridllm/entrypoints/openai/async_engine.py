@@ -50,6 +50,8 @@ class RequestStream:
         self._ready = asyncio.Event()
         self.arrival = arrival
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.num_tokens = 0  # generated tokens seen so far, over all samples
         self.finished = False  # the engine will send nothing more (final output, error or abort)
         self._exhausted = False  # the consumer has seen the last item
 
@@ -203,6 +205,7 @@ class AsyncEngine:
         try:
             self._submit(_Command("add", (request_id, prompt, params), future))
             await asyncio.wrap_future(future)
+            self.metrics.observe_queued(time.monotonic() - arrival)
         except BaseException:
             self._streams.pop(request_id, None)
             # A cancelled future was never run; any other may have added the request: undo it.
@@ -273,6 +276,13 @@ class AsyncEngine:
             if stream.first_token_time is None and num_tokens > 0:
                 stream.first_token_time = now
                 self.metrics.observe_first_token(now - stream.arrival)
+            elif stream.last_token_time is not None and num_tokens > stream.num_tokens:
+                self.metrics.observe_tokens(
+                    now - stream.last_token_time, num_tokens - stream.num_tokens
+                )
+            if num_tokens > stream.num_tokens:
+                stream.last_token_time = now
+                stream.num_tokens = num_tokens
             if output.finished:
                 del self._streams[output.request_id]
                 stream.finished = True

@@ -1,60 +1,164 @@
-"""Server metrics (counters, histograms) and their rendering in the Prometheus text format."""
+"""Server metrics on prometheus-client, in a registry owned by one ServerMetrics (one per app)."""
 
 from __future__ import annotations
 
-import bisect
-import math
-from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
-# Bucket bounds in seconds: TTFT spans a cached short prompt to a long CPU prefill; TPOT spans
-# a GPU decode step to a CPU one at large batch.
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "hybridllm:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Bucket bounds in seconds: TTFT spans a cached short prompt to a long CPU prefill; the
+# per-token ones span a GPU decode step to a CPU one at large batch.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+QUEUE_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0)
+# Token counts: powers of two up to a 128k context.
+LENGTH_BUCKETS = tuple(float(2**i) for i in range(18))
 
 OUTCOMES = ("stop", "length", "abort", "error")
 
 
-class Histogram:
-    """Cumulative-bucket histogram, as Prometheus exposes it."""
+class _EngineStatsCollector(Collector):
+    """Engine gauges from the snapshot the /metrics handler fetched just before rendering."""
 
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # last: +Inf
-        self.total = 0.0
-        self.count = 0
+    def __init__(self) -> None:
+        self.stats: Any | None = None
+        self.engine_healthy = False
+        self.num_in_flight = 0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
-        self.count += 1
-
-    def render(self, name: str) -> list[str]:
-        lines, cumulative = [], 0
-        for bound, count in zip((*self.bounds, math.inf), self.counts):
-            cumulative += count
-            le = "+Inf" if bound == math.inf else repr(bound)
-            lines.append(f'{name}_bucket{{le="{le}"}} {cumulative}')
-        lines.append(f"{name}_sum {self.total}")
-        lines.append(f"{name}_count {self.count}")
-        return lines
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            f"{PREFIX}engine_healthy", "1 while the engine thread runs.", self.engine_healthy
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}requests_in_flight", "Requests the server is serving.", self.num_in_flight
+        )
+        stats = self.stats
+        if stats is None:  # a dead engine has no stats; the server's own metrics still render
+            return
+        for name, doc, value in (
+            ("num_requests_running", "Requests in the running batch.", stats.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
+            (
+                "kv_cache_usage_perc",
+                "Fraction of KV cache blocks in use (0..1).",
+                stats.kv_cache_usage,
+            ),
+            ("kv_cache_free_blocks", "Free KV cache blocks.", stats.num_free_blocks),
+            ("kv_cache_total_blocks", "KV cache blocks in the pool.", stats.num_total_blocks),
+        ):
+            yield GaugeMetricFamily(f"{PREFIX}{name}", doc, value)
+        yield CounterMetricFamily(
+            f"{PREFIX}num_preemptions", "Requests preempted for KV space.", stats.num_preemptions
+        )
+        busy = CounterMetricFamily(
+            f"{PREFIX}worker_busy_seconds",
+            "Seconds each worker spent computing.",
+            labels=["worker"],
+        )
+        for worker, seconds in sorted((getattr(stats, "worker_busy_seconds", None) or {}).items()):
+            busy.add_metric([str(worker)], seconds)
+        yield busy
 
 
 class ServerMetrics:
     """What the server counts about its requests; updated on the event loop thread only."""
 
     def __init__(self) -> None:
-        self.requests_by_outcome: Counter[str] = Counter({o: 0 for o in OUTCOMES})
-        self.http_responses_by_status: Counter[int] = Counter()
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.tpot = Histogram(TPOT_BUCKETS)
-        self.e2e = Histogram(E2E_BUCKETS)
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        self.requests = Counter(
+            f"{PREFIX}request_success",
+            "Finished requests by finish reason (stop, length, abort, error).",
+            ["finished_reason"],
+            registry=reg,
+        )
+        for outcome in OUTCOMES:  # present at 0 from the start, so rates work from the first scrape
+            self.requests.labels(outcome)
+        self.http_responses = Counter(
+            f"{PREFIX}http_responses", "HTTP responses by status code.", ["status"], registry=reg
+        )
+        self.prompt_tokens = Counter(
+            f"{PREFIX}prompt_tokens", "Prompt tokens of finished requests.", registry=reg
+        )
+        self.generation_tokens = Counter(
+            f"{PREFIX}generation_tokens", "Generated tokens of finished requests.", registry=reg
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        )
+        self.itl = Histogram(
+            f"{PREFIX}inter_token_latency_seconds",
+            "Time between generated tokens of a request (a coalesced delta counts each token).",
+            buckets=TPOT_BUCKETS,
+            registry=reg,
+        )
+        self.tpot = Histogram(
+            f"{PREFIX}request_time_per_output_token_seconds",
+            "Mean time between generated tokens after the first, per request.",
+            buckets=TPOT_BUCKETS,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}e2e_request_latency_seconds",
+            "Time from arrival to the last token.",
+            buckets=E2E_BUCKETS,
+            registry=reg,
+        )
+        self.queue_time = Histogram(
+            f"{PREFIX}request_queue_time_seconds",
+            "Time from arrival until the engine thread accepted the request.",
+            buckets=QUEUE_BUCKETS,
+            registry=reg,
+        )
+        self.prompt_lengths = Histogram(
+            f"{PREFIX}request_prompt_tokens",
+            "Prompt tokens per finished request.",
+            buckets=LENGTH_BUCKETS,
+            registry=reg,
+        )
+        self.generation_lengths = Histogram(
+            f"{PREFIX}request_generation_tokens",
+            "Generated tokens per finished request.",
+            buckets=LENGTH_BUCKETS,
+            registry=reg,
+        )
+        self.tool_call_requests = Counter(
+            f"{PREFIX}tool_call_requests",
+            "Chat requests that offered tools, by tool_choice (none, auto, required, named).",
+            ["tool_choice"],
+            registry=reg,
+        )
+        self.tool_calls = Counter(
+            f"{PREFIX}tool_calls",
+            "Tool calls returned to clients, by how they were found (parsed or constrained).",
+            ["source"],
+            registry=reg,
+        )
+        self._engine = _EngineStatsCollector()
+        reg.register(self._engine)
 
     def observe_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
+
+    def observe_tokens(self, seconds: float, num_tokens: int) -> None:
+        """`num_tokens` new tokens arrived `seconds` after the previous ones."""
+        if num_tokens > 0:
+            per_token = seconds / num_tokens
+            for _ in range(num_tokens):
+                self.itl.observe(per_token)
+
+    def observe_queued(self, seconds: float) -> None:
+        self.queue_time.observe(seconds)
 
     def observe_finished(
         self,
@@ -64,134 +168,36 @@ class ServerMetrics:
         e2e_seconds: float,
         tpot_seconds: float | None,
     ) -> None:
-        self.requests_by_outcome[outcome] += 1
-        self.prompt_tokens += prompt_tokens
-        self.generation_tokens += generation_tokens
+        self.requests.labels(outcome).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generation_tokens)
         self.e2e.observe(e2e_seconds)
+        if outcome in ("stop", "length"):  # aborted and failed requests have no real lengths
+            self.prompt_lengths.observe(prompt_tokens)
+            self.generation_lengths.observe(generation_tokens)
         if tpot_seconds is not None:
             self.tpot.observe(tpot_seconds)
 
     def observe_http(self, status: int) -> None:
-        self.http_responses_by_status[status] += 1
+        self.http_responses.labels(str(status)).inc()
+
+    def observe_tool_choice(self, tool_choice: str) -> None:
+        self.tool_call_requests.labels(tool_choice).inc()
+
+    def observe_tool_calls(self, count: int, source: str = "parsed") -> None:
+        if count:
+            self.tool_calls.labels(source).inc(count)
+
+    def finished(self, outcome: str) -> float:
+        """How many requests finished with `outcome` so far."""
+        value = self.registry.get_sample_value(
+            f"{PREFIX}request_success_total", {"finished_reason": outcome}
+        )
+        return value or 0.0
 
     def render(self, stats: Any | None, engine_healthy: bool, num_in_flight: int) -> str:
         """Prometheus text exposition; `stats` is the engine's EngineStats or None (engine dead)."""
-        out: list[str] = []
-
-        def metric(name: str, kind: str, help_text: str, samples: list[str]) -> None:
-            out.append(f"# HELP {name} {help_text}")
-            out.append(f"# TYPE {name} {kind}")
-            out.extend(samples)
-
-        metric(
-            "hybridllm_requests_total",
-            "counter",
-            "Finished requests by outcome.",
-            [
-                f'hybridllm_requests_total{{outcome="{o}"}} {n}'
-                for o, n in sorted(self.requests_by_outcome.items())
-            ],
-        )
-        metric(
-            "hybridllm_http_responses_total",
-            "counter",
-            "HTTP responses by status code.",
-            [
-                f'hybridllm_http_responses_total{{status="{s}"}} {n}'
-                for s, n in sorted(self.http_responses_by_status.items())
-            ],
-        )
-        metric(
-            "hybridllm_prompt_tokens_total",
-            "counter",
-            "Prompt tokens of finished requests.",
-            [f"hybridllm_prompt_tokens_total {self.prompt_tokens}"],
-        )
-        metric(
-            "hybridllm_generation_tokens_total",
-            "counter",
-            "Generated tokens of finished requests.",
-            [f"hybridllm_generation_tokens_total {self.generation_tokens}"],
-        )
-        metric(
-            "hybridllm_time_to_first_token_seconds",
-            "histogram",
-            "Time from arrival to the first generated token.",
-            self.ttft.render("hybridllm_time_to_first_token_seconds"),
-        )
-        metric(
-            "hybridllm_time_per_output_token_seconds",
-            "histogram",
-            "Mean time between generated tokens after the first, per request.",
-            self.tpot.render("hybridllm_time_per_output_token_seconds"),
-        )
-        metric(
-            "hybridllm_e2e_request_latency_seconds",
-            "histogram",
-            "Time from arrival to the last token.",
-            self.e2e.render("hybridllm_e2e_request_latency_seconds"),
-        )
-        metric(
-            "hybridllm_engine_healthy",
-            "gauge",
-            "1 while the engine thread runs.",
-            [f"hybridllm_engine_healthy {int(engine_healthy)}"],
-        )
-        metric(
-            "hybridllm_requests_in_flight",
-            "gauge",
-            "Requests the server is serving.",
-            [f"hybridllm_requests_in_flight {num_in_flight}"],
-        )
-        if stats is not None:
-            _render_engine_stats(stats, metric)
-        return "\n".join(out) + "\n"
-
-
-def _render_engine_stats(stats: Any, metric: Any) -> None:
-    metric(
-        "hybridllm_num_requests_running",
-        "gauge",
-        "Requests in the running batch.",
-        [f"hybridllm_num_requests_running {stats.num_running}"],
-    )
-    metric(
-        "hybridllm_num_requests_waiting",
-        "gauge",
-        "Requests waiting to be scheduled.",
-        [f"hybridllm_num_requests_waiting {stats.num_waiting}"],
-    )
-    metric(
-        "hybridllm_kv_cache_usage_perc",
-        "gauge",
-        "Fraction of KV cache blocks in use (0..1).",
-        [f"hybridllm_kv_cache_usage_perc {stats.kv_cache_usage}"],
-    )
-    metric(
-        "hybridllm_kv_cache_free_blocks",
-        "gauge",
-        "Free KV cache blocks.",
-        [f"hybridllm_kv_cache_free_blocks {stats.num_free_blocks}"],
-    )
-    metric(
-        "hybridllm_kv_cache_total_blocks",
-        "gauge",
-        "KV cache blocks in the pool.",
-        [f"hybridllm_kv_cache_total_blocks {stats.num_total_blocks}"],
-    )
-    metric(
-        "hybridllm_num_preemptions_total",
-        "counter",
-        "Requests preempted for KV space.",
-        [f"hybridllm_num_preemptions_total {stats.num_preemptions}"],
-    )
-    busy = getattr(stats, "worker_busy_seconds", None) or {}
-    metric(
-        "hybridllm_worker_busy_seconds_total",
-        "counter",
-        "Seconds each worker spent computing.",
-        [
-            f'hybridllm_worker_busy_seconds_total{{worker="{w}"}} {s}'
-            for w, s in sorted(busy.items())
-        ],
-    )
+        self._engine.stats = stats
+        self._engine.engine_healthy = engine_healthy
+        self._engine.num_in_flight = num_in_flight
+        return generate_latest(self.registry).decode()

@@ -6,9 +6,10 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from hybridllm.entrypoints.openai.errors import OpenAIError, from_value_error
+from hybridllm.entrypoints.openai.structured_outputs import structured_outputs_of
 from hybridllm.sampling_params import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs; also bounds the completions `logprobs`
@@ -53,6 +54,11 @@ class SamplingRequest(OpenAIBaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs (entrypoints/openai/structured_outputs.py): OpenAI's response_format
+    # ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}) and
+    # vLLM's extension {"json" | "regex" | "choice" | "grammar": ...}.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def _sampling_params(
         self,
@@ -72,6 +78,7 @@ class SamplingRequest(OpenAIBaseModel):
             raise OpenAIError(
                 "stream_options is only allowed when stream is true", param="stream_options"
             )
+        structured = structured_outputs_of(self)  # OpenAIError (400) naming the field
         try:
             return SamplingParams(
                 n=n,
@@ -93,6 +100,7 @@ class SamplingRequest(OpenAIBaseModel):
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logit_bias=self._token_logit_bias(vocab_size),
+                structured_outputs=structured,
             )
         except ValueError as exc:
             raise from_value_error(exc) from exc
@@ -147,10 +155,49 @@ class ChatContentPart(OpenAIBaseModel):
     text: str
 
 
+# OpenAI's rule for function names (letters, digits, underscores, dashes; at most 64).
+FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+MAX_TOOLS = 128  # far more than any model follows; a bound on template work per request
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: which call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -172,6 +219,38 @@ class ChatCompletionRequest(SamplingRequest):
     # A Jinja template replacing the model's (vLLM's extension); refused with a 400 unless the
     # server runs with --trust-request-chat-template, and sandboxed even then.
     chat_template: str | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
+    def tool_choice_mode(self) -> str:
+        """ "none", "auto", "required" or "named", after checking tools and tool_choice agree."""
+        tools = self.tools or []
+        if len(tools) > MAX_TOOLS:
+            raise OpenAIError(f"at most {MAX_TOOLS} tools, got {len(tools)}", param="tools")
+        names = [tool.function.name for tool in tools]
+        if len(set(names)) != len(names):
+            raise OpenAIError("tool function names must be unique", param="tools")
+        for tool in tools:
+            schema = tool.function.parameters
+            if schema is not None and schema.get("type", "object") != "object":
+                raise OpenAIError(
+                    f"tool '{tool.function.name}': parameters must be a JSON Schema of type object",
+                    param="tools",
+                )
+        choice = self.tool_choice
+        if choice is None:  # OpenAI's default: auto when tools are offered
+            return "auto" if tools else "none"
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise OpenAIError(
+                    f"tool_choice names the function '{choice.function.name}', which is not "
+                    "in tools",
+                    param="tool_choice",
+                )
+            return "named"
+        if choice != "none" and not tools:
+            raise OpenAIError(f"tool_choice '{choice}' needs tools", param="tool_choice")
+        return choice
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -252,6 +331,8 @@ class ChatChoiceLogprobs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser (vLLM's field)
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(OpenAIBaseModel):
@@ -271,9 +352,34 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(OpenAIBaseModel):
+class _DeltaModel(OpenAIBaseModel):
+    """Streamed deltas leave out what they do not set: the openai client's accumulator merges
+    every key it sees, and a null `type` in a later tool-call piece would overwrite the first."""
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunctionCall(_DeltaModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_DeltaModel):
+    """A piece of tool call `index`: id, type and name in its first piece only."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(_DeltaModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(OpenAIBaseModel):
@@ -318,3 +424,41 @@ class ModelCard(OpenAIBaseModel):
 class ModelList(OpenAIBaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---- /tokenize and /detokenize (vLLM's shapes) ----
+
+
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(OpenAIBaseModel):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the template already has them
+    return_token_strs: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str

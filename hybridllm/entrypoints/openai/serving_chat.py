@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import time
 from collections.abc import AsyncIterator
@@ -13,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from hybridllm.entrypoints.openai.async_engine import RequestStream
+from hybridllm.entrypoints.openai.chat_parsing import ChatParsing, ReplyParser
 from hybridllm.entrypoints.openai.errors import OpenAIError, request_id_of
 from hybridllm.entrypoints.openai.protocol import (
     ChatChoice,
@@ -24,6 +26,7 @@ from hybridllm.entrypoints.openai.protocol import (
     ChatStreamChoice,
     ChatTokenLogprob,
     DeltaMessage,
+    TokenizeChatRequest,
     TopLogprob,
     UsageInfo,
     random_id,
@@ -40,6 +43,8 @@ from hybridllm.entrypoints.openai.serving_base import (
     sse,
     sse_error,
 )
+from hybridllm.entrypoints.openai.structured_outputs import compile_structured_outputs
+from hybridllm.entrypoints.openai.tool_choice import ToolChoiceConstraint, ToolChoiceEnforcer
 from hybridllm.outputs import Logprob, RequestOutput
 
 _MISSING_LOGPROB = -9999.0  # OpenAI's stand-in when a token's logprob is unknown
@@ -47,6 +52,18 @@ _MISSING_LOGPROB = -9999.0  # OpenAI's stand-in when a token's logprob is unknow
 
 class OpenAIServingChat(OpenAIServing):
     """The chat endpoint; one engine request whose `n` samples are the choices."""
+
+    def __init__(
+        self,
+        *args: Any,
+        parsing: ChatParsing | None = None,
+        tool_choice_enforcer: ToolChoiceEnforcer | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.parsing = parsing or ChatParsing()
+        # The structured-output engine's hook for tool_choice required / named (tool_choice.py).
+        self.tool_choice_enforcer = tool_choice_enforcer
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw: Request
@@ -67,32 +84,81 @@ class OpenAIServingChat(OpenAIServing):
         )
         max_tokens = self.max_tokens_for(len(prompt_ids), request.requested_max_tokens, param)
         params = request.to_sampling_params(max_tokens, self.model.vocab_size)
+        parser, params = self._reply_parser(request, params)
+        await compile_structured_outputs(self.engine, request, params)
         request_id = random_id("chatcmpl")
         streams = await self.add_all(request_id, [prompt_ids], [params])
         if request.stream:
-            body = self._stream(request, request_id, model_name, streams, http_id)
+            body = self._stream(request, request_id, model_name, streams, http_id, parser)
             return AbortingStreamingResponse(body, self.engine, streams)
         try:
             (final,) = await run_until_disconnected(raw, collect_final(streams))
         finally:
             abort_unfinished(self.engine, streams)
         raise_if_failed(final, http_id)
-        choices = [
-            ChatChoice(
-                index=out.index,
-                message=ChatResponseMessage(content=out.text),
-                logprobs=self._logprobs(request, out.token_ids, out.logprobs),
-                finish_reason=out.finish_reason,
-                stop_reason=out.stop_reason,
+        choices = []
+        for out in sorted(final.outputs, key=lambda c: c.index):
+            parsed = parser.parse(out.text)
+            self.engine.metrics.observe_tool_calls(
+                len(parsed.tool_calls), self._call_source(request)
             )
-            for out in sorted(final.outputs, key=lambda c: c.index)
-        ]
+            message = ChatResponseMessage(
+                content=parsed.content,
+                reasoning_content=parsed.reasoning_content,
+                tool_calls=list(parsed.tool_calls),
+            )
+            choices.append(
+                ChatChoice(
+                    index=out.index,
+                    message=message,
+                    logprobs=self._logprobs(request, out.token_ids, out.logprobs),
+                    finish_reason=_finish_reason(out.finish_reason, len(parsed.tool_calls)),
+                    stop_reason=out.stop_reason,
+                )
+            )
         response = ChatCompletionResponse(
             id=request_id, model=model_name, choices=choices, usage=_usage(final)
         )
         return JSONResponse(response.model_dump())
 
-    async def render_prompt(self, request: ChatCompletionRequest) -> list[int]:
+    def _reply_parser(self, request: ChatCompletionRequest, params: Any) -> tuple[ReplyParser, Any]:
+        """How this request's replies are parsed, and its sampling parameters constrained for
+        tool_choice required / named (by the structured-output engine's enforcer)."""
+        mode = request.tool_choice_mode()
+        if request.tools:
+            self.engine.metrics.observe_tool_choice(mode)
+        if mode == "auto" and request.tools and self.parsing.tool_call_parser is None:
+            raise OpenAIError(
+                "tool_choice 'auto' (the default when tools are given) needs the server to run "
+                "with --tool-call-parser; or send tool_choice 'none'",
+                param="tool_choice",
+            )
+        constraint = None
+        if mode in ("required", "named"):
+            if self.tool_choice_enforcer is None:
+                raise OpenAIError(
+                    f"tool_choice '{mode if mode == 'required' else 'function'}' needs "
+                    "structured outputs (constrained decoding), which this server does not "
+                    "have yet; use tool_choice 'auto' with --tool-call-parser",
+                    param="tool_choice",
+                )
+            tools = request.tools or []
+            if mode == "named":
+                wanted = request.tool_choice.function.name
+                tools = [t for t in tools if t.function.name == wanted]
+            constraint = ToolChoiceConstraint.build(
+                [(t.function.name, t.function.parameters) for t in tools], named=mode == "named"
+            )
+            params = self.tool_choice_enforcer(constraint, params)
+        return ReplyParser(self.parsing, mode, constraint), params
+
+    @staticmethod
+    def _call_source(request: ChatCompletionRequest) -> str:
+        return "parsed" if request.tool_choice in (None, "auto") else "constrained"
+
+    async def render_prompt(
+        self, request: ChatCompletionRequest | TokenizeChatRequest
+    ) -> list[int]:
         """Messages -> the chat template's text -> token ids (the template adds BOS itself).
 
         Templates, the model's and a trusted request's alike, render in transformers'
@@ -119,15 +185,7 @@ class OpenAIServingChat(OpenAIServing):
                 f"chat_template_kwargs may not set {', '.join(reserved)}",
                 param="chat_template_kwargs",
             )
-        conversation = []
-        for message in request.messages:
-            turn = {
-                "role": "system" if message.role == "developer" else message.role,
-                "content": message.text(),
-            }
-            if message.name:
-                turn["name"] = message.name
-            conversation.append(turn)
+        conversation = [_template_turn(i, message) for i, message in enumerate(request.messages)]
         return await self.in_tokenizer_thread(
             self._render_and_tokenize, conversation, request, template, kwargs
         )
@@ -142,12 +200,14 @@ class OpenAIServingChat(OpenAIServing):
     def _render_and_tokenize(
         self,
         conversation: list[dict[str, Any]],
-        request: ChatCompletionRequest,
+        request: ChatCompletionRequest | TokenizeChatRequest,
         template: str | None,
         kwargs: dict[str, Any],
     ) -> list[int]:
         """On the tokenizer thread."""
         continue_final = request.continue_final_message
+        if request.tools:  # the template renders the definitions (apply_chat_template's tools=)
+            kwargs = {**kwargs, "tools": [t.model_dump(exclude_none=True) for t in request.tools]}
         try:
             text = self.tokenizer.apply_chat_template(
                 conversation,
@@ -212,8 +272,10 @@ class OpenAIServingChat(OpenAIServing):
         model_name: str,
         streams: list[RequestStream],
         http_id: str,
+        parser: ReplyParser,
     ) -> AsyncIterator[str]:
         created = int(time.time())
+        replies = {i: parser.stream() for i in range(request.n or 1)} if parser.active else {}
         n = request.n or 1
         continuous = (
             request.stream_options is not None and request.stream_options.continuous_usage_stats
@@ -245,16 +307,28 @@ class OpenAIServingChat(OpenAIServing):
                     text_start, token_start = sent.get(out.index, (0, 0))
                     if len(out.token_ids) == token_start and out.finish_reason is None:
                         continue
+                    delta = DeltaMessage(content=out.text[text_start:])
+                    finish_reason = out.finish_reason
+                    reply = replies.get(out.index)
+                    if reply is not None:
+                        done = out.finish_reason is not None
+                        text = out.text[text_start:]
+                        delta = reply.finish(text) if done else reply.feed(text)
+                        if done:
+                            finish_reason = _finish_reason(finish_reason, reply.num_calls)
+                            self.engine.metrics.observe_tool_calls(
+                                reply.num_calls, self._call_source(request)
+                            )
                     choices.append(
                         ChatStreamChoice(
                             index=out.index,
-                            delta=DeltaMessage(content=out.text[text_start:]),
+                            delta=delta,
                             logprobs=self._logprobs(
                                 request,
                                 out.token_ids[token_start:],
                                 (out.logprobs or [])[token_start:],
                             ),
-                            finish_reason=out.finish_reason,
+                            finish_reason=finish_reason,
                             stop_reason=out.stop_reason,
                         )
                     )
@@ -270,6 +344,57 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as exc:
             yield sse_error(exc, http_id)
         yield SSE_DONE
+
+
+def _finish_reason(reason: str | None, num_calls: int) -> str | None:
+    # OpenAI's: a reply that ended by itself with calls in it ends for the calls; a cut-off one
+    # (length) says so.
+    return "tool_calls" if num_calls and reason == "stop" else reason
+
+
+def _template_turn(index: int, message: Any) -> dict[str, Any]:
+    """One message as chat templates read it: tool calls with their arguments as objects
+    (the Qwen, Llama and Hermes templates serialize `arguments` themselves)."""
+    turn: dict[str, Any] = {
+        "role": "system" if message.role == "developer" else message.role,
+        "content": message.text(),
+    }
+    if message.name:
+        turn["name"] = message.name
+    if message.tool_calls:
+        if message.role != "assistant":
+            raise OpenAIError(
+                f"messages[{index}]: only assistant messages carry tool_calls",
+                param=f"messages.{index}.tool_calls",
+            )
+        calls = []
+        for j, call in enumerate(message.tool_calls):
+            try:
+                arguments = json.loads(call.function.arguments)
+            except ValueError:
+                arguments = None
+            if not isinstance(arguments, dict):
+                raise OpenAIError(
+                    f"messages[{index}].tool_calls[{j}].function.arguments must be a JSON object "
+                    "as text",
+                    param=f"messages.{index}.tool_calls.{j}.function.arguments",
+                ) from None
+            calls.append(
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": arguments},
+                }
+            )
+        turn["tool_calls"] = calls
+    if message.role == "tool":
+        if not message.tool_call_id:
+            raise OpenAIError(
+                f"messages[{index}]: a tool message needs the tool_call_id it answers",
+                param=f"messages.{index}.tool_call_id",
+            )
+        turn["tool_call_id"] = message.tool_call_id
+    return turn
 
 
 def _usage(output: RequestOutput) -> UsageInfo:

@@ -31,6 +31,7 @@ from hybridllm.entrypoints.openai.serving_base import (
     sse,
     sse_error,
 )
+from hybridllm.entrypoints.openai.structured_outputs import compile_structured_outputs
 from hybridllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -46,6 +47,8 @@ class OpenAIServingCompletion(OpenAIServing):
             self.check_prompt(prompt_ids)
             max_tokens = self.max_tokens_for(len(prompt_ids), request.max_tokens, "max_tokens")
             params.append(request.to_sampling_params(max_tokens, self.model.vocab_size))
+        if params:  # one constraint for all the prompts
+            await compile_structured_outputs(self.engine, request, params[0])
         request_id = random_id("cmpl")
         streams = await self.add_all(request_id, [ids for _, ids in prompts], params)
         texts = [text for text, _ in prompts]

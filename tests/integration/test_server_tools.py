@@ -168,9 +168,11 @@ def test_reasoning_content(server):
 @pytest.mark.parametrize(
     "extra,param",
     [
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        (
+            {"tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+        ),
         (
             {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
             "tools.0.function.name",
@@ -214,6 +216,66 @@ def test_bad_tool_fields_are_400s(server, extra, param):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param, error
-    if "structured outputs" in error["message"]:  # required / named need the grammar engine
-        assert param == "tool_choice"
     assert httpx.get(f"{server.root}/health").status_code == 200
+
+
+SCHEMA_TOOLS = [
+    WEATHER,
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "add"}}]
+)
+def test_required_and_named_tool_choices_are_enforced(server, tool_choice, stream):
+    """The grammar forces a call whose arguments match the function's schema, whatever the
+    model would have said (sampled, so the model's own preference does not decide it)."""
+    client = server.client()
+    messages = [{"role": "user", "content": "What is 2 plus 3?"}]
+    for seed in (1, 2):
+        kwargs = dict(
+            model=MODEL, messages=messages, tools=SCHEMA_TOOLS, tool_choice=tool_choice,
+            temperature=0.8, seed=seed, max_tokens=80,
+        )  # fmt: skip
+        if stream:
+            calls: dict[int, dict] = {}
+            finish = None
+            for chunk in client.chat.completions.create(stream=True, **kwargs):
+                for choice in chunk.choices:
+                    finish = choice.finish_reason or finish
+                    for delta in choice.delta.tool_calls or []:
+                        call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                        call["name"] += (delta.function.name or "") if delta.function else ""
+                        call["arguments"] += (
+                            (delta.function.arguments or "") if delta.function else ""
+                        )
+            found = [calls[i] for i in sorted(calls)]
+        else:
+            reply = client.chat.completions.create(**kwargs).choices[0]
+            finish = reply.finish_reason
+            found = [
+                {"name": c.function.name, "arguments": c.function.arguments}
+                for c in reply.message.tool_calls or []
+            ]
+        assert finish == "tool_calls" and found, (finish, found)
+        for call in found:
+            assert call["name"] in ("get_weather", "add")
+            if tool_choice != "required":
+                assert call["name"] == "add"
+            arguments = json.loads(call["arguments"])
+            if call["name"] == "add":
+                assert set(arguments) == {"a", "b"}
+                assert all(isinstance(v, int) for v in arguments.values())

@@ -44,6 +44,7 @@ from hybridllm.entrypoints.openai.serving_tokenize import (
     OpenAIServingTokenization,
     parse_tokenize_request,
 )
+from hybridllm.entrypoints.openai.structured_outputs import enforce_tool_choice
 from hybridllm.entrypoints.openai.token_table import TokenTable
 from hybridllm.entrypoints.openai.tool_choice import ToolChoiceEnforcer
 from hybridllm.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
@@ -154,8 +155,8 @@ def build_app(
 ) -> FastAPI:
     """The ASGI app; `engine` starts with the app's lifespan and is shut down with it.
 
-    `tool_choice_enforcer`: the structured-output engine's hook that constrains replies for
-    tool_choice required / named (tool_choice.py); without it those choices are a 400.
+    `tool_choice_enforcer`: constrains replies for tool_choice required / named (the server
+    passes structured_outputs.enforce_tool_choice); without it those choices are a 400.
     """
 
     # The one thread that uses the tokenizer (HF fast tokenizers are not thread-safe).
@@ -453,7 +454,7 @@ def run_server(args: argparse.Namespace) -> None:
     )
     # The engine thread detokenizes with its tokenizer; the event loop gets its own copy.
     tokenizer = copy.deepcopy(engine.get_tokenizer())
-    app = build_app(async_engine, tokenizer, model, options)
+    app = build_app(async_engine, tokenizer, model, options, enforce_tool_choice)
     logger.info(
         "listening on http://%s:%d (model '%s')", options.host, options.port, model.names[0]
     )

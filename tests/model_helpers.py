@@ -108,6 +108,12 @@ def build_tiny_hf_model(arch: str, seed: int = 0) -> transformers.PreTrainedMode
     torch.manual_seed(seed)
     config = tiny_config(arch)
     config._attn_implementation = "eager"
+    return random_eager_model(config)
+
+
+def random_eager_model(config: transformers.PretrainedConfig) -> transformers.PreTrainedModel:
+    """A random fp32 HF model of `config` with eager attention; norms and biases perturbed so
+    that loading them matters; no eos, so greedy runs always produce max_new_tokens."""
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -115,7 +121,7 @@ def build_tiny_hf_model(arch: str, seed: int = 0) -> transformers.PreTrainedMode
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             elif name.endswith("bias"):
                 param.copy_(0.1 * torch.randn_like(param))
-    model.generation_config.eos_token_id = None  # greedy runs always produce max_new_tokens
+    model.generation_config.eos_token_id = None
     return model.eval()
 
 

@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from tests.gguf_helpers import gguf_name, llama_cpp_permute, random_k_quant_blocks
-from tests.model_helpers import make_tiny_tokenizer
+from tests.model_helpers import make_tiny_tokenizer, random_eager_model
 
 _COMMON = dict(
     vocab_size=320,
@@ -61,16 +61,7 @@ def tiny_moe_config(arch: str, **overrides) -> transformers.PretrainedConfig:
 def build_tiny_moe_model(arch: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
     """A random fp32 HF MoE model (eager attention); norms and biases perturbed."""
     torch.manual_seed(seed)
-    config = tiny_moe_config(arch, **overrides)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            elif name.endswith("bias"):
-                param.copy_(0.1 * torch.randn_like(param))
-    model.generation_config.eos_token_id = None
-    return model.eval()
+    return random_eager_model(tiny_moe_config(arch, **overrides))
 
 
 def make_tiny_moe_model(arch: str, path: str | Path, seed: int = 0, **overrides) -> Path:

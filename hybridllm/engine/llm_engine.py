@@ -262,28 +262,12 @@ class LLMEngine:
                 break
             # An empty step that only drops finished requests still travels: workers
             # must forget them in order with the steps around it.
-            try:
-                handle = self.executor.execute_model_async(scheduler_output)
-            except EngineDeadError:
-                raise
-            except Exception as exc:
-                raise EngineDeadError(
-                    f"a pipelined step failed: {type(exc).__name__}: {exc}"
-                ) from exc
+            handle = _pipelined(self.executor.execute_model_async, scheduler_output)
             self._in_flight.append((scheduler_output, handle))
         results: list[RequestOutput] = []
         if self._in_flight:
             scheduler_output, handle = self._in_flight.popleft()
-            try:
-                runner_output = self.executor.get_output(handle)
-            except EngineDeadError:
-                raise
-            except Exception as exc:
-                # The other stages hold later micro-batches of a pipeline now out of step.
-                raise EngineDeadError(
-                    f"a pipelined step failed: {type(exc).__name__}: {exc}"
-                ) from exc
-            results = self._apply(scheduler_output, runner_output)
+            results = self._apply(scheduler_output, _pipelined(self.executor.get_output, handle))
         results, self._pending_outputs = self._pending_outputs + results, []
         return results
 
@@ -359,6 +343,17 @@ class LLMEngine:
         self._closed = True
         self.structured_output.shutdown()
         self.executor.shutdown()
+
+
+def _pipelined(call: Any, *args: Any) -> Any:
+    """`call(*args)` on a pipelined executor: any failure but a dead worker is fatal too, since
+    the other stages hold later micro-batches of a pipeline now out of step."""
+    try:
+        return call(*args)
+    except EngineDeadError:
+        raise
+    except Exception as exc:
+        raise EngineDeadError(f"a pipelined step failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _is_token_id(value: object) -> bool:

@@ -35,6 +35,23 @@ class TorchPagedAttention:
     def __init__(self, native_ops: bool = False):
         self.native_ops = native_ops
 
+    def write_step_kv(
+        self,
+        kv_cache: torch.Tensor | None,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        prep: PreparedAttention,
+    ) -> None:
+        """Write this step's keys and values through the slot mapping; a step that must read
+        the cache (decode rows, cached prefixes) without one is an error."""
+        if kv_cache is not None and kv_cache.numel():
+            if self.native_ops:
+                torch.ops.hybridllm.write_kv_cache(key, value, kv_cache, prep.slot_mapping)
+            else:
+                write_kv_cache(kv_cache, key, value, prep.slot_mapping)
+        elif prep.reads_cache:
+            raise ValueError("decode rows and cached prefixes need a KV cache, got none")
+
     def forward(
         self,
         query: torch.Tensor,
@@ -47,13 +64,7 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         """query [n, H, D], key/value [n, kvh, D] (this step's) -> output [n, H * D]."""
         num_tokens, num_heads, head_dim = query.shape
-        if kv_cache is not None and kv_cache.numel():
-            if self.native_ops:
-                torch.ops.hybridllm.write_kv_cache(key, value, kv_cache, prep.slot_mapping)
-            else:
-                write_kv_cache(kv_cache, key, value, prep.slot_mapping)
-        elif prep.reads_cache:
-            raise ValueError("decode rows and cached prefixes need a KV cache, got none")
+        self.write_step_kv(kv_cache, key, value, prep)
         num_decodes = prep.num_decodes
         if num_decodes == num_tokens and num_decodes:
             out = self.decode(query, kv_cache, prep, scale, sliding_window)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hybridllm.layers.paged_attention_cpu import TorchPagedAttention, write_kv_cache
+from hybridllm.layers.paged_attention_cpu import TorchPagedAttention
 from hybridllm.layers.prepared_attention import PreparedAttention
 
 try:  # triton is optional: absent on CPU-only installs
@@ -384,10 +384,7 @@ class CudaPagedAttention(TorchPagedAttention):
         if kwargs is None:
             return super().forward(query, key, value, kv_cache, prep, scale, sliding_window)
         num_tokens, num_heads, head_dim = query.shape
-        if kv_cache is not None and kv_cache.numel():
-            write_kv_cache(kv_cache, key, value, prep.slot_mapping)
-        elif prep.reads_cache:
-            raise ValueError("decode rows and cached prefixes need a KV cache, got none")
+        self.write_step_kv(kv_cache, key, value, prep)
         nd = prep.num_decodes
         try:
             prefill = self.prefill_varlen(

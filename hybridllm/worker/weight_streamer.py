@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -229,7 +230,6 @@ class WeightStreamer:
             self.host.append(flat)
             self.pieces.append([] if in_place else pieces)
         raw_bytes = max((flat.numel() for flat, p in zip(self.host, self.pieces) if p), default=0)
-        self.block_size = 0
         self.kv_heads, self.head_dim = model.num_kv_heads, model.head_dim
         self.kv_tokens = kv_tokens
         kv_numel = 2 * kv_tokens * self.kv_heads * self.head_dim
@@ -328,7 +328,7 @@ class WeightStreamer:
             slot = self.slots[j % NUM_SLOTS]
             for twin, cpu in zip(slot.attention, self.cpu_attention[j]):
                 twin.sliding_window = cpu.sliding_window
-            kv = slot.kv[: _numel(kv_shape)].view(kv_shape)
+            kv = slot.kv[: math.prod(kv_shape)].view(kv_shape)
             self.copies.wait_copied(j)
             self._unpack(j, slot)
             h, r = slot.layer(h, r, rotary, kv, prep)
@@ -373,7 +373,7 @@ class WeightStreamer:
     ) -> None:
         """Queue layer j's weights and the step's KV blocks into slot j % 2."""
         s = j % NUM_SLOTS
-        slot, host_kv = self.slots[s], self.host_kv[s][: _numel(kv_shape)].view(kv_shape)
+        slot, host_kv = self.slots[s], self.host_kv[s][: math.prod(kv_shape)].view(kv_shape)
         self.copies.host_wait_copied(j - NUM_SLOTS)  # its pinned KV buffer is free again
         host_kv.copy_(kv_caches[j].index_select(1, block_ids))  # a gather, on the host
         self.copies.after_compute(j - NUM_SLOTS)  # the slot's previous layer is done with it
@@ -386,15 +386,8 @@ class WeightStreamer:
 
     def _new_kv_rows(self, num_layers: int, num_tokens: int) -> torch.Tensor:
         shape = (num_layers, 2, num_tokens, self.kv_heads, self.head_dim)
-        if self.new_kv.numel() < _numel(shape):
+        if self.new_kv.numel() < math.prod(shape):
             self.new_kv = torch.empty(
-                _numel(shape), dtype=self.dtype, pin_memory=self.device.type == "cuda"
+                math.prod(shape), dtype=self.dtype, pin_memory=self.device.type == "cuda"
             )
-        return self.new_kv[: _numel(shape)].view(shape)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+        return self.new_kv[: math.prod(shape)].view(shape)

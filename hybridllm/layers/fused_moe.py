@@ -48,14 +48,16 @@ class FusedMoE(nn.Module):
             num_experts, (intermediate_size, intermediate_size), hidden_size, dtype, device
         )
         self.w2 = StackedExpertWeight(num_experts, (hidden_size,), intermediate_size, dtype, device)
-        self.native = False  # CPU: the compiled hybridllm::silu_and_mul
+        self.native = False  # CPU: the compiled hybridllm::silu_and_mul and fused_moe
 
     def finish_loading(self) -> None:
         self.w13.finish_loading()
         self.w2.finish_loading()
 
     def use_native_op(self) -> None:
-        """Use the compiled SiLU-and-mul. Call only when `load_cpu_kernels()` is True."""
+        """Use the compiled SiLU-and-mul and, for blocks, the whole-block op.
+
+        Call only when `load_cpu_kernels()` is True."""
         self.native = True
 
     def use_f32_kernel(self) -> None:
@@ -74,6 +76,13 @@ class FusedMoE(nn.Module):
         weights, expert_ids = select_experts(
             router_logits, self.top_k, self.scoring, self.renormalize
         )  # [n, k] float32, [n, k] int64
+        w13, w2 = self.w13.qweight, self.w2.qweight
+        if self.native and w13 is not None and w2 is not None:
+            # the whole block in one native call: no per-expert Python (fp32 math throughout)
+            out = torch.ops.hybridllm.fused_moe(
+                x.float(), weights, expert_ids, w13, self.w13.ggml_type, w2, self.w2.ggml_type
+            )
+            return out.to(x.dtype)  # [n, hidden]
         groups = group_by_expert(expert_ids, self.num_experts)
         rows = x[groups.token_ids]  # [n * k, hidden], grouped by expert
         out = torch.empty_like(rows)  # [n * k, hidden]

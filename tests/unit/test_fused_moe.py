@@ -168,3 +168,67 @@ def test_gate_and_up_blocks_of_different_types_are_decoded():
     assert torch.equal(w13.weight, want)
     with pytest.raises(ValueError, match="expected shape"):
         w13.load(torch.zeros(3, 64, 64), "gate_up")
+
+
+@pytest.mark.parametrize("num_tokens", [1, 6, 45])
+def test_native_whole_block_op_from_fp32_weights(num_tokens):
+    # fp32 experts read as F32 blocks by hybridllm::fused_moe: the naive loop's output
+    require_cpu_kernels()
+    moe, w13, w2 = make_moe(9, 4, 64, 32, seed=num_tokens)
+    moe.use_native_op()
+    moe.use_f32_kernel()
+    assert moe.w13.qweight is not None and moe.w2.qweight is not None
+    g = torch.Generator().manual_seed(10 + num_tokens)
+    x = torch.randn(num_tokens, 64, generator=g)
+    logits = torch.randn(num_tokens, 9, generator=g)
+    want = naive_moe(x, w13, w2, *select_experts(logits, 4))
+    torch.testing.assert_close(moe(x, logits), want, atol=1e-5, rtol=1e-5)
+    # bf16 activations (a CPU expert stage beside a GPU) come back in bf16
+    got = moe(x.bfloat16(), logits)
+    assert got.dtype == torch.bfloat16
+    want_bf16 = moe(x.bfloat16().float(), logits).bfloat16()
+    torch.testing.assert_close(got, want_bf16, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
+def test_native_whole_block_op_from_gguf_blocks(qtype):
+    # the one-call op equals the per-expert loop over the same blocks, bit for bit (same
+    # kernels, same order of the weighted sum), and the dequantized experts' naive output
+    require_cpu_kernels()
+    experts, top_k, inter, hidden = 6, 3, 256, 256
+    gate, up = (random_blocks(qtype, experts * inter, hidden, s) for s in (4, 5))
+    down = random_blocks(qtype, experts * hidden, inter, 6)
+    moe = FusedMoE(experts, top_k, hidden, inter, True, torch.float32, CPU)
+    blocks = [QuantizedTensor(b, qtype, (b.shape[0], hidden)) for b in (gate, up)]
+    moe.w13.load(blocks[0], "gate", part=0)
+    moe.w13.load(blocks[1], "up", part=1)
+    down_blocks = QuantizedTensor(down, qtype, (experts * hidden, inter))
+    moe.w2.load(down_blocks, "down", part=0)
+    moe.finish_loading()
+    dense13 = torch.cat([b.dequantize().view(experts, inter, hidden) for b in blocks], 1)
+    dense2 = down_blocks.dequantize().view(experts, hidden, inter)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(11, hidden, generator=g)
+    logits = torch.randn(11, experts, generator=g)
+    loop = moe(x, logits)
+    moe.use_native_op()
+    native = moe(x, logits)
+    torch.testing.assert_close(native, loop, atol=1e-6, rtol=1e-6)
+    want = naive_moe(x, dense13, dense2, *select_experts(logits, top_k))
+    torch.testing.assert_close(native, want, atol=2e-3, rtol=2e-3)
+
+
+def test_native_whole_block_op_rejects_bad_inputs():
+    require_cpu_kernels()
+    w13 = torch.zeros(4, 64, 32 * 4, dtype=torch.uint8)  # F32 blocks of [4, 64, 32]
+    w2 = torch.zeros(4, 32, 32 * 4, dtype=torch.uint8)
+    x, weights = torch.randn(2, 32), torch.ones(2, 2)
+    op = torch.ops.hybridllm.fused_moe
+    with pytest.raises(RuntimeError, match="expert id 4 out of range"):
+        op(x, weights, torch.tensor([[0, 4], [1, 2]]), w13, 0, w2, 0)
+    with pytest.raises(RuntimeError, match="expert id -1 out of range"):
+        op(x, weights, torch.tensor([[0, -1], [1, 2]]), w13, 0, w2, 0)
+    with pytest.raises(RuntimeError, match="topk_weights must be float32"):
+        op(x, torch.ones(2, 3), torch.tensor([[0, 1], [1, 2]]), w13, 0, w2, 0)
+    with pytest.raises(RuntimeError, match="w13 must be"):
+        op(x, weights, torch.tensor([[0, 1], [1, 2]]), w13, 0, w2[:3], 0)

@@ -1,0 +1,126 @@
+// The routed experts of an MoE layer in one native call, from GGUF blocks or fp32 weights read
+// as F32 blocks: tokens grouped by expert (a counting sort), each selected expert's gate/up and
+// down computed once for all its tokens by hybridllm::gguf_linear, the SiLU gate fused, and each
+// token's weighted sum back in fp32. The Python loop it replaces cost ~50 us an expert in
+// dispatch and slicing, a third of a Qwen3-30B-A3B layer's decode step on 2 cores. Registered as
+// hybridllm::fused_moe; built on first use by hybridllm/layers/cpu_kernels.py.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// The other native ops of this library, called through the dispatcher (they live in their own
+// translation units, and this keeps their checks).
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t type, int64_t n) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("hybridllm::gguf_linear", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
+  return op.call(x, qweight, type, n);
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("hybridllm::silu_and_mul", "")
+                             .typed<at::Tensor(const at::Tensor&)>();
+  return op.call(x);
+}
+
+at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights,
+                     const at::Tensor& topk_ids, const at::Tensor& w13, int64_t w13_type,
+                     const at::Tensor& w2, int64_t w2_type) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
+              "fused_moe: x must be a 2-D float32 CPU tensor [tokens, hidden], got ",
+              x.scalar_type(), " ", x.sizes(), " on ", x.device());
+  const int64_t n = x.size(0), hidden = x.size(1);
+  TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_ids.dim() == 2 &&
+                  topk_ids.size(0) == n,
+              "fused_moe: topk_ids must be int64 [", n, ", top_k], got ", topk_ids.scalar_type(),
+              " ", topk_ids.sizes());
+  const int64_t top_k = topk_ids.size(1);
+  TORCH_CHECK(topk_weights.scalar_type() == at::kFloat &&
+                  topk_weights.sizes() == topk_ids.sizes(),
+              "fused_moe: topk_weights must be float32 ", topk_ids.sizes(), ", got ",
+              topk_weights.scalar_type(), " ", topk_weights.sizes());
+  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.size(0) == w2.size(0) &&
+                  w2.size(1) == hidden && w13.size(1) % 2 == 0,
+              "fused_moe: w13 must be [E, 2 * I, bytes] and w2 [E, ", hidden,
+              ", bytes], got ", w13.sizes(), " and ", w2.sizes());
+  const int64_t experts = w13.size(0), width2 = w13.size(1);
+  const at::Tensor ids = topk_ids.contiguous(), weights = topk_weights.contiguous();
+  const at::Tensor xc = x.contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t pairs = n * top_k;
+
+  // counting sort of the (token, slot) pairs by expert, stable so each expert's tokens keep
+  // their order: grouped[p] is the p-th pair in expert order, position[t * k + j] its place
+  std::vector<int64_t> offsets(experts + 1, 0), grouped(pairs), position(pairs);
+  for (int64_t p = 0; p < pairs; ++p) {
+    TORCH_CHECK(id[p] >= 0 && id[p] < experts, "fused_moe: expert id ", id[p],
+                " out of range [0, ", experts, ")");
+    ++offsets[id[p] + 1];
+  }
+  for (int64_t e = 0; e < experts; ++e) offsets[e + 1] += offsets[e];
+  std::vector<int64_t> next(offsets.begin(), offsets.end() - 1);
+  for (int64_t p = 0; p < pairs; ++p) {
+    position[p] = next[id[p]]++;
+    grouped[position[p]] = p;
+  }
+
+  // the rows each expert sees, grouped [pairs, hidden]
+  at::Tensor rows = at::empty({pairs, hidden}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  float* rp = rows.data_ptr<float>();
+  at::parallel_for(0, pairs, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q)
+      std::memcpy(rp + q * hidden, xp + (grouped[q] / top_k) * hidden, hidden * sizeof(float));
+  });
+
+  // each active expert once over its rows: [count, 2I] -> silu-gated [count, I] -> [count, H]
+  at::Tensor expert_out = at::empty({pairs, hidden}, xc.options());
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t start = offsets[e], count = offsets[e + 1] - start;
+    if (count == 0) continue;
+    const at::Tensor gate_up = gguf_linear(rows.narrow(0, start, count), w13[e], w13_type, width2);
+    const at::Tensor down = gguf_linear(silu_and_mul(gate_up), w2[e], w2_type, hidden);
+    expert_out.narrow(0, start, count).copy_(down);
+  }
+
+  // out[t] = sum_j weights[t, j] * expert_out[position[t * k + j]], in fp32
+  at::Tensor out = at::empty({n, hidden}, xc.options());
+  const float* eo = expert_out.data_ptr<float>();
+  const float* wt = weights.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* o = op + t * hidden;
+      std::memset(o, 0, hidden * sizeof(float));
+      for (int64_t j = 0; j < top_k; ++j) {
+        const float w = wt[t * top_k + j];
+        const float* src = eo + position[t * top_k + j] * hidden;
+#pragma omp simd
+        for (int64_t h = 0; h < hidden; ++h) o[h] += w * src[h];
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hybridllm, m) {
+  m.def(
+      "fused_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, int w13_type, "
+      "Tensor w2, int w2_type) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hybridllm, CPU, m) {
+  m.impl("fused_moe", &fused_moe);
+}

@@ -10,7 +10,9 @@ from hybridllm.plan.plan import Plan
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUPPORTED_DEVICES = ("auto", "cpu", "cuda", "heterogeneous")
 SUPPORTED_EXECUTOR_BACKENDS = ("uni", "mp")
-SUPPORTED_QUANTIZATION = ("auto", "none")
+# auto: GGUF blocks kept on CPU workers; none: every weight dequantized; q8_0/q4_0/q4_1: as
+# auto, and CPU workers quantize float linears into that type at load (loader/onload_quant.py)
+SUPPORTED_QUANTIZATION = ("auto", "none", "q8_0", "q4_0", "q4_1")
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,8 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     eos_token_ids: tuple[int, ...] = ()  # generation config's end-of-sequence ids, primary first
     # auto: CPU workers compute GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K linears from their blocks (fp32 math);
-    # none: every weight is dequantized to `dtype` at load time
+    # none: every weight is dequantized to `dtype` at load time; q8_0/q4_0/q4_1: as auto, and
+    # CPU workers quantize float linears into that type at load
     quantization: str = "auto"
     cpu_blocks: Any = None  # plan.model_size.GGUFBlockSizes when CPU workers keep GGUF blocks
 

@@ -101,11 +101,9 @@ class EngineArgs:
         batched = self.max_num_batched_tokens
         if batched is None:
             batched = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
-        cpu_blocks = None
-        if self.quantization == "auto":
-            from hybridllm.layers.gguf_linear import gguf_block_sizes
+        from hybridllm.layers.gguf_linear import cpu_block_sizes
 
-            cpu_blocks = gguf_block_sizes(source, hf_config.num_hidden_layers)
+        cpu_blocks = cpu_block_sizes(source, hf_config, self.quantization)
         plan = self._build_plan(hf_config, batched, max_model_len, cpu_blocks)
         device = "cuda" if any(not w.is_cpu for w in plan.workers()) else "cpu"
         dtype = _resolve_dtype(self.dtype, device)
@@ -198,7 +196,9 @@ class EngineArgs:
             default="auto",
             choices=SUPPORTED_QUANTIZATION,
             help="auto: CPU workers compute a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K linear "
-            "layers straight from its blocks (native op); none: dequantize every weight at load",
+            "layers straight from its blocks (native op); none: dequantize every weight at load; "
+            "q8_0/q4_0/q4_1: as auto, and CPU workers quantize a checkpoint's float linears into "
+            "that type at load (the LM head into Q8_0), cached on disk",
         )
         g.add_argument(
             "--device",

@@ -57,7 +57,8 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         choices=SUPPORTED_QUANTIZATION,
         default="auto",
         help="auto: CPU workers keep a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K linears as blocks "
-        "(counted at block size); none: every weight at the dtype's size",
+        "(counted at block size); none: every weight at the dtype's size; q8_0/q4_0/q4_1: "
+        "a checkpoint's float linears counted as quantized at load into that type",
     )
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="TP ranks")
     parser.add_argument(
@@ -143,7 +144,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from hybridllm.layers.gguf_linear import gguf_block_sizes
+    from hybridllm.layers.gguf_linear import cpu_block_sizes
     from hybridllm.loader import default_model_path, open_model_source
     from hybridllm.plan.cost_model import CostModel
     from hybridllm.plan.describe import describe_hardware, describe_plan
@@ -158,9 +159,7 @@ def run_plan(args: argparse.Namespace) -> int:
     path = args.model or default_model_path()
     source = open_model_source(path)
     hf_config = source.hf_config
-    cpu_blocks = None
-    if args.quantization == "auto":
-        cpu_blocks = gguf_block_sizes(source, hf_config.num_hidden_layers)
+    cpu_blocks = cpu_block_sizes(source, hf_config, args.quantization)
     hw = _with_fakes(discover_hardware(include_gpus=not args.fake_gpu), args)
     profile = load_or_measure_profile(hw, refresh=args.refresh_profile)
     cost = CostModel(profile, context_len=args.context_len)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from gguf import GGMLQuantizationType
 
 from hybridllm.layers.cpu_kernels import load_cpu_kernels
 from hybridllm.loader.model_source import ModelSource
-from hybridllm.plan.model_size import GGUFBlockSizes
+from hybridllm.loader.onload_quant import HEAD_TYPE, ONLOAD_TYPES, bytes_per_param
+from hybridllm.plan.model_size import GGUFBlockSizes, model_size
 
 # Block formats the native op reads; other GGUF types are dequantized at load time.
 GGUF_KERNEL_TYPES: frozenset[int] = frozenset(
@@ -55,6 +57,30 @@ def gguf_block_sizes(source: ModelSource, num_layers: int) -> GGUFBlockSizes | N
     embedding = kept_nbytes("token_embd.weight")
     head = kept_nbytes("output.weight") if "output.weight" in infos else embedding
     return GGUFBlockSizes(kept_params, kept_bytes, total_params, head, embedding)
+
+
+def cpu_block_sizes(
+    source: ModelSource, hf_config: Any, quantization: str
+) -> GGUFBlockSizes | None:
+    """What a CPU worker keeps as blocks under `--quantization`: a GGUF file's kept blocks, or
+    (q8_0/q4_0/q4_1 on float checkpoints) the linears it quantizes at load; None: floats."""
+    if quantization == "none":
+        return None
+    sizes = gguf_block_sizes(source, hf_config.num_hidden_layers)
+    if sizes is not None or quantization not in ONLOAD_TYPES or not load_cpu_kernels():
+        return sizes
+    size = model_size(hf_config, "float32")
+    layers = range(size.num_layers)
+    kept = sum(size.layer_matmul_params(i, routed=False) for i in layers)  # experts stay float
+    total = sum(size.layer_matmul_params(i) for i in layers)
+    head = round(size.vocab_size * size.hidden_size * bytes_per_param(HEAD_TYPE))
+    return GGUFBlockSizes(
+        kept_params=kept,
+        kept_bytes=round(kept * bytes_per_param(ONLOAD_TYPES[quantization])),
+        total_params=total,
+        lm_head_bytes=head,
+        embedding_bytes=head if size.tied_embeddings else None,  # a tied table is the head's
+    )
 
 
 def gguf_kernel_types(device: torch.device) -> frozenset[int]:

@@ -111,6 +111,9 @@ class HFFolderSource(ModelSource):
         for file_name, names in by_file.items():
             yield from read_safetensors(os.path.join(self.path, file_name), names)
 
+    def weight_files(self) -> list[str]:
+        return sorted({os.path.join(self.path, f) for f in self._weights_by_file().values()})
+
     # ---- tokenizer ------------------------------------------------------------------------------
 
     def load_tokenizer(self) -> PreTrainedTokenizerFast:

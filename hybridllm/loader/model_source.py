@@ -65,6 +65,10 @@ class ModelSource(ABC):
         does) rather than keeping them, and never write to them.
         """
 
+    def weight_files(self) -> list[str]:
+        """The files the weights are read from (a single-file format: its path)."""
+        return [self.path]
+
     @abstractmethod
     def load_tokenizer(self) -> PreTrainedTokenizerFast:
         """The model's fast tokenizer, with its chat template and special tokens."""

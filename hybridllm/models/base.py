@@ -83,21 +83,29 @@ def head_loader(head: nn.Module, name: str, embedding: nn.Module | None = None) 
             embedding.use_blocks(head.qweight, head.ggml_type, name)
 
     load.accepts_quantized = True  # type: ignore[attr-defined]
+    load.quantize_role = "head"  # type: ignore[attr-defined]  # see loader/onload_quant.py
     return load
 
 
-def shard_loader(linear: Linear, kind: str, shard: int, name: str) -> WeightLoader:
-    """A loader that copies the HF tensor `name` into its rows of a fused Linear."""
+def shard_loader(
+    linear: Linear, kind: str, shard: int, name: str, quantizable: bool = True
+) -> WeightLoader:
+    """A loader that copies the HF tensor `name` into its rows of a fused Linear.
+
+    `quantizable`: whether `--quantization q8_0|q4_0|q4_1` may turn its float weight into blocks.
+    """
 
     def load(loaded: torch.Tensor | QuantizedTensor) -> None:
         linear.load_shard(kind, shard, loaded, name)
 
     load.accepts_quantized = True  # type: ignore[attr-defined]  # Linear keeps GGUF blocks
+    if kind == "weight" and quantizable:
+        load.quantize_role = "linear"  # type: ignore[attr-defined]
     return load
 
 
 def linear_loaders(
-    prefix: str, linear: Linear, hf_names: tuple[str, ...] | str
+    prefix: str, linear: Linear, hf_names: tuple[str, ...] | str, quantizable: bool = True
 ) -> dict[str, WeightLoader]:
     """Loaders for the HF projections `hf_names` stacked (in order) into `linear`."""
     names = (hf_names,) if isinstance(hf_names, str) else hf_names
@@ -105,7 +113,7 @@ def linear_loaders(
     for shard, hf_name in enumerate(names):
         for kind in ("weight", "bias") if linear.bias is not None else ("weight",):
             name = f"{prefix}{hf_name}.{kind}"
-            loaders[name] = shard_loader(linear, kind, shard, name)
+            loaders[name] = shard_loader(linear, kind, shard, name, quantizable)
     return loaders
 
 
@@ -187,6 +195,12 @@ class CausalLMBase(nn.Module):
     def owns_weight(self, name: str) -> bool:
         """Whether this stage needs the HF weight `name` (the loader skips the rest)."""
         return self.normalize_weight_name(name) in self._weight_loaders
+
+    def quantize_role(self, name: str) -> str | None:
+        """How `--quantization q8_0|q4_0|q4_1` treats the HF weight `name`: "linear" (the
+        chosen type), "head" (Q8_0) or None (kept as loaded)."""
+        loader = self._weight_loaders.get(self.normalize_weight_name(name))
+        return getattr(loader, "quantize_role", None)
 
     def expected_weight_names(self) -> set[str]:
         """Canonical names load_weights must see for this stage to be complete."""

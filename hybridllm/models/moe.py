@@ -126,7 +126,8 @@ class SparseMoeBlock(nn.Module):
         return covers
 
     def weight_loaders(self, prefix: str) -> dict[str, WeightLoader]:
-        loaders = linear_loaders(prefix, self.gate, "gate")
+        # the router stays float under on-load quantization (it picks the experts)
+        loaders = linear_loaders(prefix, self.gate, "gate", quantizable=False)
         experts = f"{prefix}experts."
         for e in range(self.spec.num_experts):
             for part, name in enumerate(_PARTS):

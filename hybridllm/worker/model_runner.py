@@ -87,6 +87,12 @@ class ModelRunner:
     def load_model(self) -> None:
         from hybridllm.layers.gguf_linear import gguf_kernel_types
         from hybridllm.loader import open_model_source
+        from hybridllm.loader.onload_quant import (
+            ONLOAD_TYPES,
+            QuantizedWeightCache,
+            checkpoint_key,
+            quantize_weights,
+        )
         from hybridllm.models.registry import get_model_class
 
         mc = self.config.model_config
@@ -102,8 +108,12 @@ class ModelRunner:
         # On a CPU worker GGUF linears stay in their blocks (read ~6x fewer bytes per token).
         # Host experts of a GPU stage keep them too (the model decodes what goes to the GPU).
         host = torch.device("cpu") if self.stage.cpu_expert_layers else self.device
-        keep = gguf_kernel_types(host) if mc.quantization == "auto" else ()
+        keep = gguf_kernel_types(host) if mc.quantization != "none" else ()
         weights = source.iter_weights(model.owns_weight, keep)
+        if mc.quantization in ONLOAD_TYPES and keep and self.device.type == "cpu":
+            # float linears into blocks the native op reads (cached on disk per checkpoint)
+            cache = QuantizedWeightCache(checkpoint_key(source.weight_files()))
+            weights = quantize_weights(weights, model.quantize_role, mc.quantization, cache)
         if self.show_progress:
             from tqdm import tqdm
 

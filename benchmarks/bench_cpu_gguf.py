@@ -9,9 +9,11 @@ measures hybridllm
 (the CPU worker computing from the blocks) and llama.cpp (llama-cpp-python's `Llama`, same
 threads) on it: time to first token of a 128-token prompt and decode tokens/s of 128 new tokens,
 best of 3 alternating rounds with a fresh prompt each, and the bandwidth floor of hybridllm's
-weight bytes a token.
+weight bytes a token. `--hf-twin` also saves the model as a Hugging Face folder and runs it
+with on-load quantization into the same type (`--quantization q4_1`, say) beside its GGUF twin.
 
     python benchmarks/bench_cpu_gguf.py --llamacpp-python PY [--shape 1b] [--type Q4_1] [--json F]
+    python benchmarks/bench_cpu_gguf.py --type Q4_1 --hf-twin
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ K_M_PROJECTIONS = {"v_proj": "Q6_K", "down_proj": "Q6_K"}
 ROUNDS = 3
 
 
-def write_model(path: Path, shape: str, type_name: str) -> Path:
+def write_model(path: Path, shape: str, type_name: str, hf_folder: Path | None = None) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     vocab = len(tokenizer_vocab())
@@ -59,6 +61,8 @@ def write_model(path: Path, shape: str, type_name: str) -> Path:
     )  # fmt: skip
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
+    if hf_folder is not None:
+        model.save_pretrained(hf_folder)
 
     def block_type(proj: str) -> GGMLQuantizationType:
         if type_name.endswith("_K_M"):
@@ -90,13 +94,23 @@ def main() -> None:
         default="Q4_1",
         choices=["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M", "Q5_K_M"],
     )
+    ap.add_argument(
+        "--hf-twin",
+        action="store_true",
+        help="also run the model's HF folder quantized at load into --type (Q8_0, Q4_0, Q4_1)",
+    )
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = str(write_model(Path(tmp) / "model.gguf", args.shape, args.type))
+        hf_folder = Path(tmp) / "hf" if args.hf_twin else None
+        path = str(write_model(Path(tmp) / "model.gguf", args.shape, args.type, hf_folder))
         warmup, *fresh = prompts(1 + ROUNDS, len(tokenizer_vocab()))
         runners = {"hybridllm": HybridRunner(warmup, "auto", path)}
+        if hf_folder is not None:
+            quantization = args.type.lower()
+            name = f"hybridllm HF folder --quantization {quantization}"
+            runners[name] = HybridRunner(warmup, quantization, str(hf_folder), tokenizer=path)
         if args.llamacpp_python:
             runners["llama.cpp"] = LlamaCppRunner(args.llamacpp_python, warmup, path)
         results = {"machine": machine(), "shape": args.shape, "type": args.type}

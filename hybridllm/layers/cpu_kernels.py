@@ -8,6 +8,7 @@ torch path runs instead.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -56,18 +57,23 @@ def _cpu_fingerprint() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-@functools.cache  # one build (and one op registration) per process
-def load_cpu_kernels() -> bool:
-    """Build/load the native ops into `torch.ops.hybridllm`; True when they are available."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return False
-    # The directory names everything the binary depends on, so a built library is loaded as is.
+def kernel_build_dir() -> Path:
+    """Where this torch, CPU and source tree's library is built: the directory names everything
+    the binary depends on, so a built library is loaded as is."""
     digest = hashlib.sha256(" ".join(CFLAGS).encode())
     for source in SOURCES + HEADERS:
         digest.update(source.name.encode() + b"\0" + source.read_bytes())
     source_hash = digest.hexdigest()
     tag = f"torch{torch.__version__}-{_cpu_fingerprint()}-{source_hash[:12]}".replace("+", "_")
-    build_dir = Path(cache_root()) / "cpu_kernels" / tag
+    return Path(cache_root()) / "cpu_kernels" / tag
+
+
+@functools.cache  # one build (and one op registration) per process
+def load_cpu_kernels() -> bool:
+    """Build/load the native ops into `torch.ops.hybridllm`; True when they are available."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return False
+    build_dir = kernel_build_dir()
     library = build_dir / f"{NAME}.so"
     try:
         # cpp_extension holds `lock` while it builds; until then the library may be partial
@@ -77,15 +83,22 @@ def load_cpu_kernels() -> bool:
         from torch.utils import cpp_extension
 
         build_dir.mkdir(parents=True, exist_ok=True)
-        logger.info("building the native CPU kernels in %s (once per machine, ~10 s)", build_dir)
-        cpp_extension.load(
-            name=NAME,
-            sources=[str(source) for source in SOURCES],
-            extra_cflags=CFLAGS,
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
+        # One builder at a time. The OS drops a flock when its holder dies, unlike
+        # cpp_extension's `lock` file, which a killed build leaves behind for every later
+        # process to wait on forever: holding the flock, any such file is stale. ninja then
+        # rebuilds whatever the killed build left unfinished.
+        with open(build_dir / "build.flock", "a") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+            logger.info("building the native CPU kernels in %s (once per machine)", build_dir)
+            cpp_extension.load(
+                name=NAME,
+                sources=[str(source) for source in SOURCES],
+                extra_cflags=CFLAGS,
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as e:  # noqa: BLE001 - any build failure means "use the torch path"
         logger.warning("native CPU kernels unavailable (%s); using the torch paths", e)
         return False

@@ -9,7 +9,7 @@ from hybridllm.plan.plan import Plan
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUPPORTED_DEVICES = ("auto", "cpu", "cuda", "heterogeneous")
-SUPPORTED_EXECUTOR_BACKENDS = ("uni", "mp")
+SUPPORTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # auto: GGUF blocks kept on CPU workers; none: every weight dequantized; q8_0/q4_0/q4_1: as
 # auto, and CPU workers quantize float linears into that type at load (loader/onload_quant.py)
 SUPPORTED_QUANTIZATION = ("auto", "none", "q8_0", "q4_0", "q4_1")
@@ -124,7 +124,9 @@ class EngineConfig:
     device_config: DeviceConfig
     seed: int = 0
     plan: Plan | None = None  # None: everything on one worker on device_config.device
-    distributed_executor_backend: str = "uni"  # "uni": workers in the engine process; "mp"
+    # "uni": workers in the engine process; "mp": a process each; "ray": a Ray actor each
+    distributed_executor_backend: str = "uni"
+    ray_address: str | None = None  # the Ray cluster to join (None: RAY_ADDRESS, else local)
 
     def __post_init__(self) -> None:
         num_layers = self.model_config.num_layers
@@ -140,6 +142,15 @@ class EngineConfig:
             raise ValueError(
                 f"distributed_executor_backend must be one of {SUPPORTED_EXECUTOR_BACKENDS}, "
                 f"got {backend!r}"
+            )
+        if self.ray_address is not None and backend != "ray":
+            raise ValueError(
+                f"ray_address is for distributed_executor_backend='ray', not {backend!r}"
+            )
+        if backend != "ray" and any(s.node is not None for s in self.plan.stages):
+            raise ValueError(
+                "the plan places stages on cluster nodes: it needs distributed_executor_backend="
+                f"'ray', not {backend!r}"
             )
         if backend == "uni" and self.plan.tensor_parallel_size > 1:
             raise ValueError(

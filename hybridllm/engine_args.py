@@ -47,6 +47,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: "uni" for one worker, else "mp"
+    ray_address: str | None = None  # ray: the cluster to join (default: RAY_ADDRESS, else local)
     layer_split: str | list[int] | None = None  # layers per pipeline stage, e.g. "10,20"
     gpu_layers: int | None = None  # like llama.cpp -ngl: the first N layers on the GPU
     max_gpu_memory: str | int | None = None  # per GPU, e.g. "8GiB"
@@ -73,7 +74,8 @@ class EngineArgs:
             )
         if self.device not in SUPPORTED_DEVICES:
             raise ValueError(f"device must be one of {SUPPORTED_DEVICES}, got {self.device!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
+        ray = self.distributed_executor_backend == "ray"  # the GPUs may be on other nodes
+        if self.device == "cuda" and not ray and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but no CUDA GPU is available")
 
         model_path = self.model or default_model_path()
@@ -145,6 +147,7 @@ class EngineArgs:
             self.seed,
             plan=plan,
             distributed_executor_backend=backend,
+            ray_address=self.ray_address,
         )
 
     def _build_plan(
@@ -176,10 +179,24 @@ class EngineArgs:
             cpu_moe=self.cpu_moe,
             n_cpu_moe=self.n_cpu_moe,
         )
-        hw = discover_hardware()
+        nodes = None
+        if self.distributed_executor_backend == "ray":
+            from hybridllm.executor import ray_cluster
+            from hybridllm.plan.cluster import cluster_hardware
+
+            ray_cluster.connect(self.ray_address)
+            nodes = ray_cluster.cluster_nodes()
+            hw = cluster_hardware(nodes)
+        else:
+            hw = discover_hardware()
         # Measuring rates costs seconds; only a machine with a GPU has a split to decide.
         cost = CostModel(load_or_measure_profile(hw)) if hw.num_gpus else None
-        return build_plan(hf_config, placement, hw, cost, cpu_blocks)
+        plan = build_plan(hf_config, placement, hw, cost, cpu_blocks)
+        if nodes is not None:
+            from hybridllm.plan.cluster import assign_nodes
+
+            plan = assign_nodes(plan, nodes, self.cpu_threads)
+        return plan
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -292,9 +309,11 @@ class EngineArgs:
             "--distributed-executor-backend",
             default=None,
             choices=SUPPORTED_EXECUTOR_BACKENDS,
-            help="uni: workers in the engine process; mp: one process per worker "
-            "(default: uni for one worker, else mp)",
+            help="uni: workers in the engine process; mp: one process per worker; ray: one Ray "
+            "actor per worker, on the machines of a Ray cluster (default: uni for one worker, "
+            "else mp)",
         )
+        add_ray_cli_args(p)
         p.add_argument(
             "--layer-split",
             default=None,
@@ -306,6 +325,18 @@ class EngineArgs:
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def add_ray_cli_args(parser: argparse._ActionsContainer) -> None:
+    """--ray-address, shared by the engine commands and `plan`."""
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="with --distributed-executor-backend ray: the Ray cluster to join, e.g. "
+        "10.0.0.1:6379 (default: RAY_ADDRESS, else a cluster started with `ray start` on this "
+        "machine, else a new local one)",
+    )
 
 
 def add_stream_cli_args(parser: argparse._ActionsContainer) -> None:

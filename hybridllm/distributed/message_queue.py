@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import os
 import shutil
 import tempfile
@@ -16,6 +15,7 @@ from typing import Any
 import zmq
 
 from hybridllm.distributed import message_codec as codec
+from hybridllm.distributed.curve_auth import CurveKeys, CurveServer, secure_client
 from hybridllm.distributed.shm_ring_buffer import ShmRingBuffer
 from hybridllm.distributed.shm_segment import (
     creator_gone,
@@ -40,15 +40,6 @@ class ReaderDiedError(TimeoutError):
 
 class WriterDiedError(TimeoutError):
     """A reader gave up early: the writer process died and the next message will never come."""
-
-
-@dataclass(frozen=True)
-class CurveKeys:
-    """Z85 CURVE keys a remote reader needs to connect to the writer's TCP sockets."""
-
-    server_public: bytes
-    client_public: bytes
-    client_secret: bytes = field(repr=False)
 
 
 @dataclass(frozen=True)
@@ -116,15 +107,15 @@ class MessageQueue:
         )
         self._init_end(rank=None)
         self._remote_ranks = sorted(remote)
-        curve = _start_curve_server(self._ctx, self._owned) if remote else None
+        if remote:
+            self._owned.curve = CurveServer(self._ctx)
         if local:
             self._owned.socket_dir = _private_socket_dir()
         for rank in range(n_readers):
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)  # enqueue waits until frames left; nothing lingers
             if rank in remote:
-                sock.curve_server = True
-                sock.curve_secretkey = self._owned.curve_server_secret
+                self._owned.curve.secure(sock)
                 sock.bind(f"tcp://{remote_host}:*")
             else:
                 sock.bind(f"ipc://{os.path.join(self._owned.socket_dir, f'reader-{rank}.sock')}")
@@ -138,7 +129,7 @@ class MessageQueue:
             reader_addresses=tuple(s.getsockopt_string(zmq.LAST_ENDPOINT) for s in self._sockets),
             writer_pid=os.getpid(),
             spin_policy=spin_policy or SpinPolicy(),
-            curve=curve,
+            curve=self._owned.curve.keys if remote else None,
         )
 
     def _init_end(self, rank: int | None) -> None:
@@ -147,6 +138,8 @@ class MessageQueue:
         self._num_messages = 0  # enqueued (writer) or dequeued (reader) so far
         self._broken: str | None = None  # why the writer can no longer keep order
         self._on_socket_pending = 0  # reader: markers read from the ring, message still due
+        self._remote_ranks: list[int] = []  # writer: readers on other nodes
+        self._remote_alive: Callable[[int], bool | None] | None = None
         self._ctx = zmq.Context()
         self._sockets: list[zmq.Socket] = []  # writer: PUSH per reader rank; reader: its PULL
         self._owned = _WriterResources(os.getpid())
@@ -172,9 +165,7 @@ class MessageQueue:
         if reader_rank not in local:
             if handle.curve is None:
                 raise ValueError(f"the handle has no CURVE keys for remote reader {reader_rank}")
-            sock.curve_serverkey = handle.curve.server_public
-            sock.curve_publickey = handle.curve.client_public
-            sock.curve_secretkey = handle.curve.client_secret
+            secure_client(sock, handle.curve)
         sock.connect(handle.reader_addresses[reader_rank])
         self._sockets.append(sock)
         return self
@@ -226,9 +217,16 @@ class MessageQueue:
             raise
         self._num_messages += 1
 
+    def watch_remote_readers(self, alive: Callable[[int], bool | None]) -> None:
+        """Let `is_reader_alive` ask `alive(rank)` about remote readers (pids mean nothing
+        off-node: the executor knows), so that a writer blocked on a dead one stops waiting."""
+        self._remote_alive = alive
+
     def is_reader_alive(self, reader_rank: int) -> bool | None:
         """Whether a local reader's process lives (False also once it closed its end);
-        None for a remote reader or one not attached yet: ask the executor."""
+        for a remote reader what `watch_remote_readers` says, else None: ask the executor."""
+        if reader_rank in self._remote_ranks:
+            return self._remote_alive(reader_rank) if self._remote_alive else None
         if self._ring is None or reader_rank not in self._handle.local_reader_ranks:
             return None
         return self._ring.reader_alive(self._handle.local_reader_ranks.index(reader_rank))
@@ -348,8 +346,7 @@ class _WriterResources:
     def __init__(self, pid: int) -> None:
         self.pid = pid  # a forked child inherits the finalizer but owns none of this
         self.socket_dir: str | None = None  # private directory of the local ipc sockets
-        self.authenticator: Any = None  # ZAP handler thread admitting the remote readers' key
-        self.curve_server_secret: bytes | None = None
+        self.curve: CurveServer | None = None  # keys and ZAP handler for the remote readers
 
 
 def _socket_dir_bases() -> list[str]:
@@ -403,37 +400,9 @@ def cleanup_stale_socket_dirs() -> list[str]:
     return removed
 
 
-def _start_curve_server(ctx: zmq.Context, owned: _WriterResources) -> CurveKeys:
-    """Keys for the remote readers' sockets, and a ZAP handler that admits only their client
-    key: without a handler libzmq would accept any client that knows the server key."""
-    if not zmq.has("curve"):
-        raise RuntimeError(
-            "MessageQueue: remote readers need libzmq built with CURVE security (pyzmq's "
-            "wheels include it); without it their TCP sockets could not be kept private"
-        )
-    from zmq.auth.thread import ThreadAuthenticator  # imports asyncio: only when needed
-
-    server_public, owned.curve_server_secret = zmq.curve_keypair()
-    client_public, client_secret = zmq.curve_keypair()
-    owned.authenticator = ThreadAuthenticator(ctx)
-    owned.authenticator.start()  # before any bind: ZAP must be in place for the handshakes
-    owned.authenticator.configure_curve_callback("*", _OneClientKey(client_public))
-    return CurveKeys(server_public, client_public, client_secret)
-
-
-class _OneClientKey:
-    """ZAP credentials provider: admits the one client public key (Z85) it was given."""
-
-    def __init__(self, client_public: bytes) -> None:
-        self._key = client_public
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return hmac.compare_digest(key, self._key)
-
-
 def _close_zmq(ctx: zmq.Context, sockets: list[zmq.Socket], owned: _WriterResources) -> None:
-    if owned.authenticator is not None:
-        owned.authenticator.stop()  # its sockets belong to ctx: term() would wait for them
+    if owned.curve is not None:
+        owned.curve.stop()  # its sockets belong to ctx: term() would wait for them
     for sock in sockets:
         sock.close(linger=0)
     ctx.term()  # libzmq unlinks the ipc socket files of the sockets bound here

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -41,7 +42,7 @@ class TPGroup:
 def init_tp_group(
     plan: Plan,
     rank: int,
-    init_method: str,
+    init_method: str | None,
     device: torch.device,
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -84,8 +85,7 @@ def init_tp_group(
         )
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # NCCL uses the current device
-    hosts: list[str | None] = [None] * plan.world_size
-    dist.all_gather_object(hosts, socket.gethostname())
+    hosts = _gather_host_ids(plan.world_size)
 
     mine = plan.stage_of(rank)
     groups: dict[str, dist.ProcessGroup | None] = {}
@@ -120,6 +120,16 @@ def init_tp_group(
         shm=shm,
     )
     return TPGroup(placement.tp_rank, plan.tensor_parallel_size, mine.tp_weights, communicator)
+
+
+def _gather_host_ids(world_size: int) -> list[int]:
+    """Every rank's host, as a hash of its name: a tensor, since peers on other nodes must
+    never send us anything we would unpickle (all_gather_object would)."""
+    digest = hashlib.sha256(socket.gethostname().encode()).digest()
+    mine = torch.tensor([int.from_bytes(digest[:8], "little", signed=True)], dtype=torch.int64)
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine)
+    return [int(t) for t in gathered]
 
 
 def destroy_groups() -> None:

@@ -6,8 +6,8 @@ import argparse
 import dataclasses
 import sys
 
-from hybridllm.config import SUPPORTED_QUANTIZATION
-from hybridllm.engine_args import add_moe_cli_args, add_stream_cli_args
+from hybridllm.config import SUPPORTED_EXECUTOR_BACKENDS, SUPPORTED_QUANTIZATION
+from hybridllm.engine_args import add_moe_cli_args, add_ray_cli_args, add_stream_cli_args
 from hybridllm.entrypoints.logging_config import LOG_LEVELS, configure_logging
 from hybridllm.plan.placement_args import (
     PLACEMENT_DEVICES,
@@ -124,6 +124,14 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="measure the device rates again instead of reading the cache",
     )
+    parser.add_argument(
+        "--distributed-executor-backend",
+        choices=SUPPORTED_EXECUTOR_BACKENDS,
+        default=None,
+        help="ray: plan for the machines of a Ray cluster (lists its nodes with their devices "
+        "and puts each stage on one); otherwise for this machine",
+    )
+    add_ray_cli_args(parser)
     parser.add_argument("--log-level", choices=LOG_LEVELS, default=None, help="logging level")
     # Hidden: plan for GPUs this machine does not have (tests, docs). Their rates are the
     # nominal spec-sheet numbers of hybridllm.plan.hardware_profile.
@@ -160,13 +168,31 @@ def run_plan(args: argparse.Namespace) -> int:
     source = open_model_source(path)
     hf_config = source.hf_config
     cpu_blocks = cpu_block_sizes(source, hf_config, args.quantization)
-    hw = _with_fakes(discover_hardware(include_gpus=not args.fake_gpu), args)
+    nodes = None
+    if args.distributed_executor_backend == "ray":
+        from hybridllm.executor import ray_cluster
+        from hybridllm.plan.cluster import cluster_hardware, describe_cluster
+
+        ray_cluster.connect(args.ray_address)
+        nodes = ray_cluster.cluster_nodes()
+        hw = _with_fakes(cluster_hardware(nodes), args)
+    else:
+        hw = _with_fakes(discover_hardware(include_gpus=not args.fake_gpu), args)
     profile = load_or_measure_profile(hw, refresh=args.refresh_profile)
     cost = CostModel(profile, context_len=args.context_len)
     plan = build_plan(hf_config, placement, hw, cost, cpu_blocks)
     size = model_size(hf_config, resolve_plan_dtype(placement, hw), cpu_blocks)
+    names = None
+    if nodes is not None:
+        from hybridllm.plan.cluster import assign_nodes
+
+        plan = assign_nodes(plan, nodes, args.cpu_threads)
+        names = {n.node_id: n.name for n in nodes}
+        print(describe_cluster(nodes))
     print(describe_hardware(hw, profile))
-    print(describe_plan(plan, size, memory_budgets(hw, placement), cost.predict(plan, size), path))
+    prediction = cost.predict(plan, size)
+    budgets = memory_budgets(hw, placement)
+    print(describe_plan(plan, size, budgets, prediction, path, node_names=names))
     return 0
 
 

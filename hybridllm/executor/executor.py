@@ -80,4 +80,8 @@ def create_executor(config: EngineConfig, show_progress: bool = False) -> Execut
         from hybridllm.executor.uniproc_executor import UniProcExecutor
 
         return UniProcExecutor(config, show_progress=show_progress)
-    raise ValueError(f"unknown distributed_executor_backend {backend!r}; expected uni or mp")
+    if backend == "ray":
+        from hybridllm.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config, show_progress=show_progress)
+    raise ValueError(f"unknown distributed_executor_backend {backend!r}; expected uni, mp or ray")

@@ -2,65 +2,37 @@
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
 import weakref
 from multiprocessing.connection import wait
-from typing import Any
 
 from hybridllm.config import EngineConfig
-from hybridllm.distributed.message_queue import (
-    MessageQueue,
-    WriterDiedError,
-    cleanup_stale_socket_dirs,
-)
+from hybridllm.distributed.message_queue import MessageQueue, cleanup_stale_socket_dirs
 from hybridllm.distributed.shm_segment import cleanup_stale_segments
-from hybridllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from hybridllm.executor.executor import EngineDeadError, Executor
-from hybridllm.worker.worker_process import (
-    EXIT_FAILED,
-    EXIT_PEER_DIED,
-    WorkerProcessArgs,
-    run_worker,
-)
+from hybridllm.executor.queue_executor import SHUTDOWN_TIMEOUT_S, QueueExecutor
+from hybridllm.worker.worker_process import WorkerProcessArgs, run_worker
 
-logger = logging.getLogger(__name__)
-
-_POLL_S = 0.1  # how often a waiting engine checks that every worker process still lives
 _STARTUP_TIMEOUT_S = 600.0  # spawn + torch import + communicator set-up, on a slow machine
-_SHUTDOWN_TIMEOUT_S = 5.0  # graceful exit before SIGTERM, then SIGKILL
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(QueueExecutor):
     """Workers in their own processes (spawn: safe with CUDA and gloo, as the seed found).
 
-    The engine broadcasts every SchedulerOutput and RPC through one MessageQueue; each
-    worker answers RPCs through a response queue of its own; the output worker (last
-    stage, tp rank 0) sends each step's ModelRunnerOutput through an output queue. Stages
-    pass activations through per-edge shared-memory channels, never through the engine.
-
-    A worker that dies turns the next wait into an EngineDeadError naming it, within
-    about `_POLL_S`; the other workers are then stopped and every segment is unlinked.
+    Driven as every `QueueExecutor` is; stages pass activations through per-edge
+    shared-memory channels. A worker that dies turns the next wait into an EngineDeadError
+    naming it (with its exit code), within about `POLL_S`; the other workers are then
+    stopped and every segment is unlinked.
     """
 
     def __init__(self, config: EngineConfig, show_progress: bool = False):
         super().__init__(config)
         plan = config.plan
-        self._placements = plan.workers()
-        self._output_rank = plan.stages[-1].workers[0].rank
         self._procs: list[multiprocessing.process.BaseProcess] = []
-        self._responses: list[MessageQueue] = []
-        self._output: MessageQueue | None = None
-        self._dead: EngineDeadError | None = None
-        self._closed = False
-        self._num_submitted = 0
-        self._num_collected = 0
         self._rendezvous_dir: str | None = None
         self._remove_rendezvous_dir: weakref.finalize | None = None
         if getattr(multiprocessing.current_process(), "_inheriting", False):
@@ -78,14 +50,7 @@ class MultiprocExecutor(Executor):
         cleanup_stale_socket_dirs()
         self._broadcast = MessageQueue(plan.world_size, max_chunks=plan.pipeline_parallel_size + 4)
         try:
-            handles = self._start_workers(show_progress)
-            self._responses = [MessageQueue.attach(h["response"], 0) for h in handles]
-            self._output = MessageQueue.attach(handles[self._output_rank]["output"], 0)
-            edges = {
-                stage.pp_rank: handles[stage.workers[0].rank]["activations"]
-                for stage in plan.stages[:-1]
-            }
-            self._broadcast_and_gather(("connect", edges), "connect")
+            self._connect(self._start_workers(show_progress))
         except BaseException:
             self.shutdown()
             raise
@@ -175,128 +140,20 @@ class MultiprocExecutor(Executor):
         )
         return "file://" + os.path.join(self._rendezvous_dir, "store")
 
-    # ---- the executor interface ---------------------------------------------------------------
+    # ---- the worker processes -------------------------------------------------------------------
 
-    def collective_rpc(
-        self, method: str, args: tuple = (), kwargs: dict | None = None
-    ) -> list[Any]:
-        return self._broadcast_and_gather(("rpc", method, tuple(args), kwargs or {}), method)
+    def _exited(self) -> dict[int, int | str]:
+        return {r: p.exitcode for r, p in enumerate(self._procs) if not p.is_alive()}
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> int:
-        self._send(("execute", scheduler_output))
-        self._num_submitted += 1
-        return self._num_submitted - 1
+    def _any_exited(self) -> bool:
+        return any(not p.is_alive() for p in self._procs)
 
-    def get_output(self, handle: int) -> ModelRunnerOutput:
-        if handle != self._num_collected:
-            raise ValueError(
-                f"get_output({handle}): steps are collected in submission order; "
-                f"the next one is {self._num_collected}"
-            )
-        self._check_alive()
-        output = self._receive(self._output, self._output_rank)
-        self._num_collected += 1
-        return output
+    def _started(self) -> bool:
+        return bool(self._procs)
 
-    def embed(self, prompts: list[list[int]], pooling: str, normalize: bool) -> list[list[float]]:
-        if pooling not in ("last", "mean"):
-            raise ValueError(f"pooling must be 'last' or 'mean', got {pooling!r}")
-        results = self._broadcast_and_gather(("embed", prompts, pooling, normalize), "embed")
-        return results[self._output_rank]
-
-    # ---- transport ----------------------------------------------------------------------------
-
-    def _send(self, message: tuple) -> None:
-        self._check_alive()
-        try:
-            self._broadcast.enqueue(message)  # ReaderDiedError soon after a reader dies
-        except TimeoutError:
-            raise self._fail() from None
-
-    def _broadcast_and_gather(self, message: tuple, what: str) -> list[Any]:
-        """Send `message` to every worker and collect one answer from each, in rank order."""
-        self._send(message)
-        results, errors = [], []
-        for rank, queue in enumerate(self._responses):
-            kind, payload = self._receive(queue, rank)
-            if kind == "fatal":
-                raise self._fail({rank: payload})
-            if kind == "error":
-                errors.append(payload)
-            results.append(payload)
-        if errors:
-            raise RuntimeError(f"{what} failed on {len(errors)} worker(s):\n" + "\n".join(errors))
-        return results
-
-    def _receive(self, queue: MessageQueue, rank: int) -> Any:
-        """The next message from `rank`'s queue, watching every worker while waiting."""
-        while True:
-            try:
-                return queue.dequeue(timeout=_POLL_S)
-            except WriterDiedError:
-                raise self._fail() from None
-            except TimeoutError:
-                if any(not p.is_alive() for p in self._procs):
-                    raise self._fail() from None
-
-    def _check_alive(self) -> None:
-        if self._dead is not None:
-            raise self._dead
-        if self._closed:
-            raise RuntimeError("the executor was shut down")
-
-    def check_health(self) -> None:
-        self._check_alive()
-        if any(not p.is_alive() for p in self._procs):
-            raise self._fail()
-
-    # ---- failure and shutdown -----------------------------------------------------------------
-
-    def _fail(self, reported: dict[int, tuple[int, str]] | None = None) -> EngineDeadError:
-        """Describe the dead worker(s), stop the rest, free everything; returns the error.
-
-        `reported`: rank -> (exit code, traceback) of "fatal" replies already read.
-        """
-        reported = dict(reported or {})
-        time.sleep(_POLL_S)  # let a peer's death, and any last words, arrive
-        for rank, queue in enumerate(self._responses):
-            while rank not in reported:
-                try:
-                    kind, payload = queue.dequeue(timeout=0)
-                except (TimeoutError, RuntimeError):
-                    break
-                if kind == "fatal":
-                    reported[rank] = payload
-        exited = {r: p.exitcode for r, p in enumerate(self._procs) if not p.is_alive()}
-        codes = {r: code for r, (code, _) in reported.items()} | exited
-        # Root causes: workers that failed by themselves, not those that saw a peer go.
-        causes = [r for r in sorted(codes) if codes[r] not in (0, EXIT_PEER_DIED)]
-        causes = causes or sorted(codes)
-        lines = [f"{self._describe(r)} {_exit_reason(codes[r])}" for r in causes]
-        followers = [r for r in sorted(codes) if r not in causes]
-        if followers:
-            lines.append("then stopped: " + ", ".join(self._describe(r) for r in followers))
-        lines += [reported[r][1].rstrip() for r in causes if r in reported]
-        self._dead = EngineDeadError("engine is dead: " + "\n".join(lines))
-        logger.error("%s", self._dead)
-        self._teardown(graceful=False)
-        return self._dead
-
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        graceful = self._dead is None and bool(self._procs)
-        if graceful:
-            try:
-                self._broadcast.enqueue(("shutdown",), timeout=_SHUTDOWN_TIMEOUT_S)
-            except (TimeoutError, RuntimeError):
-                graceful = False
-        self._teardown(graceful)
-
-    def _teardown(self, graceful: bool) -> None:
-        """Join (or stop) every worker, close every queue end, unlink leftover segments."""
-        self._closed = True
-        deadline = time.monotonic() + (_SHUTDOWN_TIMEOUT_S if graceful else 0.0)
+    def _stop_workers(self, graceful: bool) -> None:
+        """Join (or stop) every worker process."""
+        deadline = time.monotonic() + (SHUTDOWN_TIMEOUT_S if graceful else 0.0)
         for proc in self._procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
         for proc in self._procs:
@@ -307,9 +164,8 @@ class MultiprocExecutor(Executor):
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=1.0)
-        for queue in [*self._responses, self._output, self._broadcast]:
-            if queue is not None:
-                queue.close()
+
+    def _after_teardown(self) -> None:
         # Workers stopped by a signal could not unlink their own segments or socket dirs.
         cleanup_stale_segments()
         cleanup_stale_socket_dirs()
@@ -323,20 +179,6 @@ class MultiprocExecutor(Executor):
             f"worker rank {rank} (pipeline stage {p.pp_rank}, tp rank {p.tp_rank}, "
             f"device {p.device}, pid {pid})"
         )
-
-
-def _exit_reason(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name} (exit code {code})"
-    if code == EXIT_FAILED:
-        return f"failed with an exception (exit code {code})"
-    if code == EXIT_PEER_DIED:
-        return f"stopped because a peer process died (exit code {code})"
-    return f"exited with code {code}"
 
 
 _MAIN_GUARD_ADVICE = (

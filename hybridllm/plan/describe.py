@@ -57,15 +57,21 @@ def describe_plan(
     budgets: MemoryBudgets,
     prediction: PlanPrediction | None = None,
     title: str = "",
+    node_names: dict[str, str] | None = None,
 ) -> str:
-    """Stages and workers, then memory per device, then predicted tokens/s (when given)."""
+    """Stages and workers, then memory per device, then predicted tokens/s (when given).
+
+    `node_names`: cluster node id -> how to show it, for a plan whose stages have nodes."""
     lines = [
         f"plan{' for ' + title if title else ''}: {size.model_type}, {size.num_layers} layers, "
         f"{size.dtype}, {format_bytes(size.total_bytes)} of weights; tensor parallel "
         f"{plan.tensor_parallel_size} x pipeline parallel {plan.pipeline_parallel_size}"
     ]
     for stage in plan.stages:
-        lines.append(_stage_header(stage))
+        header = _stage_header(stage)
+        if stage.node is not None:
+            header += f"  [on node {(node_names or {}).get(stage.node, stage.node)}]"
+        lines.append(header)
         for tp_rank, worker in enumerate(stage.workers):
             where = worker.device
             if worker.is_cpu and worker.numa_node is not None:

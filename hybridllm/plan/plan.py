@@ -77,6 +77,9 @@ class StagePlan:
     # Mixtures of experts: the routed experts of the stage's first `cpu_expert_layers` layers
     # live and compute on the host CPU; the router, shared expert and the rest stay here.
     cpu_expert_layers: int = 0
+    # The cluster node (a Ray node id) that runs every worker of the stage, its whole
+    # tensor-parallel group; None: the engine's machine (the uni and mp executors).
+    node: str | None = None
 
     def experts_on_cpu(self, layer: int) -> bool:
         """Whether layer `layer`'s routed experts live on the CPU beside this stage."""
@@ -164,6 +167,14 @@ class Plan:
 
     def stage_of(self, rank: int) -> StagePlan:
         return self.stages[rank // self.tensor_parallel_size]
+
+    def node_of(self, rank: int) -> str | None:
+        """The cluster node worker `rank` runs on (None: the engine's machine)."""
+        return self.stage_of(rank).node
+
+    def workers_on_node(self, node: str | None) -> list[WorkerPlacement]:
+        """The workers that share a machine with a worker on `node`."""
+        return [w for s in self.stages if s.node == node for w in s.workers]
 
     @classmethod
     def single(cls, device: str, num_layers: int) -> Plan:

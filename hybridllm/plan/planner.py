@@ -46,6 +46,7 @@ from hybridllm.plan.memory_budget import (
     worker_weight_bytes,
 )
 from hybridllm.plan.model_size import GGUFBlockSizes, ModelSize, model_size
+from hybridllm.plan.numa_binding import numa_assignments
 from hybridllm.plan.placement_args import PlacementArgs
 from hybridllm.plan.plan import Plan, StagePlan, WorkerPlacement, partition
 from hybridllm.platforms.discovery import HardwareInfo
@@ -477,18 +478,14 @@ class _Planner:
                 "%d CPU workers share %d NUMA node(s) round-robin; their threads split each node",
                 len(cpu_ranks), len(nodes),
             )  # fmt: skip
-        node_of = {rank: nodes[i % len(nodes)] for i, rank in enumerate(cpu_ranks)}
-        sharing = {n.node_id: sum(m is n for m in node_of.values()) for n in nodes}
+        bindings = numa_assignments(cpu_ranks, self.hw, self.args.cpu_threads)
         stages = []
         for stage in plan.stages:
             workers = []
             for w in stage.workers:
                 if w.is_cpu:
-                    node = node_of[w.rank]
-                    threads = self.args.cpu_threads or max(
-                        1, len(self.hw.usable_cpus(node)) // sharing[node.node_id]
-                    )
-                    w = dataclasses.replace(w, numa_node=node.node_id, num_threads=threads)
+                    node, threads = bindings[w.rank]
+                    w = dataclasses.replace(w, numa_node=node, num_threads=threads)
                 workers.append(w)
             stages.append(dataclasses.replace(stage, workers=tuple(workers)))
         return Plan(tuple(stages), plan.num_layers)

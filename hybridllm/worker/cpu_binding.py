@@ -65,6 +65,7 @@ def reserved_cpus(
     nodes: dict[int, set[int]],
     allowed: set[int],
     siblings: dict[int, frozenset[int]] | None = None,
+    machine: str | None = None,
 ) -> set[int]:
     """CPUs that no CPU worker binds to: one core for each GPU worker's process and one for
     the engine's, whose Python threads launch kernels and move batches (a GPU stage stalls
@@ -74,13 +75,15 @@ def reserved_cpus(
     hyperthreads) at a time from the node with the most cores per CPU worker, its lowest
     numbered core first (CPU 0's, which also takes the kernel's housekeeping), and never a
     worker's last core. Every CPU worker computes the same set from the same plan.
+    Only the workers on cluster node `machine` count (the plan's `StagePlan.node`).
     """
-    num_gpu = sum(1 for w in plan.workers() if not w.is_cpu)
-    if not num_gpu or not any(w.is_cpu for w in plan.workers()):
+    workers = plan.workers_on_node(machine)
+    num_gpu = sum(1 for w in workers if not w.is_cpu)
+    if not num_gpu or not any(w.is_cpu for w in workers):
         return set()
     siblings = siblings if siblings is not None else core_siblings(allowed)
     sharing: dict[int | None, int] = {}
-    for w in plan.workers():
+    for w in workers:
         if w.is_cpu:
             node = resolve_numa_node(w.numa_node, nodes)
             sharing[node] = sharing.get(node, 0) + 1
@@ -124,7 +127,8 @@ def bind_cpu_worker(
     """
     allowed = os.sched_getaffinity(0)
     nodes = numa_node_cpus() if nodes is None else nodes
-    reserved = reserved_cpus(plan, nodes, allowed, siblings)
+    machine = plan.node_of(placement.rank)  # workers on other cluster nodes do not count
+    reserved = reserved_cpus(plan, nodes, allowed, siblings, machine)
     node = resolve_numa_node(placement.numa_node, nodes)
     if node != placement.numa_node and node is not None:
         logger.warning(
@@ -147,7 +151,9 @@ def bind_cpu_worker(
         os.sched_setaffinity(0, cpus)
         allowed = cpus
     sharing = sum(
-        1 for w in plan.workers() if w.is_cpu and resolve_numa_node(w.numa_node, nodes) == node
+        1
+        for w in plan.workers_on_node(machine)
+        if w.is_cpu and resolve_numa_node(w.numa_node, nodes) == node
     )
     fair = max(1, len(allowed) // max(1, sharing))
     threads = placement.num_threads or cpu_threads or fair

@@ -197,9 +197,13 @@ class ModelRunner:
             available, _ = self.platform.free_and_total_memory()
             plan = self.config.plan
             cpu_workers = [w for w in plan.workers() if w.is_cpu]
+            # The default budget is a share of this machine's RAM: split it among the CPU
+            # workers on this cluster node; an explicit one is the whole plan's.
+            here = plan.workers_on_node(self.stage.node)
+            sharing = cpu_workers if cc.kv_cache_memory_bytes else [w for w in here if w.is_cpu]
             budget = cpu_kv_budget(
                 available,
-                len(cpu_workers),
+                len(sharing),
                 cc.kv_cache_memory_bytes,
                 cc.max_cpu_memory_bytes,
                 self._cpu_fixed_bytes(cpu_workers) if cc.max_cpu_memory_bytes else 0,

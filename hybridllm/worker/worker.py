@@ -56,10 +56,13 @@ class Worker:
         plan = self.config.plan
         if plan.tensor_parallel_size == 1:
             return None
-        if init_method is None:
+        import torch.distributed as dist
+
+        if init_method is None and not dist.is_initialized():
             raise ValueError(
                 "tensor parallelism needs an init_method (file:///private/dir/store, as the mp "
-                "executor makes, or tcp://host:port)"
+                "executor makes, or tcp://host:port) or a torch.distributed world already "
+                "joined (the ray executor joins through its authenticated store first)"
             )
         try:
             from hybridllm.distributed.parallel_groups import init_tp_group

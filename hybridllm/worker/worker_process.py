@@ -1,13 +1,15 @@
-"""The main loop of one worker process under the `mp` executor, and its message protocol.
+"""The main loop of one worker process (`mp` executor) or Ray actor, and its message protocol.
 
 Engine -> workers, on the broadcast MessageQueue (every worker reads every message):
-    ("connect", {pp_rank: Handle})    attach to the previous stage's activation channel
+    ("connect", {pp_rank: Handle})    attach to the previous stage's activation channel (an
+                                      edge between nodes is a torch.distributed group instead,
+                                      made at start-up)
     ("execute", SchedulerOutput)      one step; nothing is answered except by the output worker
     ("embed", prompts, pooling, normalize)
     ("rpc", method, args, kwargs)
     ("shutdown",)
 Worker -> engine at start-up, on a pipe: ("started", None), then ("ready", handles) or
-("error", traceback).
+("error", traceback) (a Ray actor returns the handles from its start call instead).
 Worker -> engine, on the worker's own response MessageQueue, for everything but "execute":
     ("ok", result) | ("error", traceback) | ("fatal", (exit_code, traceback))
 The last stage's tp-rank-0 worker (the output worker) also writes each step's
@@ -20,18 +22,25 @@ from __future__ import annotations
 import signal
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
 from hybridllm.config import EngineConfig
+from hybridllm.distributed.auth_store import StoreHandle
 from hybridllm.distributed.message_queue import (
     Handle,
     MessageQueue,
     ReaderDiedError,
     WriterDiedError,
 )
+from hybridllm.distributed.world import World
 from hybridllm.engine.scheduler_output import SchedulerOutput
+from hybridllm.worker.dist_pipeline_channel import (
+    DistPipelineReceiver,
+    DistPipelineSender,
+    create_edge_groups,
+)
 from hybridllm.worker.pipeline_channel import PipelineReceiver, PipelineSender
 from hybridllm.worker.worker import Worker
 
@@ -45,13 +54,21 @@ _RESPONSE_CHUNK_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class WorkerProcessArgs:
-    """Everything a spawned worker needs; pickled to the child."""
+    """Everything a spawned worker (or Ray actor) needs; pickled to it."""
 
     config: EngineConfig
     rank: int
     broadcast: Handle
     tp_init_method: str | None
     show_progress: bool
+    # Multi-node (the ray executor): the engine's cluster node (a worker on another one
+    # answers over TCP with CURVE), the address this worker binds its sockets to, the
+    # authenticated store it joins torch.distributed through, and its device as this process
+    # sees it (Ray shows an actor only its own GPU, as cuda:0).
+    engine_node: str | None = None
+    host: str = "127.0.0.1"
+    store: StoreHandle | None = field(default=None, repr=False)
+    device: str | None = None
 
 
 def run_worker(args: WorkerProcessArgs, ready_pipe: Connection) -> None:
@@ -88,31 +105,58 @@ class WorkerProcess:
             f"worker rank {args.rank} (pipeline stage {self.placement.pp_rank}, "
             f"tp rank {self.placement.tp_rank}, device {self.placement.device})"
         )
+        # Answers to an engine on another node go over TCP (CURVE), bound to `host`.
+        remote = dict(remote_host=args.host)
+        if args.engine_node is not None and self.stage.node != args.engine_node:
+            remote["remote_reader_ranks"] = (0,)
+        self.world: World | None = None
         self.broadcast = MessageQueue.attach(args.broadcast, args.rank)
-        self.response = MessageQueue(1, max_chunk_bytes=_RESPONSE_CHUNK_BYTES, max_chunks=4)
+        self.response = MessageQueue(
+            1, max_chunk_bytes=_RESPONSE_CHUNK_BYTES, max_chunks=4, **remote
+        )
         self.output: MessageQueue | None = None
-        self.next_stage: PipelineSender | None = None
-        self.prev_stage: PipelineReceiver | None = None
+        self.next_stage: PipelineSender | DistPipelineSender | None = None
+        self.prev_stage: PipelineReceiver | DistPipelineReceiver | None = None
         lead = self.placement.tp_rank == 0
+        crosses = {s.pp_rank for s, n in zip(plan.stages, plan.stages[1:]) if s.node != n.node}
         if lead and self.stage.has_lm_head:
             # Up to pipeline_parallel_size outputs wait for the engine; never block on it.
             chunks = plan.pipeline_parallel_size + 2
-            self.output = MessageQueue(1, max_chunk_bytes=_RESPONSE_CHUNK_BYTES, max_chunks=chunks)
-        elif lead:
+            self.output = MessageQueue(
+                1, max_chunk_bytes=_RESPONSE_CHUNK_BYTES, max_chunks=chunks, **remote
+            )
+        elif lead and self.stage.pp_rank not in crosses:
             self.next_stage = PipelineSender(config, num_receivers=plan.tensor_parallel_size)
+        if args.store is not None:
+            self.world = World(args.rank, plan.world_size, args.store, args.host)
+        placement = self.placement
+        if args.device is not None:
+            placement = replace(placement, device=args.device)
         self.worker = Worker(
             config,
-            self.placement,
+            placement,
             owns_process=True,
             tp_init_method=args.tp_init_method,
             show_progress=args.show_progress,
         )
+        if crosses:
+            # Collective over the world: every worker creates every edge's group, in order.
+            edges = create_edge_groups(plan)
+            device = self.worker.device
+            if lead and self.stage.pp_rank in edges:
+                self.next_stage = DistPipelineSender(edges[self.stage.pp_rank], device)
+            if self.stage.pp_rank - 1 in edges:
+                self.prev_stage = DistPipelineReceiver(edges[self.stage.pp_rank - 1], device)
 
     def handles(self) -> dict[str, Handle | None]:
         return {
             "response": self.response.export_handle(),
             "output": self.output.export_handle() if self.output else None,
-            "activations": self.next_stage.export_handle() if self.next_stage else None,
+            "activations": (
+                self.next_stage.export_handle()
+                if isinstance(self.next_stage, PipelineSender)
+                else None
+            ),
         }
 
     def run(self) -> int:
@@ -139,7 +183,7 @@ class WorkerProcess:
         elif kind == "embed":
             self.response.enqueue(("ok", self._embed(*body)))
         elif kind == "connect":
-            if not self.stage.has_embedding:
+            if not self.stage.has_embedding and self.prev_stage is None:  # same node
                 handle = body[0][self.placement.pp_rank - 1]
                 self.prev_stage = PipelineReceiver(handle, self.placement.tp_rank)
             self.response.enqueue(("ok", None))
@@ -190,3 +234,5 @@ class WorkerProcess:
             if end is not None:
                 end.close()
         self.worker.close()
+        if self.world is not None:
+            self.world.close()

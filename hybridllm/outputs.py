@@ -46,5 +46,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     error: str | None = None  # set when the request failed (finish_reason "error")
+    # the failure was the request's own (a prompt that does not fit, sampling parameters that
+    # fail): `error` is for the client; otherwise it is internal
+    error_from_request: bool = False
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished times

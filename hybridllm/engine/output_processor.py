@@ -45,6 +45,7 @@ class RequestState:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     error: str | None = None
+    error_from_request: bool = False
     num_cached_tokens: int = 0
 
     @property
@@ -137,6 +138,7 @@ class OutputProcessor:
             state.num_cached_tokens = max(state.num_cached_tokens, req.num_cached_tokens)
             if req.status == RequestStatus.FINISHED_ERROR:
                 state.error = req.error or "request failed"
+                state.error_from_request = req.error_from_request
                 sample.finish_reason = "error"
                 continue
             try:
@@ -225,6 +227,7 @@ class OutputProcessor:
             outputs=outputs,
             finished=finished,
             error=state.error,
+            error_from_request=state.error_from_request,
             num_cached_tokens=state.num_cached_tokens,
             metrics=metrics,
         )

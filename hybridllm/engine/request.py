@@ -71,6 +71,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None  # stop token id or stop string
         self.error: str | None = None  # why it ended FINISHED_ERROR
+        # the request itself caused it (its prompt does not fit, its sampling parameters
+        # fail): the error is the client's to read, not an internal one
+        self.error_from_request = False
         self.num_preemptions = 0
         # Chained hashes of the full blocks of all_token_ids, extended as tokens arrive.
         self.block_hashes: list[BlockHash] = []

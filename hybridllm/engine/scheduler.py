@@ -60,6 +60,7 @@ class Scheduler:
         if error is not None:
             request.status = RequestStatus.FINISHED_ERROR
             request.error = error
+            request.error_from_request = True
             self._finished_unreported.append(request)
             return
         request.status = RequestStatus.WAITING
@@ -306,6 +307,7 @@ class Scheduler:
                 continue
             if req_id in model_runner_output.failed:
                 request.error = model_runner_output.failed[req_id]
+                request.error_from_request = True  # its sampling parameters failed
                 self._finish(request, RequestStatus.FINISHED_ERROR)
                 any_finished = True
                 updated.append(request)

@@ -188,4 +188,5 @@ def _error_output(request_id: str, prompt: PromptType, message: str) -> RequestO
         outputs=[CompletionOutput(0, "", [], None, None, finish_reason="error")],
         finished=True,
         error=message,
+        error_from_request=True,  # add_request refused it
     )

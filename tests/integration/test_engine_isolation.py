@@ -83,6 +83,8 @@ def test_one_request_fails_alone(llm, expected, fault):
         "detokenize": "internal error processing the output",
     }[fault]
     assert why in (finals["victim"].error or "")
+    # its own parameters are the request's fault (a 400 on the server); a detokenizer is ours
+    assert finals["victim"].error_from_request == (fault == "logit_bias")
     assert finals["victim"].outputs[0].finish_reason == "error"
     assert finals["good-0"].error is None and finals["good-1"].error is None
     assert finals["good-0"].outputs[0].token_ids == expected[0]
@@ -110,6 +112,7 @@ def test_a_failed_step_fails_its_requests_and_frees_their_blocks(llm, expected):
         runner.execute_model = original
     assert all(o.finished and o.outputs[0].finish_reason == "error" for o in outs)
     assert all("internal error in the model step" in o.error for o in outs)
+    assert not any(o.error_from_request for o in outs)
     assert "injected" not in outs[0].error  # internals go to the log, not to the client
     _assert_idle_and_free(llm)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected

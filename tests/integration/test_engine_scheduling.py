@@ -101,6 +101,7 @@ def test_too_long_prompt_fails_alone(model_path, prompts, reference):
         llm.shutdown()
     assert outs[0].error is None and len(outs[0].outputs[0].token_ids) == 4
     assert outs[1].error and "max_model_len=32" in outs[1].error
+    assert outs[1].error_from_request and not outs[0].error_from_request
     assert outs[1].outputs[0].finish_reason == "error"
     assert outs[2].error and "empty" in outs[2].error
 

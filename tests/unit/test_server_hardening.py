@@ -39,18 +39,24 @@ class FailingEmbedEngine(ScriptedEngine):
 
 
 class ErrorOutputEngine(ScriptedEngine):
-    """Every request finishes at its first step with `reason` as its error."""
+    """Every request finishes at its first step with `reason` as its error, caused by the
+    request itself or not."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, from_request: bool = False) -> None:
         super().__init__()
         self.reason = reason
+        self.from_request = from_request
 
     def step(self):
         outputs = []
         for rid, (prompt, _, _) in list(self.requests.items()):
             del self.requests[rid]
             sample = CompletionOutput(0, "", [], None, None, "error")
-            outputs.append(RequestOutput(rid, None, prompt, None, [sample], True, self.reason))
+            outputs.append(
+                RequestOutput(
+                    rid, None, prompt, None, [sample], True, self.reason, self.from_request
+                )
+            )
         return outputs
 
 
@@ -102,10 +108,15 @@ def test_an_engine_failure_is_a_500_without_its_reason(stream, caplog):
 
 def test_a_failure_caused_by_the_request_still_says_why():
     reason = "prompt has 70 tokens, more than max_model_len (64)"
-    with make_client(ErrorOutputEngine(reason)) as http:
+    with make_client(ErrorOutputEngine(reason, from_request=True)) as http:
         response = http.post("/v1/completions", json={"prompt": [1], "max_tokens": 2})
     assert response.status_code == 400
     assert reason in response.json()["error"]["message"]
+    # the same words from an internal failure are not the client's: it is told nothing
+    with make_client(ErrorOutputEngine(reason, from_request=False)) as http:
+        response = http.post("/v1/completions", json={"prompt": [1], "max_tokens": 2})
+    assert response.status_code == 500
+    assert reason not in response.text
 
 
 def test_health_and_503s_give_a_short_reason_only():

@@ -33,10 +33,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Engine failures caused by the request itself (its prompt does not fit, its sampling
-# parameters fail), whose reason the client should read; any other failure is internal.
-_REQUEST_FAULT_PREFIXES = ("prompt has ", "its sampling parameters")
-
 
 @dataclass(frozen=True)
 class ServedModel:
@@ -258,7 +254,7 @@ def raise_if_failed(output: RequestOutput, request_id: str) -> None:
     if not (output.error or any(c.finish_reason == "error" for c in output.outputs)):
         return
     reason = output.error or ""
-    if reason.startswith(_REQUEST_FAULT_PREFIXES):
+    if output.error_from_request:  # its reason is the client's to read; any other is internal
         raise OpenAIError(f"the request cannot run: {reason}", param="prompt")
     logger.error(
         "engine request %s failed (request id %s): %s",

@@ -2,7 +2,7 @@
 
 SmolLM2-135M's linear shapes (Q4_1; the tied LM head is Q8_0) at several batch sizes M, then the
 same shapes as plain fp32 weights (the op's F32 type, which CPU workers use where torch's BLAS
-lacks AVX-512 kernels: `own_f32_gemm_preferred`). "GB/s"
+lacks AVX-512 kernels: `own_f32_gemm_preferred`); "int8": the op with int8 activations. "GB/s"
 is the op's quantized-weight read rate at M=1: "hot" calls one weight again and again (it stays
 in cache), "cold" cycles through copies larger than the last-level cache, as a decode step does.
 Run: `PYTHONPATH=. python benchmarks/bench_gguf_linear.py [--cold-mb 512]`.
@@ -32,6 +32,7 @@ SHAPES = [
 ]
 SHAPES += [(name, k, n, Q.F32) for name, k, n, _ in SHAPES]
 M_VALUES = [1, 4, 16, 64, 512, 2048]
+INT8_MAX_ROWS = 24  # kDirectMaxRows: up to this many rows the op's int8 path runs
 
 
 def seconds_per_call(fn, min_time: float) -> float:
@@ -69,6 +70,9 @@ def bench_shape(op, name: str, k: int, n: int, fmt: Q, args: argparse.Namespace)
         t_ref = seconds_per_call(lambda x=x: F.linear(x, weight), args.min_time)
         line = f"{name:>9} {f'{k}->{n}':>11} {fmt.name:>4} {m:>4} {t_op * 1e3:8.3f}"
         line += f" {t_ref * 1e3:8.3f} {t_op / t_ref:6.2f}"
+        if fmt != Q.F32 and m <= INT8_MAX_ROWS:  # the op with int8 activations (activations=1)
+            t_int8 = seconds_per_call(lambda x=x: op(x, qweight, int(fmt), n, 1), args.min_time)
+            line += f"  int8 {t_int8 * 1e3:8.3f}"
         if m == 1:
             # cycle through copies of the weight that together exceed the last-level cache
             copies = [qweight.clone() for _ in range(max(2, args.cold_mb * 2**20 // raw.nbytes))]

@@ -169,6 +169,13 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(result, indent=1))
 
 
+def check(outputs: list, output_len: int) -> None:
+    """Every request generated all its tokens (a failed one would inflate the rate)."""
+    for out in outputs:
+        if len(out.outputs[0].token_ids) != output_len:
+            raise RuntimeError(f"request {out.request_id} ended early: {out.outputs[0]}")
+
+
 def hybridllm(path: Path, args: argparse.Namespace) -> dict:
     """One stream's time to first token and decode rate, then the batch's output tokens/s."""
     from hybridllm import LLM, SamplingParams
@@ -192,11 +199,11 @@ def hybridllm(path: Path, args: argparse.Namespace) -> dict:
         llm.generate([first], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
         ttft = time.perf_counter() - start
         start = time.perf_counter()
-        llm.generate([second], params)
+        check(llm.generate([second], params), args.output_len)
         decode_tps = (args.output_len - 1) / (time.perf_counter() - start - ttft)
         batch = prompts(args.num_prompts, args.input_len, 2)
         start = time.perf_counter()
-        llm.generate(batch, params)
+        check(llm.generate(batch, params), args.output_len)
         elapsed = time.perf_counter() - start
     finally:
         llm.shutdown()

@@ -31,6 +31,7 @@ SOURCES = [
     for name in (
         "paged_decode_cpu.cpp",
         "gguf_linear_cpu.cpp",
+        "gguf_q8_linear_cpu.cpp",
         "rms_norm_cpu.cpp",
         "activation_cpu.cpp",
         "argmax_cpu.cpp",

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridllm.layers.expert_weights import StackedExpertWeight
+from hybridllm.layers.gguf_linear import default_activations
 from hybridllm.layers.moe_routing import SCORING_FUNCTIONS, group_by_expert, select_experts
 
 
@@ -73,16 +74,26 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden], router_logits [num_tokens, E] -> [num_tokens, hidden]."""
+        w13, w2 = self.w13.qweight, self.w2.qweight
+        if self.native and w13 is not None and w2 is not None:
+            # routing, then the whole block, in two native calls: no per-expert Python
+            weights, expert_ids = torch.ops.hybridllm.route_experts(
+                router_logits, self.top_k, self.scoring == "sigmoid", self.renormalize
+            )  # [n, k] float32, [n, k] int64
+            out = torch.ops.hybridllm.fused_moe(
+                x.float(),
+                weights,
+                expert_ids,
+                w13,
+                self.w13.ggml_type,
+                w2,
+                self.w2.ggml_type,
+                default_activations(),
+            )
+            return out.to(x.dtype)  # [n, hidden]
         weights, expert_ids = select_experts(
             router_logits, self.top_k, self.scoring, self.renormalize
         )  # [n, k] float32, [n, k] int64
-        w13, w2 = self.w13.qweight, self.w2.qweight
-        if self.native and w13 is not None and w2 is not None:
-            # the whole block in one native call: no per-expert Python (fp32 math throughout)
-            out = torch.ops.hybridllm.fused_moe(
-                x.float(), weights, expert_ids, w13, self.w13.ggml_type, w2, self.w2.ggml_type
-            )
-            return out.to(x.dtype)  # [n, hidden]
         groups = group_by_expert(expert_ids, self.num_experts)
         rows = x[groups.token_ids]  # [n * k, hidden], grouped by expert
         out = torch.empty_like(rows)  # [n * k, hidden]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from typing import Any
 
 import torch
@@ -107,15 +109,40 @@ def own_f32_gemm_preferred() -> bool:
     return load_cpu_kernels() and not torch.ops.hybridllm.blas_has_avx512_kernels()
 
 
+# The op's `activations` argument. FP32: fp32 activations and arithmetic, exact up to fp32
+# rounding against the dequantized weights (what the correctness tests pin). INT8: up to 24 rows
+# of x (decode steps) are quantized to int8, 32 values a scale (256 for K-quants), for integer dot
+# products; more rows compute in fp32 either way. Plain fp32 weights (F32) always stay fp32.
+FP32_ACTIVATIONS, INT8_ACTIVATIONS = 0, 1
+# "int8" (the default: faster decode, see docs/benchmarks.md) or "fp32".
+ACTIVATIONS_ENV = "HYBRIDLLM_GGUF_ACTIVATIONS"
+
+
+@functools.cache  # read once: the wrapper runs ~100 times a decode step
+def default_activations() -> int:
+    """The `activations` the wrapper passes: INT8 unless HYBRIDLLM_GGUF_ACTIVATIONS=fp32."""
+    value = os.environ.get(ACTIVATIONS_ENV, "int8").strip().lower()
+    if value not in ("int8", "fp32"):
+        raise ValueError(f"{ACTIVATIONS_ENV} must be 'int8' or 'fp32', got {value!r}")
+    return INT8_ACTIVATIONS if value == "int8" else FP32_ACTIVATIONS
+
+
 def gguf_linear(
-    x: torch.Tensor, qweight: torch.Tensor, ggml_type: int, out_features: int
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    ggml_type: int,
+    out_features: int,
+    activations: int | None = None,
 ) -> torch.Tensor:
     """`x @ W.T` for `x` [..., in] and `qweight` [out, in / 32 * block_bytes] uint8; the
-    result has x's dtype (the op computes in fp32)."""
+    result has x's dtype (the op computes in fp32, or int8 x integer weights: `activations`,
+    by default `default_activations()`)."""
+    if activations is None:
+        activations = default_activations()
     if x.dim() == 2 and x.dtype == torch.float32:  # the common case: no reshapes or casts
-        return torch.ops.hybridllm.gguf_linear(x, qweight, ggml_type, out_features)
+        return torch.ops.hybridllm.gguf_linear(x, qweight, ggml_type, out_features, activations)
     lead = x.shape[:-1]
     out = torch.ops.hybridllm.gguf_linear(
-        x.reshape(-1, x.shape[-1]).float(), qweight, ggml_type, out_features
+        x.reshape(-1, x.shape[-1]).float(), qweight, ggml_type, out_features, activations
     )
     return out.view(*lead, out_features).to(x.dtype)

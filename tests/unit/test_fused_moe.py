@@ -194,6 +194,7 @@ def test_native_whole_block_op_from_fp32_weights(num_tokens):
 def test_native_whole_block_op_from_gguf_blocks(qtype):
     # the one-call op equals the per-expert loop over the same blocks, bit for bit (same
     # kernels, same order of the weighted sum), and the dequantized experts' naive output
+    # (within the int8-activation tolerance)
     require_cpu_kernels()
     experts, top_k, inter, hidden = 6, 3, 256, 256
     gate, up = (random_blocks(qtype, experts * inter, hidden, s) for s in (4, 5))
@@ -232,3 +233,29 @@ def test_native_whole_block_op_rejects_bad_inputs():
         op(x, torch.ones(2, 3), torch.tensor([[0, 1], [1, 2]]), w13, 0, w2, 0)
     with pytest.raises(RuntimeError, match="w13 must be"):
         op(x, weights, torch.tensor([[0, 1], [1, 2]]), w13, 0, w2[:3], 0)
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("top_k", [1, 3, 8])
+def test_native_routing_matches_select_experts(scoring, renormalize, top_k):
+    require_cpu_kernels()
+    g = torch.Generator().manual_seed(top_k)
+    logits = torch.randn(37, 11, generator=g) * 3
+    want_w, want_ids = select_experts(logits, top_k, scoring, renormalize)
+    got_w, got_ids = torch.ops.hybridllm.route_experts(
+        logits, top_k, scoring == "sigmoid", renormalize
+    )
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-6)
+    # bf16 logits (a GPU stage's router) are scored in fp32 too; they tie often, and a tie
+    # may pick either expert: the chosen logits and weights agree
+    low = logits.bfloat16()
+    got_w, got_ids = torch.ops.hybridllm.route_experts(
+        low, top_k, scoring == "sigmoid", renormalize
+    )
+    want_w, want_ids = select_experts(low, top_k, scoring, renormalize)
+    assert torch.equal(low.gather(1, got_ids), low.gather(1, want_ids))
+    torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-6)
+    with pytest.raises(RuntimeError, match="top_k 12 must be in"):
+        torch.ops.hybridllm.route_experts(logits, 12, False, True)

@@ -1,5 +1,6 @@
 // Linear layer y = x W^T computed straight from GGUF-quantized weight blocks (Q4_0, Q4_1, Q8_0,
-// Q4_K, Q5_K, Q6_K), with fp32 activations and fp32 arithmetic. Registered as the torch op
+// Q4_K, Q5_K, Q6_K), with fp32 activations and fp32 arithmetic or, for few rows of x on request,
+// int8 activations and integer dot products (gguf_q8_linear_cpu.cpp). Registered as the torch op
 // hybridllm::gguf_linear; built on first use by hybridllm/layers/cpu_kernels.py with the other
 // CPU kernels.
 #include <ATen/Parallel.h>
@@ -17,6 +18,8 @@
 
 #include "gguf_blocks.h"
 #include "gguf_panel_gemm.h"
+#include "gguf_prefetch.h"
+#include "gguf_q8_linear.h"
 
 namespace {
 
@@ -33,17 +36,6 @@ constexpr int kRowTile = 8;
 // Decoded fp32 weight rows a BLAS GEMM of the many-rows path takes at once: SmolLM2's largest
 // linear (3072 x 576) in one GEMM, a 49152-row LM head in 14.
 constexpr int64_t kChunkMaxBytes = 8 << 20;
-// How far ahead of its reads the direct kernel prefetches weight bytes: a sixteenth of the
-// bytes its thread reads, from 16 to 128 KB, never past them. At M = 1 from DRAM on a 2-core
-// Zen 5, Llama-3-8B-sized Q4_1 linears streamed 14-18 GB/s at 16 KB and 32-38 at 128 KB, while
-// SmolLM2's (a few hundred KB a thread) lost up to a third at 128 KB; 16 KB was tuned on a Xeon.
-constexpr int64_t kMinPrefetchBytes = 16 * 1024, kMaxPrefetchBytes = 128 * 1024;
-
-// Where a thread's direct-kernel calls prefetch: `distance` bytes ahead, up to `stop`.
-struct PrefetchWindow {
-  int64_t distance;
-  const char* stop;
-};
 // Below this many (block x row-of-x) products, waking the thread pool costs more than it saves.
 constexpr int64_t kSerialWork = 2048;
 
@@ -296,17 +288,8 @@ void direct_linear(const float* x, int64_t M, int64_t K, const uint8_t* qw, int6
   const int64_t threads = at::get_num_threads();
   const int64_t grain = nb * M * N < kSerialWork ? N : (N + threads - 1) / threads;
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    const char* first = reinterpret_cast<const char*>(qw + begin * row_bytes);
-    const int64_t range_bytes = (end - begin) * row_bytes;
-    const PrefetchWindow prefetch{
-        std::clamp(range_bytes / 16, kMinPrefetchBytes, kMaxPrefetchBytes), first + range_bytes};
-#if defined(__AVX512F__)
-    // the calls prefetch that far ahead of themselves: ask for the bytes before it now (a
-    // short range keeps the 16 KB that was tuned without this)
-    if (prefetch.distance > kMinPrefetchBytes)
-      for (const char* p = first; p < first + prefetch.distance; p += 64)
-        _mm_prefetch(p, _MM_HINT_T0);
-#endif
+    const PrefetchWindow prefetch =
+        start_prefetch(qw + begin * row_bytes, (end - begin) * row_bytes);
     // scales of kScaleRows weight rows at a time: whole 16-wide gathers even for short rows
     constexpr int64_t kScaleRows = 16;
     std::vector<float> scales(2 * (kScaleRows * nb + 16));
@@ -369,7 +352,7 @@ void dequantized_linear(const at::Tensor& x, const uint8_t* qw, int64_t N, at::T
 }
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t ggml_type,
-                       int64_t out_features) {
+                       int64_t out_features, int64_t activations) {
   TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(),
               "gguf_linear: x and qweight must be CPU tensors, got ", x.device(), " and ",
               qweight.device());
@@ -391,10 +374,19 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
               " bytes of blocks a row)");
   TORCH_CHECK(qweight.is_contiguous(), "gguf_linear: qweight must be contiguous");
 
+  TORCH_CHECK(activations >= kFp32Activations && activations <= kQ8Scalar,
+              "gguf_linear: activations must be 0 (fp32) to ", int64_t{kQ8Scalar}, ", got ",
+              activations);
+
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({M, N}, xc.options());
   if (M == 0 || N == 0) return y;
   const uint8_t* qw = qweight.data_ptr<uint8_t>();
+  // int8 activations where asked for and the direct kernel would run (fp32 weights stay fp32)
+  if (activations != kFp32Activations && ggml_type != kF32 && M <= kDirectMaxRows) {
+    q8_linear(ggml_type, activations, xc.data_ptr<float>(), M, K, qw, N, y.data_ptr<float>());
+    return y;
+  }
   auto run = [&](auto type_constant) {
     constexpr int64_t kType = decltype(type_constant)::value;
     if (M <= kDirectMaxRows) {
@@ -423,7 +415,13 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hybridllm, m) {
-  m.def("gguf_linear(Tensor x, Tensor qweight, int ggml_type, int out_features) -> Tensor");
+  // activations: 0 computes in fp32; 1 quantizes up to kDirectMaxRows rows of x to int8 for
+  // integer dot products (2-5 pick one integer path, for tests: gguf_q8_linear.h)
+  m.def(
+      "gguf_linear(Tensor x, Tensor qweight, int ggml_type, int out_features, int activations=0) "
+      "-> Tensor");
+  // The integer paths (the activations values above) this build has, best first.
+  m.def("gguf_int8_paths() -> int[]", [] { return q8_paths(); });
   // Whether this CPU's BLAS (MKL) runs AVX-512 sgemm kernels; where not, CPU workers send their
   // fp32 linears through gguf_linear (type F32) too.
   m.def("blas_has_avx512_kernels() -> bool", [] {

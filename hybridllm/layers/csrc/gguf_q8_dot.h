@@ -1,0 +1,294 @@
+// Integer dot products of GGUF weight rows with int8-quantized rows of x (gguf_q8_quantize.h),
+// for few rows of x: each weight block's codes are unpacked once as unsigned bytes and meet
+// every row of x in vpdpbusd / vpmaddubsw (gguf_q8_simd.h); the block and sub-block scales are
+// applied to int32 sums. A portable scalar version of the same arithmetic serves every CPU.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "gguf_blocks.h"
+#include "gguf_prefetch.h"
+#include "gguf_q8_quantize.h"
+#include "gguf_q8_simd.h"
+
+namespace hybridllm_gguf {
+
+// Rows of x in a group of values a scale: the K-quants' 256, so that their sub-block scales
+// combine int32 sums; 32 (one weight block) for the rest.
+constexpr int64_t q8_group(int64_t type) { return row_granule(type); }
+
+// A K-quant super-block's eight 6-bit sub-block scales and mins (see block_scales), as bytes.
+struct KScales {
+  uint64_t scales, mins;
+};
+inline KScales k_scales_of(const uint8_t* super) {
+  constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
+  uint32_t w[3];
+  std::memcpy(w, super + 4, sizeof(w));
+  const uint64_t s0 = w[0] & kLow6, s1 = (w[2] & kLow4) | (((w[0] >> 6) & kLow2) << 4);
+  const uint64_t m0 = w[1] & kLow6, m1 = ((w[2] >> 4) & kLow4) | (((w[1] >> 6) & kLow2) << 4);
+  return {s0 | s1 << 32, m0 | m1 << 32};
+}
+
+#if defined(HYBRIDLLM_Q8_AVX2)
+// k_scales_of in one register: scales in bytes 0-7, mins in bytes 8-15. The bytes holding each
+// one's low bits (a) and top 2 bits (b, for j >= 4) are shuffled into place, then masked.
+inline __m128i k_scales_vector(const uint8_t* super) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(super + 4));  // 12 + 4 bytes
+  const __m128i a =
+      _mm_shuffle_epi8(q, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i b =
+      _mm_shuffle_epi8(q, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  // the mins of j >= 4 are the high nibbles of their bytes; 16-bit shifts, neighbours masked off
+  const __m128i low =
+      _mm_and_si128(_mm_blend_epi32(a, _mm_srli_epi16(a, 4), 0b1000),
+                    _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15));
+  return _mm_or_si128(low,
+                      _mm_and_si128(_mm_srli_epi16(b, 2), _mm_set1_epi8(0x30)));  // b >> 6 << 4
+}
+// sum_j mins_j * (bsums[2j] + bsums[2j + 1]) as 8 int32 (Q4_K/Q5_K: sub-block j's min times the
+// sum of its 32 values of x); the mins in bytes 8-15 of k_scales_vector's result
+inline __m256i k_min_sums(__m128i scales_mins, const int16_t* bsums) {
+  return _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_unpackhi_epi8(scales_mins, scales_mins)),
+                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums)));
+}
+// Q6_K: sum_k scale_k * bsums[k] over its 16 scales, as 8 int32
+inline __m256i q6_offset_sums(const uint8_t* scales, const int16_t* bsums) {
+  return _mm256_madd_epi16(
+      _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums)));
+}
+
+// acc + sums * scale + offsets * offset_scale (8 int32 lanes each): a super-block's part summed
+// apart, then one add on the accumulator's dependency chain.
+inline __m256 add_super_block(__m256 acc, __m256i sums, float scale, __m256i offsets,
+                              float offset_scale) {
+  const __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(scale));
+  return _mm256_add_ps(
+      acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(offsets), _mm256_set1_ps(offset_scale), part));
+}
+inline float sum8(__m256 v) {
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// y[r * ldy + c] = dot(x row r, weight row c) for kRows rows of x and kCols consecutive weight
+// rows (w: the first, row_bytes apart) of a K-quant type.
+template <class S, int64_t kType, int kRows, int kCols>
+void q8_dot_super_blocks(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
+                         int64_t ldy, const PrefetchWindow& prefetch) {
+  using V = typename S::V;
+  using F = typename S::F;
+  constexpr int64_t kSuper = kType == kQ4_K   ? kSuperBytes
+                             : kType == kQ5_K ? kQ5SuperBytes
+                                              : kQ6SuperBytes;
+  constexpr int64_t kNibbles = kType == kQ4_K ? 16 : 48;  // Q4_K/Q5_K: where the nibbles start
+  // One scale a super-block (its sub-block scales are in the integer sums): the sums' two
+  // halves are added before converting, and the float side works on 8 lanes.
+  __m256 acc[kRows][kCols];
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kCols; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < K / 256; ++sb) {
+    prefetch_ahead(prefetch, w, kCols, sb * kSuper, kSuper);
+    // One weight row's super-block after the other: advancing the rows side by side in 32-byte
+    // steps instead streamed 11 GB/s from DRAM against 23-26 (2 threads, Q4_K 2048 -> 16384).
+#pragma GCC unroll 4
+    for (int c = 0; c < kCols; ++c) {
+      const uint8_t* s = w + c * row_bytes + sb * kSuper;
+      // two integer accumulators a row of x (even and odd steps): half the dependency chain
+      V sums[kRows][2];
+      for (int r = 0; r < kRows; ++r) sums[r][0] = sums[r][1] = S::zero();
+      if constexpr (kType == kQ6_K) {
+        const V scales = S::q6_scales(reinterpret_cast<const int8_t*>(s + 192));
+#pragma GCC unroll 4
+        for (int z = 0; z < 4; ++z) {  // weights 64 z .. 64 z + 63: half z / 2, part z % 2
+          const V ql = S::load64(s + 64 * (z / 2)), hb = S::broadcast32(s + 128 + 32 * (z / 2));
+          const V codes = S::q6_codes(ql, hb, z % 2), sc = S::q6_part_scales(scales, z);
+          for (int r = 0; r < kRows; ++r)
+            sums[r][z % 2] =
+                S::dot_scaled(sums[r][z % 2], codes, S::load64(x.row(r).q + sb * 256 + 64 * z), sc);
+        }
+        const float d = half_to_float(load_u16(s + 208));
+        for (int r = 0; r < kRows; ++r) {
+          const Q8Rows xr = x.row(r);
+          const float dx = d * xr.d[sb];
+          // codes are q + 32: subtract 32 * sum_k scale_k * (sum of x over the 16 values)
+          acc[r][c] = add_super_block(acc[r][c], S::fold(S::add32(sums[r][0], sums[r][1])), dx,
+                                      q6_offset_sums(s + 192, xr.bsums + sb * 16), -32.f * dx);
+        }
+      } else {
+        const __m128i scales_mins = k_scales_vector(s);
+        const auto scales = S::k_scales(scales_mins);
+        V high;
+        if constexpr (kType == kQ5_K) high = S::broadcast32(s + 16);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) {  // sub-blocks 2i, 2i + 1: weights 64 i .. 64 i + 63
+          V codes = S::nibbles32(s + kNibbles + 32 * i);
+          if constexpr (kType == kQ5_K) codes = S::add_fifth_bit(codes, high, 2 * i);
+          const V sc = S::k_pair_scales(scales, i);
+          for (int r = 0; r < kRows; ++r)
+            sums[r][i % 2] =
+                S::dot_scaled(sums[r][i % 2], codes, S::load64(x.row(r).q + sb * 256 + 64 * i), sc);
+        }
+        // d and dmin in one conversion
+        uint32_t both;
+        std::memcpy(&both, s, sizeof(both));
+        const __m128 scale = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(both)));
+        const float d = _mm_cvtss_f32(scale), dmin = _mm_cvtss_f32(_mm_movehdup_ps(scale));
+        for (int r = 0; r < kRows; ++r) {
+          const Q8Rows xr = x.row(r);
+          acc[r][c] =
+              add_super_block(acc[r][c], S::fold(S::add32(sums[r][0], sums[r][1])), d * xr.d[sb],
+                              k_min_sums(scales_mins, xr.bsums + sb * 16), -dmin * xr.d[sb]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kCols; ++c) y[r * ldy + c] = sum8(acc[r][c]);
+}
+
+// The same for Q4_0, Q4_1, Q8_0 (one scale a 32-weight block): the block scales (and Q4_1 mins)
+// of 16 blocks converted at once as the kernel reaches them, times x's in 16-block vectors.
+template <class S, int64_t kType, int kRows, int kCols>
+void q8_dot_blocks(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t nb, float* y,
+                   int64_t ldy, const PrefetchWindow& prefetch) {
+  using V = typename S::V;
+  using F = typename S::F;
+  constexpr int64_t bb = block_bytes(kType);
+  constexpr int64_t kCodes = kType == kQ4_1 ? 4 : 2;  // where a block's nibbles / int8s start
+  // what a weight block adds per unit of its x's sum: w = d (code - offset) (+ m for Q4_1)
+  constexpr float kOffset = kType == kQ4_0 ? 8.f : kType == kQ8_0 ? S::kQ8Offset : 0.f;
+  F acc[kRows][kCols];
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kCols; ++c) acc[r][c] = S::fzero();
+  // 16 blocks of one weight row after the other (rows side by side in smaller steps stream
+  // worse from DRAM, as the K-quants' did)
+  for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+    const int64_t n = std::min<int64_t>(16, nb - b0);
+    prefetch_ahead(prefetch, w, kCols, b0 * bb, 16 * bb);
+#pragma GCC unroll 4
+    for (int c = 0; c < kCols; ++c) {
+      const uint8_t* row = w + c * row_bytes;
+      F dw, mw, scale[kRows];  // scale: d_b * dx_b of the 16 blocks
+      S::template block_scales16<bb, kType == kQ4_1>(row + b0 * bb, n, &dw, &mw);
+      for (int r = 0; r < kRows; ++r) {
+        const Q8Rows xr = x.row(r);
+        scale[r] = S::mul(dw, S::load16(xr.d + b0));
+        // the offsets: the sum of x times -offset * d (+ m)
+        const F sx = S::load16(xr.s + b0);
+        if constexpr (kType == kQ4_1) acc[r][c] = S::fma(mw, sx, acc[r][c]);
+        if constexpr (kOffset != 0.f) acc[r][c] = S::fma(S::mul(dw, -kOffset), sx, acc[r][c]);
+      }
+      if constexpr (kType != kQ8_0) {
+        // Q4_0/Q4_1: four blocks a step, their 16 nibble bytes in one vector (x in quads to
+        // match: Q8Rows from quantize_rows<32, true>); past the last block, the quad's first one
+        // again against x's zeros
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; ++q) {
+          if (4 * q >= n) break;
+          const int64_t b = b0 + 4 * q;
+          const uint8_t* blk = row + b * bb + kCodes;
+          const V bytes =
+              b + 4 <= nb ? S::bytes16x4(blk, blk + bb, blk + 2 * bb, blk + 3 * bb)
+                          : S::bytes16x4(blk, blk + bb * (b + 1 < nb), blk + 2 * bb * (b + 2 < nb),
+                                         blk + 3 * bb * (b + 3 < nb));
+          const V low = S::low_nibbles(bytes), high = S::high_nibbles(bytes);
+          for (int r = 0; r < kRows; ++r) {
+            const int8_t* xq = x.row(r).q + b * 32;
+            const V sums =
+                S::dot_u8(S::dot_u8(S::zero(), low, S::load64(xq)), high, S::load64(xq + 64));
+            acc[r][c] = S::fma_cvt(acc[r][c], sums, S::quad_scale(scale[r], q));
+          }
+        }
+      } else {
+#pragma GCC unroll 8
+        for (int p = 0; p < 8; ++p) {
+          if (2 * p >= n) break;
+          const int64_t b = b0 + 2 * p, b1 = std::min(b + 1, nb - 1);  // an odd last block: twice
+          const V codes = S::q8x2(row + b * bb + kCodes, row + b1 * bb + kCodes);
+          for (int r = 0; r < kRows; ++r) {
+            // past an odd last block x is zeros (Q8Rows' padding): the second copy adds nothing
+            const V sums = S::dot_q8(S::zero(), codes, S::load64(x.row(r).q + b * 32));
+            acc[r][c] = S::fma_cvt(acc[r][c], sums, S::pair_scale(scale[r], p));
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kCols; ++c) y[r * ldy + c] = S::reduce(acc[r][c]);
+}
+#endif
+
+// The portable version: one weight row and one row of x at a time, the same integer sums
+// (Q8_0 signed, without the offset), each block's codes unpacked into bytes first.
+template <int64_t kType>
+float q8_dot_scalar(const Q8Rows& x, const uint8_t* row, int64_t K) {
+  float y = 0.f;
+  if constexpr (kType == kQ4_K || kType == kQ5_K || kType == kQ6_K) {
+    constexpr int64_t kSuper = kType == kQ4_K   ? kSuperBytes
+                               : kType == kQ5_K ? kQ5SuperBytes
+                                                : kQ6SuperBytes;
+    for (int64_t sb = 0; sb < K / 256; ++sb) {
+      const uint8_t* s = row + sb * kSuper;
+      const int8_t* q = x.q + sb * 256;
+      const int16_t* bsums = x.bsums + sb * 16;
+      int32_t sum = 0, offset = 0;
+      if constexpr (kType == kQ6_K) {
+        const int8_t* scales = reinterpret_cast<const int8_t*>(s + 192);
+        for (int64_t j = 0; j < 16; ++j) {  // 16 weights a scale; block j / 2's bits
+          const Q6Bits bits = q6_k_bits(row, sb * 8 + j / 2);
+          int32_t dot = 0;
+          for (int l = 0; l < 16; ++l)
+            dot += (q6_k_value(bits, 16 * (j % 2) + l) + 32) * q[16 * j + l];
+          sum += scales[j] * dot;
+          offset += scales[j] * bsums[j];
+        }
+        y += half_to_float(load_u16(s + 208)) * x.d[sb] * static_cast<float>(sum - 32 * offset);
+      } else {
+        const KScales k = k_scales_of(s);
+        for (int64_t j = 0; j < 8; ++j) {  // sub-block j: block sb * 8 + j of the row
+          const uint8_t *lo, *hi;
+          int lo_shift, hi_shift;
+          nibble_runs<kType>(row, sb * 8 + j, &lo, &hi, &lo_shift, &hi_shift);
+          const uint8_t* bits = kType == kQ5_K ? q5_k_high_bits(row, sb * 8 + j) : nullptr;
+          int32_t dot = 0;
+          for (int l = 0; l < 32; ++l) {
+            int code = l < 16 ? (lo[l] >> lo_shift) & 15 : (hi[l - 16] >> hi_shift) & 15;
+            if (kType == kQ5_K) code |= ((bits[l] >> j) & 1) << 4;
+            dot += code * q[32 * j + l];
+          }
+          sum += static_cast<int32_t>((k.scales >> (8 * j)) & 255) * dot;
+          offset +=
+              static_cast<int32_t>((k.mins >> (8 * j)) & 255) * (bsums[2 * j] + bsums[2 * j + 1]);
+        }
+        y += x.d[sb] * (half_to_float(load_u16(s)) * static_cast<float>(sum) -
+                        half_to_float(load_u16(s + 2)) * static_cast<float>(offset));
+      }
+    }
+    return y;
+  }
+  constexpr int64_t bb = block_bytes(kType);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const int8_t* q = x.q + b * 32;
+    int32_t dot = 0;
+    if constexpr (kType == kQ8_0) {
+      const int8_t* wq = reinterpret_cast<const int8_t*>(row + b * bb + 2);
+      for (int l = 0; l < 32; ++l) dot += wq[l] * q[l];
+    } else {
+      const uint8_t* nibbles = row + b * bb + (kType == kQ4_1 ? 4 : 2);
+      for (int l = 0; l < 16; ++l) dot += (nibbles[l] & 15) * q[l] + (nibbles[l] >> 4) * q[l + 16];
+    }
+    const float d = half_to_float(load_u16(row + b * bb));
+    y += d * x.d[b] * static_cast<float>(dot);
+    if constexpr (kType == kQ4_0) y -= 8.f * d * x.s[b];
+    if constexpr (kType == kQ4_1) y += half_to_float(load_u16(row + b * bb + 2)) * x.s[b];
+  }
+  return y;
+}
+
+}  // namespace hybridllm_gguf

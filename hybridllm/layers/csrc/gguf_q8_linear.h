@@ -1,0 +1,29 @@
+// hybridllm::gguf_linear with int8 activations (few rows of x): the entry point gguf_linear_cpu.cpp
+// calls, built in gguf_q8_linear_cpu.cpp.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace hybridllm_gguf {
+
+// The op's `activations` argument: 0 computes in fp32; the others quantize x to int8 and take
+// an integer path: kQ8Best the first of q8_paths(), the others one path each (tests, benchmarks).
+enum Q8Path : int64_t {
+  kFp32Activations = 0,
+  kQ8Best = 1,
+  kQ8Avx512Vnni = 2,  // 64-byte vectors, vpdpbusd / vpdpwssd
+  kQ8Avx2Vnni = 3,    // 32-byte vectors, vpdpbusd / vpdpwssd (AVX-VNNI or AVX512-VNNI + VL)
+  kQ8Avx2 = 4,        // 32-byte vectors, vpmaddubsw + vpmaddwd
+  kQ8Scalar = 5,      // portable C++
+};
+
+// The integer paths this build has, best first (the first is what kQ8Best takes).
+const std::vector<int64_t>& q8_paths();
+
+// y [M, N] = x [M, K] W^T for a GGUF block type other than F32, x quantized to int8 in groups
+// of 32 (256 for K-quants) with an fp32 scale each; `path` one of q8_paths().
+void q8_linear(int64_t type, int64_t path, const float* x, int64_t M, int64_t K, const uint8_t* qw,
+               int64_t N, float* y);
+
+}  // namespace hybridllm_gguf

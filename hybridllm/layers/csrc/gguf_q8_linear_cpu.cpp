@@ -1,0 +1,185 @@
+// hybridllm::gguf_linear's int8-activation path for few rows of x: x quantized once a call
+// (gguf_q8_quantize.h), then the weight rows split among threads in contiguous runs as in the
+// fp32 direct kernel, each run walked in tiles of rows of x by the integer kernels of
+// gguf_q8_dot.h.
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+#include "gguf_blocks.h"
+#include "gguf_prefetch.h"
+#include "gguf_q8_dot.h"
+#include "gguf_q8_linear.h"
+#include "gguf_q8_quantize.h"
+#include "gguf_q8_simd.h"
+
+namespace hybridllm_gguf {
+namespace {
+
+// Below this many (32-weight block x row of x) products, waking the thread pool costs more
+// than it saves (as in the fp32 direct kernel).
+constexpr int64_t kSerialWork = 2048;
+
+constexpr bool is_k_quant(int64_t type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
+
+// Splits the N weight rows among the threads, one contiguous run each (tiny problems stay on
+// this thread): `body(begin, end, prefetch)`.
+template <int64_t kType, class Body>
+void for_weight_rows(int64_t M, int64_t K, const uint8_t* qw, int64_t N, Body body) {
+  const int64_t row_bytes = row_bytes_of(kType, K);
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain = K / kBlock * M * N < kSerialWork ? N : (N + threads - 1) / threads;
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    body(begin, end, start_prefetch(qw + begin * row_bytes, (end - begin) * row_bytes));
+  });
+}
+
+#if defined(HYBRIDLLM_Q8_AVX2)
+template <class S, int64_t kType, int kRows, int kCols>
+void tile(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t ldy,
+          const PrefetchWindow& prefetch) {
+  if constexpr (is_k_quant(kType))
+    q8_dot_super_blocks<S, kType, kRows, kCols>(x, w, row_bytes, K, y, ldy, prefetch);
+  else
+    q8_dot_blocks<S, kType, kRows, kCols>(x, w, row_bytes, K / kBlock, y, ldy, prefetch);
+}
+
+template <class S, int64_t kType, int kCols, int... kRows>
+void tile_dispatch(int rows, std::integer_sequence<int, kRows...>, const Q8Rows& x,
+                   const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t ldy,
+                   const PrefetchWindow& prefetch) {
+  ((rows == kRows + 1 ? tile<S, kType, kRows + 1, kCols>(x, w, row_bytes, K, y, ldy, prefetch)
+                      : void()),
+   ...);
+}
+
+// The vector paths. Rows of x a tile: 4 with 64-byte vectors (32 registers), 2 with AVX2's 16;
+// weight rows a call: 4 while the tile has 1-2 rows of x (their accumulators fit), else 2.
+template <class S, int64_t kType>
+void q8_linear_simd(const Q8Rows& xq, int64_t M, int64_t K, const uint8_t* qw, int64_t N,
+                    float* y) {
+  constexpr int kRowTile = 4;
+  const int64_t row_bytes = row_bytes_of(kType, K);
+  for_weight_rows<kType>(
+      M, K, qw, N, [&](int64_t begin, int64_t end, const PrefetchWindow& prefetch) {
+        // groups of 16 weight rows, the x tiles outside: a tile's int8 rows and the group's weight
+        // bytes stay in cache while every weight row meets every tile
+        for (int64_t n0 = begin; n0 < end; n0 += 16) {
+          const int64_t count = std::min<int64_t>(16, end - n0);
+          for (int64_t r0 = 0; r0 < M; r0 += kRowTile) {
+            const int rows = static_cast<int>(std::min<int64_t>(kRowTile, M - r0));
+            const Q8Rows x = xq.row(r0);
+            const auto run = [&](auto kCols, int64_t i) {
+              tile_dispatch<S, kType, decltype(kCols)::value>(
+                  rows, std::make_integer_sequence<int, kRowTile>{}, x, qw + (n0 + i) * row_bytes,
+                  row_bytes, K, y + r0 * N + n0 + i, N, prefetch);
+            };
+            for (int64_t i = 0; i < count;) {
+              const int64_t left = count - i;
+              if (rows <= 2 && kRowTile == 4 && left >= 4) {
+                run(std::integral_constant<int, 4>{}, i);
+                i += 4;
+              } else if (left >= 2) {
+                run(std::integral_constant<int, 2>{}, i);
+                i += 2;
+              } else {
+                run(std::integral_constant<int, 1>{}, i);
+                i += 1;
+              }
+            }
+          }
+        }
+      });
+}
+#endif
+
+template <int64_t kType>
+void q8_linear_scalar(const Q8Rows& xq, int64_t M, int64_t K, const uint8_t* qw, int64_t N,
+                      float* y) {
+  const int64_t row_bytes = row_bytes_of(kType, K);
+  for_weight_rows<kType>(M, K, qw, N, [&](int64_t begin, int64_t end, const PrefetchWindow&) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t r = 0; r < M; ++r)
+        y[r * N + n] = q8_dot_scalar<kType>(xq.row(r), qw + n * row_bytes, K);
+  });
+}
+
+template <int64_t kType>
+void q8_linear_typed(int64_t path, const float* x, int64_t M, int64_t K, const uint8_t* qw,
+                     int64_t N, float* y) {
+  thread_local std::vector<uint8_t> buffer;  // kept from call to call, as thread_scratch
+  // Q4_0/Q4_1 x in quads of blocks (see q8_dot_blocks); the scalar path reads it in order
+  constexpr bool kQuads = kType == kQ4_0 || kType == kQ4_1;
+  const Q8Rows xq = path == kQ8Scalar ? quantize_rows<q8_group(kType)>(x, M, K, buffer)
+                                      : quantize_rows<q8_group(kType), kQuads>(x, M, K, buffer);
+  switch (path) {
+#if defined(HYBRIDLLM_Q8_AVX512)
+    case kQ8Avx512Vnni:
+      return q8_linear_simd<Avx512Vnni, kType>(xq, M, K, qw, N, y);
+#endif
+#if defined(HYBRIDLLM_Q8_AVX2_VNNI)
+    case kQ8Avx2Vnni:
+      return q8_linear_simd<Avx2Q8<true>, kType>(xq, M, K, qw, N, y);
+#endif
+#if defined(HYBRIDLLM_Q8_AVX2)
+    case kQ8Avx2:
+      return q8_linear_simd<Avx2Q8<false>, kType>(xq, M, K, qw, N, y);
+#endif
+    default:
+      return q8_linear_scalar<kType>(xq, M, K, qw, N, y);
+  }
+}
+
+}  // namespace
+
+const std::vector<int64_t>& q8_paths() {
+  // 64-byte vectors first. On the project's AMD EPYC (Zen 5, KVM guest) a zmm integer op took
+  // 3.4-3.9x the time of its ymm form, and in cache the 32-byte Q4_K kernel was faster (5.4 vs
+  // 6.8 ns a super-block), but streaming weights from DRAM, as decode does, the 64-byte kernels
+  // (half the instructions a byte) read 15% faster: a 1B-shaped Q4_K_M step's linears 26.3 vs
+  // 30.2 ms, Q5_K_M 29.5 vs 34.7.
+  static const std::vector<int64_t> paths = [] {
+    std::vector<int64_t> built;
+#if defined(HYBRIDLLM_Q8_AVX512)
+    built.push_back(kQ8Avx512Vnni);
+#endif
+#if defined(HYBRIDLLM_Q8_AVX2_VNNI)
+    built.push_back(kQ8Avx2Vnni);
+#endif
+#if defined(HYBRIDLLM_Q8_AVX2)
+    built.push_back(kQ8Avx2);
+#endif
+    built.push_back(kQ8Scalar);
+    return built;
+  }();
+  return paths;
+}
+
+void q8_linear(int64_t type, int64_t path, const float* x, int64_t M, int64_t K, const uint8_t* qw,
+               int64_t N, float* y) {
+  const std::vector<int64_t>& paths = q8_paths();
+  if (path == kQ8Best) path = paths.front();
+  TORCH_CHECK(std::find(paths.begin(), paths.end(), path) != paths.end(), "gguf_linear: int8 path ",
+              path, " is not in this build (see gguf_int8_paths())");
+  switch (type) {
+    case kQ4_0:
+      return q8_linear_typed<kQ4_0>(path, x, M, K, qw, N, y);
+    case kQ4_1:
+      return q8_linear_typed<kQ4_1>(path, x, M, K, qw, N, y);
+    case kQ8_0:
+      return q8_linear_typed<kQ8_0>(path, x, M, K, qw, N, y);
+    case kQ4_K:
+      return q8_linear_typed<kQ4_K>(path, x, M, K, qw, N, y);
+    case kQ5_K:
+      return q8_linear_typed<kQ5_K>(path, x, M, K, qw, N, y);
+    case kQ6_K:
+      return q8_linear_typed<kQ6_K>(path, x, M, K, qw, N, y);
+    default:
+      TORCH_CHECK(false, "gguf_linear: no int8 path for ggml_type ", type);
+  }
+}
+
+}  // namespace hybridllm_gguf

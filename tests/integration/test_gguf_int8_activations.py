@@ -1,0 +1,112 @@
+"""Decode steps with int8 activations (HYBRIDLLM_GGUF_ACTIVATIONS=int8, the default outside the
+tests) against the exact fp32 path: the embedded model's greedy text, and K-quant linears."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from hybridllm import LLM, SamplingParams
+from hybridllm.layers import gguf_linear as gguf_linear_module
+from tests.gguf_helpers import write_gguf
+from tests.kernel_helpers import require_cpu_kernels
+
+# Measured on the embedded model (benchmarks/int8_agreement.py, docs/benchmarks.md): the int8
+# path moves a token's logprob by 0.03 on average, 0.3 at the 99th percentile, 0.6 at most.
+TOLERANCE = 1.0
+MEAN_TOLERANCE = 0.1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels():
+    require_cpu_kernels()
+
+
+@pytest.fixture
+def run_with(monkeypatch):
+    """Runs `fn(llm)` under each activation mode; the engine is built once per mode."""
+
+    def run(mode: str, fn, **engine_kwargs):
+        monkeypatch.setenv(gguf_linear_module.ACTIVATIONS_ENV, mode)
+        gguf_linear_module.default_activations.cache_clear()
+        llm = LLM(dtype="float32", use_tqdm=False, **engine_kwargs)
+        try:
+            return fn(llm)
+        finally:
+            llm.shutdown()
+            monkeypatch.undo()
+            gguf_linear_module.default_activations.cache_clear()
+
+    return run
+
+
+def _assert_agree(fp32_outputs, int8_outputs) -> None:
+    """The same greedy tokens until a near-tie: every shared position's chosen-token logprobs
+    within TOLERANCE (their mean within MEAN_TOLERANCE), and where the texts part, fp32's own
+    top two within 2 * TOLERANCE of each other."""
+    deltas = []
+    for a, b in zip(fp32_outputs, int8_outputs):
+        ta, tb = a.outputs[0], b.outputs[0]
+        for token_a, token_b, top_a, top_b in zip(
+            ta.token_ids, tb.token_ids, ta.logprobs, tb.logprobs
+        ):
+            if token_a != token_b:
+                best = sorted((lp.logprob for lp in top_a.values()), reverse=True)
+                assert best[0] - best[1] < 2 * TOLERANCE, (token_a, token_b, top_a)
+                break
+            deltas.append(abs(top_a[token_a].logprob - top_b[token_a].logprob))
+    assert len(deltas) >= 16 and max(deltas) < TOLERANCE
+    assert sum(deltas) / len(deltas) < MEAN_TOLERANCE
+
+
+def test_embedded_model_greedy_agrees(run_with):
+    prompts = ["The capital of France is", "def fibonacci(n):", "Three primary colors are"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+
+    def generate(llm):
+        return llm.generate(prompts, params)
+
+    fp32, int8 = run_with("fp32", generate), run_with("int8", generate)
+    _assert_agree(fp32, int8)
+    # the two paths do differ: int8 is on (fp32's logprobs would be bit for bit the same)
+    assert any(a.outputs[0].logprobs[0] != b.outputs[0].logprobs[0] for a, b in zip(fp32, int8))
+
+
+@pytest.mark.parametrize("base", [Q.Q4_K, Q.Q5_K], ids=lambda t: t.name)
+def test_k_quant_prompt_logprobs_in_int8_chunks(tmp_path, run_with, base):
+    # A Q4_K_M-like (Q5_K_M-like) model, v and down Q6_K; prefill in chunks of 16 rows, so the
+    # prompt's positions run through the int8 path too (teacher-forced, no divergence).
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.gguf_helpers import tokenizer_vocab
+
+    vocab = len(tokenizer_vocab())
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=vocab - 2, eos_token_id=vocab - 1, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    quantize = {
+        name: Q.Q6_K if name.endswith(("v_proj.weight", "down_proj.weight")) else base
+        for name in model.state_dict()
+        if name.endswith("proj.weight")
+    }
+    path = write_gguf(tmp_path / "k.gguf", model, quantize=quantize)
+    prompt = torch.randint(0, vocab - 3, (64,), generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+
+    def prompt_logprobs(llm):
+        out = llm.generate([{"prompt_token_ids": prompt.tolist()}], params)[0]
+        return [lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
+
+    kwargs = dict(model=str(path), max_num_batched_tokens=16, enable_prefix_caching=False)
+    fp32, int8 = (
+        run_with("fp32", prompt_logprobs, **kwargs),
+        run_with("int8", prompt_logprobs, **kwargs),
+    )
+    deltas = [abs(a - b) for a, b in zip(fp32, int8)]
+    assert len(deltas) == 63 and 0 < max(deltas) < TOLERANCE
+    assert sum(deltas) / len(deltas) < MEAN_TOLERANCE

@@ -1,5 +1,5 @@
 """Optional native CPU kernels (decode attention, KV cache writes, GGUF linear, RMSNorm,
-SiLU-and-mul, rotary embedding, argmax, fused MoE), compiled on first use.
+SiLU-and-mul, rotary embedding, argmax, fused MoE, whole decoder layer), compiled on first use.
 
 The kernels are a speed-up, never a requirement: when there is no C++ compiler, the build
 fails, or `HYBRIDLLM_CPU_KERNELS=0` is set, `load_cpu_kernels` returns False and the plain
@@ -38,6 +38,7 @@ SOURCES = [
         "rotary_cpu.cpp",
         "kv_cache_write_cpu.cpp",
         "fused_moe_cpu.cpp",
+        "decode_layer_cpu.cpp",
     )
 ]
 # Headers the sources include: part of the build's identity, like the sources.

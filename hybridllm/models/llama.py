@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -9,6 +10,9 @@ from torch import nn
 
 from hybridllm.layers.attention import PagedAttention
 from hybridllm.layers.attention_metadata import AttentionMetadata
+from hybridllm.layers.cpu_kernels import load_cpu_kernels
+from hybridllm.layers.gguf_linear import default_activations
+from hybridllm.layers.linear import Linear
 from hybridllm.layers.mlp import GatedMLP
 from hybridllm.layers.norm import RMSNorm
 from hybridllm.layers.prepared_attention import PreparedAttention, prepare_attention
@@ -32,6 +36,10 @@ from hybridllm.models.base import (
 
 if TYPE_CHECKING:
     from hybridllm.distributed.parallel_groups import TPGroup
+
+
+# "0" turns the native whole-layer decode off (the per-op path then runs every step).
+NATIVE_DECODE_ENV = "HYBRIDLLM_NATIVE_DECODE_LAYER"
 
 
 class LlamaAttention(nn.Module):
@@ -138,6 +146,9 @@ class LlamaDecoderLayer(nn.Module):
     ):
         super().__init__()
         hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
+        # the `activations` of the native whole-layer decode (use_native_decode); None: off
+        self.native_decode_activations: int | None = None
+        self.native_decode_mlp = False  # whether the native call computes the MLP too
         self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
         self.self_attn = self.attention_class(
             hf_config, layer_idx, head_dim, qkv_bias, o_bias, qk_norm, dtype, device, tp_group
@@ -169,6 +180,74 @@ class LlamaDecoderLayer(nn.Module):
         loaders = linear_loaders(prefix, self.mlp.gate_up_proj, ("gate_proj", "up_proj"))
         loaders.update(linear_loaders(prefix, self.mlp.down_proj, "down_proj"))
         return loaders
+
+    def use_native_decode(self, activations: int) -> None:
+        """Let CPU decode steps run this layer as one `hybridllm::decode_layer` call, when every
+        piece has its native form here: plain fp32/GGUF-block linears, compiled norms and
+        attention. A dense SiLU MLP joins the call; another block (MoE) runs after it in Python.
+        Otherwise the per-op path stays."""
+        attn, mlp = self.self_attn, self.mlp
+        if type(attn) is not LlamaAttention:  # subclasses (OLMoE's) change the projections
+            return
+        linears = [attn.qkv_proj, attn.o_proj]
+        norms = [self.input_layernorm, self.post_attention_layernorm]
+        if attn.q_norm is not None:
+            norms += [attn.q_norm, attn.k_norm]
+        self.native_decode_mlp = type(mlp) is GatedMLP and mlp.native
+        if self.native_decode_mlp:
+            linears += [mlp.gate_up_proj, mlp.down_proj]
+        if (
+            all(type(linear) is Linear and linear.qweight is not None for linear in linears)
+            and all(linear.bias is None for linear in linears[1:])
+            and all(norm.native and norm.eps == norms[0].eps for norm in norms)
+            and getattr(attn.attn.backend, "native_ops", False)
+        ):
+            self.native_decode_activations = activations
+
+    def decode_native(
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: RotaryAngles,
+        kv_cache: torch.Tensor,
+        prep: PreparedAttention,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for a step of decode rows only, fp32: the native op, then the MLP block
+        when the op did not take it."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv, o = attn.qkv_proj, attn.o_proj
+        dense = self.native_decode_mlp
+        q_norm, k_norm = attn.q_norm, attn.k_norm
+        out, residual = torch.ops.hybridllm.decode_layer(
+            hidden_states,
+            residual,
+            self.input_layernorm.weight,
+            self.post_attention_layernorm.weight,
+            self.input_layernorm.eps,
+            qkv.qweight,
+            qkv.ggml_type,
+            qkv.bias,
+            None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight,
+            o.qweight,
+            o.ggml_type,
+            mlp.gate_up_proj.qweight if dense else None,
+            mlp.gate_up_proj.ggml_type if dense else -1,
+            mlp.down_proj.qweight if dense else None,
+            mlp.down_proj.ggml_type if dense else -1,
+            rotary.cos,
+            rotary.sin_signed,
+            kv_cache,
+            prep.slot_mapping,
+            prep.decode_block_tables,
+            prep.decode_seq_lens,
+            attn.attn.scale,
+            attn.attn.sliding_window or 0,
+            attn.num_heads,
+            attn.num_kv_heads,
+            self.native_decode_activations,
+        )
+        return (out, residual) if dense else (mlp(out), residual)
 
     def forward(
         self,
@@ -250,6 +329,19 @@ class LlamaForCausalLM(CausalLMBase):
             )
         self._set_weight_loaders(*self._build_weight_loaders(tied))
 
+    def process_weights_after_loading(self) -> None:
+        """The base's treatment, then CPU decode steps through the native whole-layer op where
+        every piece of a layer has its native form (`HYBRIDLLM_NATIVE_DECODE_LAYER=0`: off)."""
+        processed = self._weights_processed
+        super().process_weights_after_loading()
+        if processed or self.device.type != "cpu" or not load_cpu_kernels():
+            return
+        if os.environ.get(NATIVE_DECODE_ENV, "1") == "0":
+            return
+        activations = default_activations()
+        for layer in self.layers:
+            layer.use_native_decode(activations)
+
     def make_layer(
         self,
         layer_idx: int,
@@ -307,9 +399,21 @@ class LlamaForCausalLM(CausalLMBase):
                 self.layers, kv_caches, hidden_states, residual, positions, attn_metadata
             )
         else:
+            # a CPU step of decode rows only: eligible layers in one native call each
+            native = (
+                rotary.native
+                and bool(kv_caches)
+                and prep.num_decodes == hidden_states.shape[0] > 0
+                and hidden_states.dtype == torch.float32
+            )
             for i, layer in enumerate(self.layers):
                 kv_cache = kv_caches[i] if kv_caches else None
-                hidden_states, residual = layer(hidden_states, residual, rotary, kv_cache, prep)
+                if native and layer.native_decode_activations is not None:
+                    hidden_states, residual = layer.decode_native(
+                        hidden_states, residual, rotary, kv_cache, prep
+                    )
+                else:
+                    hidden_states, residual = layer(hidden_states, residual, rotary, kv_cache, prep)
         if self.norm is None:
             return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)

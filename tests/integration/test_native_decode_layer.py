@@ -1,0 +1,104 @@
+"""The native whole-layer decode (`hybridllm::decode_layer`) equals the per-op path bit for bit.
+
+Both run the same kernels in the same order; the native op only removes Python between them, so
+greedy tokens and every logprob must be identical, for single streams and batches, with qkv
+biases (Qwen2), sliding windows (Mistral), Qwen3's q/k norms, MoE layers (attention native, the
+expert block after it) and layers it does not take (OLMoE's attention).
+"""
+
+from __future__ import annotations
+
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from hybridllm import LLM, SamplingParams
+from hybridllm.models.llama import NATIVE_DECODE_ENV
+from tests.gguf_helpers import tiny_hf_model, write_gguf
+from tests.kernel_helpers import require_cpu_kernels
+
+PROMPTS = [[5, 17, 42, 99, 7, 63, 12], [3, 8], [100, 101, 102, 103]]
+LINEAR_TYPES = {
+    "self_attn.q_proj.weight": Q.Q4_1,
+    "self_attn.k_proj.weight": Q.Q4_1,
+    "self_attn.v_proj.weight": Q.Q4_1,
+    "self_attn.o_proj.weight": Q.Q8_0,
+    "mlp.gate_proj.weight": Q.Q8_0,
+    "mlp.up_proj.weight": Q.Q8_0,
+    "mlp.down_proj.weight": Q.Q4_0,
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels():
+    require_cpu_kernels()
+
+
+@pytest.fixture(scope="module")
+def llama_gguf(tmp_path_factory):
+    model = tiny_hf_model("llama", seed=5)
+    quantize = {
+        f"model.layers.{i}.{name}": qtype
+        for i in range(model.config.num_hidden_layers)
+        for name, qtype in LINEAR_TYPES.items()
+    }
+    return str(write_gguf(tmp_path_factory.mktemp("g") / "m.gguf", model, quantize=quantize))
+
+
+def run(path: str, native: bool, monkeypatch, **engine_kwargs) -> tuple[list, list[bool]]:
+    monkeypatch.setenv(NATIVE_DECODE_ENV, "1" if native else "0")
+    llm = LLM(path, skip_tokenizer_init=True, use_tqdm=False, **engine_kwargs)
+    try:
+        model = llm.llm_engine.executor.workers[0].model_runner.model
+        used = [layer.native_decode_activations is not None for layer in model.layers]
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        single = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params)
+        results = [
+            (
+                o.outputs[0].token_ids,
+                [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs],
+            )
+            for o in outs + single
+        ]
+        return results, used
+    finally:
+        llm.shutdown()
+
+
+def test_gguf_llama_native_equals_per_op(llama_gguf, monkeypatch):
+    native, used = run(llama_gguf, True, monkeypatch)
+    per_op, unused = run(llama_gguf, False, monkeypatch)
+    assert all(used) and not any(unused)
+    assert native == per_op
+    assert all(len(tokens) == 16 for tokens, _ in native)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "qwen3"])
+def test_fp32_folders_native_equals_per_op(arch, tmp_path, monkeypatch):
+    # fp32 linears take the native path where they are read as F32 blocks (CPUs whose BLAS
+    # lacks AVX-512 kernels); elsewhere the layers keep the per-op path and this still holds
+    from hybridllm.layers.gguf_linear import own_f32_gemm_preferred
+    from tests.model_helpers import make_tiny_model
+
+    path = str(make_tiny_model(arch, tmp_path / arch))  # mistral: a window of 12
+    native, used = run(path, True, monkeypatch)
+    per_op, _ = run(path, False, monkeypatch)
+    assert native == per_op
+    assert all(u == own_f32_gemm_preferred() for u in used)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "olmoe"])
+def test_moe_layers_native_attention_equals_per_op(arch, tmp_path, monkeypatch):
+    # the op takes attention (Qwen3's q/k norms included) and returns the expert block's input;
+    # OLMoE's own attention keeps the per-op path
+    from hybridllm.layers.gguf_linear import own_f32_gemm_preferred
+    from tests.moe_helpers import make_tiny_moe_model
+
+    path = str(make_tiny_moe_model(arch, tmp_path / arch))
+    native, used = run(path, True, monkeypatch)
+    per_op, _ = run(path, False, monkeypatch)
+    assert native == per_op
+    expected = [own_f32_gemm_preferred() and arch != "olmoe"] * len(used)
+    if arch == "qwen2_moe":
+        expected[1] = False  # its dense MLP is 72 wide: down_proj's rows are not whole blocks
+    assert used == expected

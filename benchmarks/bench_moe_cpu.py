@@ -191,7 +191,8 @@ def hybridllm(path: Path, args: argparse.Namespace) -> dict:
     )
     try:
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-        llm.generate(prompts(1, 16, 0), SamplingParams(max_tokens=4))  # warm-up
+        # warm-up with a full-length prompt: its prefill reads every expert once
+        llm.generate(prompts(1, args.input_len, 0), SamplingParams(max_tokens=4))
         # two prompts of one length: the first times the prefill, the second (not in the
         # prefix cache) the whole request, whose decode is the difference
         first, second = prompts(2, args.input_len, 1)

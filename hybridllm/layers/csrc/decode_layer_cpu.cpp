@@ -8,7 +8,6 @@
 // layer, measured at ~90 us a layer on a 2-core EPYC, as long as SmolLM2's linears take.
 // Registered as hybridllm::decode_layer; built on first use by hybridllm/layers/cpu_kernels.py.
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/rms_norm.h>
 #include <torch/library.h>
 
@@ -16,19 +15,13 @@
 #include <optional>
 #include <tuple>
 
+#include "library_ops.h"
+
 namespace {
 
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
-at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, int64_t type,
-                  int64_t activations) {
-  static const auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
-                                            int64_t, int64_t)>("hybridllm::gguf_linear");
-  return op.call(x, qweight, type, qweight.size(0), activations);
-}
+using hybridllm_ops::find_op;
+using hybridllm_ops::gguf_linear;
+using hybridllm_ops::silu_and_mul;
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   static const auto op =
@@ -72,8 +65,6 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
       find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&, double, int64_t)>(
           "hybridllm::paged_decode_attention");
-  static const auto silu_and_mul =
-      find_op<at::Tensor(const at::Tensor&)>("hybridllm::silu_and_mul");
 
   TORCH_CHECK(hidden.dim() == 2, "decode_layer: hidden must be [tokens, hidden], got ",
               hidden.sizes());
@@ -93,7 +84,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     res = hidden;
     normed = rms_norm(hidden, input_norm, eps);
   }
-  at::Tensor qkv = linear(normed, qkv_weight, qkv_type, activations);  // [n, q + 2 kv]
+  at::Tensor qkv = gguf_linear(normed, qkv_weight, qkv_type, activations);  // [n, q + 2 kv]
   if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({n, num_heads, head_dim});
   at::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads, head_dim});
@@ -114,13 +105,13 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   write_kv.call(k, v, kv_cache, slot_mapping);
   const at::Tensor attn =
       attention.call(q.contiguous(), kv_cache, block_tables, seq_lens, scale, window);
-  const at::Tensor o = linear(attn.view({n, q_size}), o_weight, o_type, activations);
+  const at::Tensor o = gguf_linear(attn.view({n, q_size}), o_weight, o_type, activations);
   std::tie(normed, res) = add_rms_norm(o, res, post_norm, eps);
   TORCH_CHECK(gate_up_weight.has_value() == down_weight.has_value(),
               "decode_layer: gate_up_weight and down_weight come together");
   if (!gate_up_weight.has_value()) return {normed, res};  // the caller's expert block next
-  const at::Tensor gate_up = linear(normed, *gate_up_weight, gate_up_type, activations);
-  const at::Tensor out = linear(silu_and_mul.call(gate_up), *down_weight, down_type, activations);
+  const at::Tensor gate_up = gguf_linear(normed, *gate_up_weight, gate_up_type, activations);
+  const at::Tensor out = gguf_linear(silu_and_mul(gate_up), *down_weight, down_type, activations);
   return {out, res};
 }
 

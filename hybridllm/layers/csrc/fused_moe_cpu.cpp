@@ -6,7 +6,6 @@
 // hybridllm::fused_moe; built on first use by hybridllm/layers/cpu_kernels.py.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -17,25 +16,12 @@
 #include <tuple>
 #include <vector>
 
+#include "library_ops.h"
+
 namespace {
 
-// The other native ops of this library, called through the dispatcher (they live in their own
-// translation units, and this keeps their checks).
-at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t type, int64_t n,
-                       int64_t activations) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("hybridllm::gguf_linear", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t)>();
-  return op.call(x, qweight, type, n, activations);
-}
-
-at::Tensor silu_and_mul(const at::Tensor& x) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("hybridllm::silu_and_mul", "")
-                             .typed<at::Tensor(const at::Tensor&)>();
-  return op.call(x);
-}
+using hybridllm_ops::gguf_linear;
+using hybridllm_ops::silu_and_mul;
 
 // Each token's top_k experts from its router logits [n, E]: softmax (or each logit's sigmoid)
 // in fp32, the best first (ties to the lower id), weights renormalised to sum 1 or not. Returns
@@ -140,8 +126,8 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights,
     const int64_t start = offsets[e], count = offsets[e + 1] - start;
     if (count == 0) continue;
     const at::Tensor gate_up =
-        gguf_linear(rows.narrow(0, start, count), w13[e], w13_type, width2, activations);
-    const at::Tensor down = gguf_linear(silu_and_mul(gate_up), w2[e], w2_type, hidden, activations);
+        gguf_linear(rows.narrow(0, start, count), w13[e], w13_type, activations);
+    const at::Tensor down = gguf_linear(silu_and_mul(gate_up), w2[e], w2_type, activations);
     expert_out.narrow(0, start, count).copy_(down);
   }
 

@@ -193,3 +193,24 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_k_m_like_gguf(path: Path, base: gguf.GGMLQuantizationType) -> Path:
+    """A small random Llama as a Q4_K_M-like (base Q4_K) or Q5_K_M-like (Q5_K) file: v and down
+    Q6_K, every other q/k/o and gate/up linear `base` (random super-blocks: gguf cannot quantize
+    to K-quants), hidden 256 so rows are whole super-blocks, the tests' tokenizer, tied head."""
+    vocab = len(tokenizer_vocab())
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=vocab - 2, eos_token_id=vocab - 1, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    Q = gguf.GGMLQuantizationType
+    quantize = {
+        name: Q.Q6_K if name.endswith(("v_proj.weight", "down_proj.weight")) else base
+        for name in model.state_dict()
+        if name.endswith("proj.weight")  # every q/k/v/o and gate/up/down
+    }
+    return write_gguf(path, model, quantize=quantize)

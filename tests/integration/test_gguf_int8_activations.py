@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as Q
 
 from hybridllm import LLM, SamplingParams
 from hybridllm.layers import gguf_linear as gguf_linear_module
-from tests.gguf_helpers import write_gguf
+from tests.gguf_helpers import tokenizer_vocab, write_k_m_like_gguf
 from tests.kernel_helpers import require_cpu_kernels
 
 # Measured on the embedded model (benchmarks/int8_agreement.py, docs/benchmarks.md): the int8
@@ -77,24 +77,8 @@ def test_embedded_model_greedy_agrees(run_with):
 def test_k_quant_prompt_logprobs_in_int8_chunks(tmp_path, run_with, base):
     # A Q4_K_M-like (Q5_K_M-like) model, v and down Q6_K; prefill in chunks of 16 rows, so the
     # prompt's positions run through the int8 path too (teacher-forced, no divergence).
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tests.gguf_helpers import tokenizer_vocab
-
     vocab = len(tokenizer_vocab())
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        bos_token_id=vocab - 2, eos_token_id=vocab - 1, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    quantize = {
-        name: Q.Q6_K if name.endswith(("v_proj.weight", "down_proj.weight")) else base
-        for name in model.state_dict()
-        if name.endswith("proj.weight")
-    }
-    path = write_gguf(tmp_path / "k.gguf", model, quantize=quantize)
+    path = write_k_m_like_gguf(tmp_path / "k.gguf", base)
     prompt = torch.randint(0, vocab - 3, (64,), generator=torch.Generator().manual_seed(1))
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
 

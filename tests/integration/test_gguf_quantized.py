@@ -226,24 +226,9 @@ def test_k_quant_linears_computed_from_their_super_blocks(tmp_path, base):
     # A model whose linears are Q4_K (Q5_K), and v and down Q6_K as in a Q4_K_M (Q5_K_M) file
     # (random super-blocks: gguf cannot quantize to K-quants), gives the tokens and logprobs of
     # the same file dequantized at load.
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.gguf_helpers import write_k_m_like_gguf
 
-    from tests.gguf_helpers import tokenizer_vocab
-
-    vocab = len(tokenizer_vocab())
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        bos_token_id=vocab - 2, eos_token_id=vocab - 1, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    quantize = {
-        name: Q.Q6_K if name.endswith(("v_proj.weight", "down_proj.weight")) else base
-        for name in model.state_dict()
-        if name.endswith("proj.weight")  # every q/k/v/o and gate/up/down
-    }
-    path = write_gguf(tmp_path / "q4_k.gguf", model, quantize=quantize)
+    path = write_k_m_like_gguf(tmp_path / "q4_k.gguf", base)
     results = {}
     for quantization in ("auto", "none"):
         llm = LLM(

@@ -32,7 +32,6 @@ SHAPES = [
 ]
 SHAPES += [(name, k, n, Q.F32) for name, k, n, _ in SHAPES]
 M_VALUES = [1, 4, 16, 64, 512, 2048]
-INT8_MAX_ROWS = 24  # kDirectMaxRows: up to this many rows the op's int8 path runs
 
 
 def seconds_per_call(fn, min_time: float) -> float:
@@ -70,7 +69,7 @@ def bench_shape(op, name: str, k: int, n: int, fmt: Q, args: argparse.Namespace)
         t_ref = seconds_per_call(lambda x=x: F.linear(x, weight), args.min_time)
         line = f"{name:>9} {f'{k}->{n}':>11} {fmt.name:>4} {m:>4} {t_op * 1e3:8.3f}"
         line += f" {t_ref * 1e3:8.3f} {t_op / t_ref:6.2f}"
-        if fmt != Q.F32 and m <= INT8_MAX_ROWS:  # the op with int8 activations (activations=1)
+        if fmt != Q.F32:  # the op with int8 activations (activations=1): kernels or int8 GEMM
             t_int8 = seconds_per_call(lambda x=x: op(x, qweight, int(fmt), n, 1), args.min_time)
             line += f"  int8 {t_int8 * 1e3:8.3f}"
         if m == 1:

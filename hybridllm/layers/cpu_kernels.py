@@ -32,6 +32,7 @@ SOURCES = [
         "paged_decode_cpu.cpp",
         "gguf_linear_cpu.cpp",
         "gguf_q8_linear_cpu.cpp",
+        "gguf_q8_gemm_cpu.cpp",
         "rms_norm_cpu.cpp",
         "activation_cpu.cpp",
         "argmax_cpu.cpp",

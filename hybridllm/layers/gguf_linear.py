@@ -110,9 +110,10 @@ def own_f32_gemm_preferred() -> bool:
 
 
 # The op's `activations` argument. FP32: fp32 activations and arithmetic, exact up to fp32
-# rounding against the dequantized weights (what the correctness tests pin). INT8: up to 24 rows
-# of x (decode steps) are quantized to int8, 32 values a scale (256 for K-quants), for integer dot
-# products; more rows compute in fp32 either way. Plain fp32 weights (F32) always stay fp32.
+# rounding against the dequantized weights (what the correctness tests pin). INT8: the rows of x
+# are quantized to int8, 32 values a scale (256 for K-quants), for integer dot products (few rows:
+# decode kernels; 8 rows or more: an int8 GEMM where the CPU has AVX512-VNNI, else fp32 above 24
+# rows). Plain fp32 weights (F32) always stay fp32.
 FP32_ACTIVATIONS, INT8_ACTIVATIONS = 0, 1
 # "int8" (the default: faster decode, see docs/benchmarks.md) or "fp32".
 ACTIVATIONS_ENV = "HYBRIDLLM_GGUF_ACTIVATIONS"

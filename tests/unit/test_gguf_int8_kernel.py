@@ -15,10 +15,11 @@ PER_32 = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
 # The op's `activations` values of the integer paths (gguf_q8_linear.h); 1 is the best one built.
 PATH_NAMES = {2: "avx512-vnni", 3: "avx2-vnni", 4: "avx2-maddubs", 5: "scalar"}
-DIRECT_MAX_ROWS = 24  # kDirectMaxRows: more rows compute in fp32 whatever is asked
-# rows of x: 1-2 take 4 weight rows a call, 3-4 fill a 64-byte path's row tile, 5 and 9 leave
-# partial tiles
-ROW_COUNTS = [1, 2, 3, 4, 5, 9, DIRECT_MAX_ROWS]
+GEMM_MIN_ROWS = 8  # kQ8GemmMinRows: from here paths 1-2 take the int8 GEMM, 3-5 never do
+# rows of x: 1-2 take 4 weight rows a call, 3-4 fill a 64-byte path's row tile, 5 leaves a
+# partial one; from 8 the GEMM: 8 and 16 in one 16-row tile, 17 and 33 leave a partial 32-row
+# tile, 70 three tiles (the few-rows kernels of paths 3-5 at every count)
+ROW_COUNTS = [1, 2, 3, 4, 5, GEMM_MIN_ROWS, 9, 16, 17, 24, 33, 70]
 
 
 @pytest.fixture(scope="module")
@@ -76,12 +77,15 @@ def test_every_type_on_every_path(op, fmt, path):
     if path != 1 and path not in built_paths():
         pytest.skip(f"this build has no {PATH_NAMES[path]} path")
     # random bytes: every nibble / int8 / 6-bit pattern, scales and mins of either sign
-    shapes = [(37, 256), (67, 512), (29, 2560)]
+    # weight rows: partial micro-kernels (4 or 8 rows a call); 100 x 2560 spans three GEMM panels
+    shapes = [(37, 256), (67, 512), (29, 2560), (100, 2560)]
     if fmt in PER_32:
         shapes += [(37, 32), (13, 96), (21, 576)]  # 1, 3 (odd), 18 blocks a row
+    # without the GEMM (no AVX512-VNNI), the best path computes more than 24 rows in fp32
+    rows = [m for m in ROW_COUNTS if path != 1 or m <= 24 or 2 in built_paths()]
     for n, k in shapes:
         qweight, weight = random_blocks(fmt, n, k, seed=n)
-        for m in ROW_COUNTS:
+        for m in rows:
             check_int8(op, torch.randn(m, k), qweight, weight, fmt, path)
 
 
@@ -108,10 +112,20 @@ def test_zero_groups_and_outliers(op, fmt):
         check_int8(op, x, qweight, weight, fmt, path)
 
 
-def test_more_rows_and_f32_weights_stay_fp32(op):
-    qweight, weight = random_blocks(Q.Q4_K, 50, 512, seed=2)
-    x = torch.randn(DIRECT_MAX_ROWS + 1, 512)
-    assert torch.equal(op(x, qweight, int(Q.Q4_K), 50, 1), op(x, qweight, int(Q.Q4_K), 50, 0))
+@pytest.mark.parametrize("fmt", PER_32 + K_QUANTS, ids=lambda f: f.name)
+def test_gemm_equals_the_few_rows_kernels(op, fmt):
+    # the GEMM quantizes x as the few-rows kernels do and sums exactly: the same up to fp32
+    # rounding (the scalar kernel, forced past the GEMM's row count, is the reference)
+    if 2 not in built_paths():
+        pytest.skip("no AVX512-VNNI in this build: many rows compute in fp32")
+    qweight, weight = random_blocks(fmt, 45, 512, seed=4)
+    x = torch.randn(40, 512)
+    gemm, scalar = (op(x, qweight, int(fmt), 45, path) for path in (1, 5))
+    assert not torch.equal(gemm, op(x, qweight, int(fmt), 45, 0))  # not the fp32 path
+    torch.testing.assert_close(gemm, scalar, rtol=1e-5, atol=1e-5 * scalar.abs().max().item())
+
+
+def test_f32_weights_stay_fp32(op):
     w = torch.randn(50, 512)
     x = torch.randn(3, 512)
     f32 = int(Q.F32)

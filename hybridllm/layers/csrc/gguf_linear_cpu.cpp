@@ -31,6 +31,10 @@ using namespace hybridllm_gguf;
 // without AVX-512, chunks of decoded fp32 weights through the BLAS GEMM. The constants below were
 // measured on a 2-core AVX-512 Xeon (the direct kernel was faster up to M = 24-32).
 constexpr int64_t kDirectMaxRows = 24;
+// With int8 activations, from this many rows of x on the int8 GEMM (gguf_q8_gemm_cpu.cpp) runs
+// instead of the few-rows kernels: on a 2-core Zen 5 it was 0.85-1.1x their time at M = 8 and
+// about half at 12-24 (SmolLM2's and a 1B model's shapes), and 2.5-3x at M = 2.
+constexpr int64_t kQ8GemmMinRows = 8;
 // Rows of x handled together by the direct kernel (accumulators live in registers).
 constexpr int kRowTile = 8;
 // Decoded fp32 weight rows a BLAS GEMM of the many-rows path takes at once: SmolLM2's largest
@@ -382,10 +386,18 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
   at::Tensor y = at::empty({M, N}, xc.options());
   if (M == 0 || N == 0) return y;
   const uint8_t* qw = qweight.data_ptr<uint8_t>();
-  // int8 activations where asked for and the direct kernel would run (fp32 weights stay fp32)
-  if (activations != kFp32Activations && ggml_type != kF32 && M <= kDirectMaxRows) {
-    q8_linear(ggml_type, activations, xc.data_ptr<float>(), M, K, qw, N, y.data_ptr<float>());
-    return y;
+  // int8 activations where asked for (fp32 weights stay fp32): the few-rows kernels below
+  // kQ8GemmMinRows rows, the int8 GEMM from there where the build has it, else the few-rows
+  // kernels up to kDirectMaxRows and fp32 above. A path forced past the GEMM's (3-5) runs the
+  // few-rows kernels at every M, as a reference for tests.
+  if (activations != kFp32Activations && ggml_type != kF32) {
+    const bool few_rows = M < kQ8GemmMinRows || activations > kQ8Avx512Vnni;
+    if (!few_rows && q8_gemm(ggml_type, xc.data_ptr<float>(), M, K, qw, N, y.data_ptr<float>()))
+      return y;
+    if (few_rows || M <= kDirectMaxRows) {
+      q8_linear(ggml_type, activations, xc.data_ptr<float>(), M, K, qw, N, y.data_ptr<float>());
+      return y;
+    }
   }
   auto run = [&](auto type_constant) {
     constexpr int64_t kType = decltype(type_constant)::value;
@@ -415,8 +427,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hybridllm, m) {
-  // activations: 0 computes in fp32; 1 quantizes up to kDirectMaxRows rows of x to int8 for
-  // integer dot products (2-5 pick one integer path, for tests: gguf_q8_linear.h)
+  // activations: 0 computes in fp32; 1 quantizes x to int8 for integer dot products (the
+  // few-rows kernels, the int8 GEMM for many rows; 2-5 pick one path, for tests: gguf_q8_linear.h)
   m.def(
       "gguf_linear(Tensor x, Tensor qweight, int ggml_type, int out_features, int activations=0) "
       "-> Tensor");

@@ -1,5 +1,5 @@
-// hybridllm::gguf_linear with int8 activations (few rows of x): the entry point gguf_linear_cpu.cpp
-// calls, built in gguf_q8_linear_cpu.cpp.
+// hybridllm::gguf_linear with int8 activations: the entry points gguf_linear_cpu.cpp calls, for
+// few rows of x (gguf_q8_linear_cpu.cpp) and for many (gguf_q8_gemm_cpu.cpp).
 #pragma once
 
 #include <cstdint>
@@ -12,7 +12,7 @@ namespace hybridllm_gguf {
 enum Q8Path : int64_t {
   kFp32Activations = 0,
   kQ8Best = 1,
-  kQ8Avx512Vnni = 2,  // 64-byte vectors, vpdpbusd / vpdpwssd
+  kQ8Avx512Vnni = 2,  // 64-byte vectors, vpdpbusd / vpdpwssd; many rows: the int8 GEMM
   kQ8Avx2Vnni = 3,    // 32-byte vectors, vpdpbusd / vpdpwssd (AVX-VNNI or AVX512-VNNI + VL)
   kQ8Avx2 = 4,        // 32-byte vectors, vpmaddubsw + vpmaddwd
   kQ8Scalar = 5,      // portable C++
@@ -25,5 +25,11 @@ const std::vector<int64_t>& q8_paths();
 // of 32 (256 for K-quants) with an fp32 scale each; `path` one of q8_paths().
 void q8_linear(int64_t type, int64_t path, const float* x, int64_t M, int64_t K, const uint8_t* qw,
                int64_t N, float* y);
+
+// The same product for many rows of x, as a GEMM (gguf_q8_gemm_cpu.cpp): x quantized as
+// q8_linear quantizes it, the integer sums exact, the same up to fp32 rounding. False (y
+// untouched) where this build has no such GEMM (it needs AVX512-VNNI) or for F32 weights.
+bool q8_gemm(int64_t type, const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N,
+             float* y);
 
 }  // namespace hybridllm_gguf

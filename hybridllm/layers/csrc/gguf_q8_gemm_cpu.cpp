@@ -1,0 +1,308 @@
+// hybridllm::gguf_linear's int8-activation path for many rows of x (prefill, large batches,
+// big expert groups), AVX512-VNNI: a GEMM with the rows of x quantized as the few-rows path
+// does (gguf_q8_quantize.h) and packed in tiles of 32 rows, the weight rows unpacked a panel at
+// a time into unsigned codes and fp32 scales, and a micro-kernel whose vpdpbusd multiplies 4
+// codes of one weight row (broadcast) with 4 values of each of 16 rows of x (a vector).
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "gguf_blocks.h"
+#include "gguf_q8_dot.h"
+#include "gguf_q8_linear.h"
+#include "gguf_q8_quantize.h"
+#include "gguf_q8_simd.h"
+
+namespace hybridllm_gguf {
+
+#if defined(HYBRIDLLM_Q8_AVX512)
+namespace {
+
+// Rows of x a tile: kH 16-lane vectors (2, or 1 for up to 16 rows, which would waste half of a
+// 32-row tile). Weight rows a micro-kernel call: 8 / kH, so that it keeps 8 accumulators of each
+// kind (integer sums, a group's sums, the totals) in registers.
+template <int kH>
+constexpr int64_t kTileRows = 16 * kH;
+template <int kH>
+constexpr int kCols = 8 / kH;
+// Bytes of unpacked codes a panel holds: with a tile of x (32 * K bytes) it stays in L2 while
+// every tile of x passes over it.
+constexpr int64_t kPanelCodeBytes = 128 << 10;
+
+// A weight type as the GEMM sees it: weight = scale * (code - kOffset) + min, with codes
+// unsigned bytes, one scale (and min) per kUnit weights, and x quantized in groups of kGroup.
+template <int64_t kType>
+struct GemmType {
+  static constexpr int64_t kUnit = kType == kQ6_K ? 16 : 32;
+  static constexpr int64_t kGroup = q8_group(kType);
+  static constexpr bool kMins = kType == kQ4_1 || kType == kQ4_K || kType == kQ5_K;
+  static constexpr int32_t kOffset = kType == kQ4_0   ? 8
+                                     : kType == kQ8_0 ? 128
+                                     : kType == kQ6_K ? 32
+                                                      : 0;
+};
+
+// Rows of x in tiles of R = kTileRows rows: tile t's int8 values [K / 4][R][4] (4 consecutive
+// values of each row a 32-bit lane, rows past M zero), its scales [K / kGroup][R] and, per unit
+// of weights, what the weights' offset or min multiplies: [K / kUnit][R] of int32
+// -kOffset * sum(q) (kOffset) or float sum(q) (kMins).
+struct PackedX {
+  const int8_t* q;
+  const float* d;
+  const void* unit;
+  int64_t tiles;
+};
+
+template <int64_t kType, int kH>
+PackedX pack_x(const Q8Rows& rows, int64_t M, int64_t K, std::vector<uint8_t>& buffer) {
+  using T = GemmType<kType>;
+  constexpr int64_t kTileRows = hybridllm_gguf::kTileRows<kH>;
+  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
+  const int64_t groups = K / T::kGroup, units = K / T::kUnit;
+  const int64_t q_bytes = tiles * K * kTileRows, d_bytes = tiles * groups * kTileRows * 4;
+  buffer.resize(q_bytes + d_bytes + tiles * units * kTileRows * 4 + 64);
+  uint8_t* base = buffer.data() + (64 - reinterpret_cast<uintptr_t>(buffer.data()) % 64) % 64;
+  int8_t* q = reinterpret_cast<int8_t*>(base);
+  float* d = reinterpret_cast<float*>(base + q_bytes);
+  uint8_t* unit = base + q_bytes + d_bytes;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      int8_t* qt = q + t * K * kTileRows;
+      float* dt = d + t * groups * kTileRows;
+      int32_t* ut = reinterpret_cast<int32_t*>(unit) + t * units * kTileRows;
+      for (int64_t i = 0; i < kTileRows; ++i) {
+        const int64_t r = t * kTileRows + i;
+        if (r >= M) {
+          for (int64_t k = 0; k < K; k += 4) std::memset(qt + k * kTileRows + 4 * i, 0, 4);
+          for (int64_t g = 0; g < groups; ++g) dt[g * kTileRows + i] = 0.f;
+          for (int64_t u = 0; u < units; ++u) ut[u * kTileRows + i] = 0;
+          continue;
+        }
+        const Q8Rows row = rows.row(r);
+        for (int64_t k = 0; k < K; k += 4) std::memcpy(qt + k * kTileRows + 4 * i, row.q + k, 4);
+        for (int64_t g = 0; g < groups; ++g) dt[g * kTileRows + i] = row.d[g];
+        for (int64_t u = 0; u < units; ++u) {
+          int32_t sum = 0;
+          for (int64_t k = u * T::kUnit; k < (u + 1) * T::kUnit; ++k) sum += row.q[k];
+          if constexpr (T::kMins) {
+            const float f = static_cast<float>(sum);
+            std::memcpy(ut + u * kTileRows + i, &f, 4);
+          } else {
+            ut[u * kTileRows + i] = -T::kOffset * sum;
+          }
+        }
+      }
+    }
+  });
+  return {q, d, unit, tiles};
+}
+
+// A panel of weight rows unpacked: codes [rows][K], and per unit of kUnit weights scales
+// [rows][units] and (kMins) mins [rows][units]. Rows past N have zero codes and scales.
+struct Panel {
+  uint8_t* codes;
+  float* scales;
+  float* mins;
+  int64_t units;  // a row's
+};
+
+template <int64_t kType>
+void unpack_row(const uint8_t* row, int64_t K, uint8_t* codes, float* scales, float* mins) {
+  using S = Avx512Vnni;
+  const int64_t nb = K / kBlock;
+  if constexpr (kType == kQ6_K) {
+    for (int64_t sb = 0; sb < K / 256; ++sb) {
+      const uint8_t* s = row + sb * kQ6SuperBytes;
+      // codes are q + 32, in order: 64 at a time (half z / 2, part z % 2, as gguf_q8_dot.h)
+      for (int z = 0; z < 4; ++z)
+        _mm512_storeu_si512(codes + sb * 256 + 64 * z,
+                            S::q6_codes(S::load64(s + 64 * (z / 2)),
+                                        S::broadcast32(s + 128 + 32 * (z / 2)), z % 2));
+      const __m512 d = _mm512_set1_ps(half_to_float(load_u16(s + 208)));
+      _mm512_storeu_ps(scales + sb * 16,
+                       _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                            reinterpret_cast<const __m128i*>(s + 192))))));
+    }
+  } else if constexpr (kType == kQ4_K || kType == kQ5_K) {
+    constexpr int64_t kSuper = kType == kQ4_K ? kSuperBytes : kQ5SuperBytes;
+    constexpr int64_t kNibbles = kType == kQ4_K ? 16 : 48;
+    for (int64_t sb = 0; sb < K / 256; ++sb) {
+      const uint8_t* s = row + sb * kSuper;
+      for (int i = 0; i < 4; ++i) {  // sub-blocks 2i (low nibbles), 2i + 1 (high)
+        __m512i c = S::nibbles32(s + kNibbles + 32 * i);
+        if constexpr (kType == kQ5_K) c = S::add_fifth_bit(c, S::broadcast32(s + 16), 2 * i);
+        _mm512_storeu_si512(codes + sb * 256 + 64 * i, c);
+      }
+    }
+    block_scales<kType>(row, nb, scales, mins);  // d * scale_j and -dmin * min_j
+  } else {
+    constexpr int64_t bb = block_bytes(kType);
+    constexpr int64_t kCodes = kType == kQ4_1 ? 4 : 2;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * bb + kCodes;
+      if constexpr (kType == kQ8_0) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + b * 32),
+                            _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80))));
+      } else {  // low nibbles: weights 0-15, high: 16-31
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)),
+                      m = _mm_set1_epi8(15);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + b * 32), _mm_and_si128(v, m));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + b * 32 + 16),
+                         _mm_and_si128(_mm_srli_epi16(v, 4), m));
+      }
+    }
+    block_scales<kType>(row, nb, scales, mins);  // d (and Q4_1's m)
+  }
+}
+
+// out[c][i] = dot(row i of x tile t, weight row c0 + c of the panel), c < kCols, i < kTileRows.
+template <int64_t kType, int kH>
+void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64_t K,
+                  float* out) {
+  using T = GemmType<kType>;
+  constexpr int64_t kTileRows = hybridllm_gguf::kTileRows<kH>;
+  constexpr int kCols = hybridllm_gguf::kCols<kH>;
+  constexpr int64_t kUnitsPerGroup = T::kGroup / T::kUnit;
+  const int64_t groups = K / T::kGroup, units = K / T::kUnit;
+  const int8_t* xq = x.q + t * K * kTileRows;
+  const float* xd = x.d + t * groups * kTileRows;
+  const int32_t* xu = static_cast<const int32_t*>(x.unit) + t * units * kTileRows;
+  const uint8_t* codes[kCols];
+  const float *scales[kCols], *mins[kCols];
+  for (int c = 0; c < kCols; ++c) {
+    codes[c] = w.codes + (c0 + c) * K;
+    scales[c] = w.scales + (c0 + c) * w.units;
+    mins[c] = w.mins + (c0 + c) * w.units;
+  }
+  __m512 acc[kCols][kH];
+  for (int c = 0; c < kCols; ++c)
+    for (int h = 0; h < kH; ++h) acc[c][h] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 part[kCols][kH];  // this group's sums in units of x's scale
+    for (int c = 0; c < kCols; ++c)
+      for (int h = 0; h < kH; ++h) part[c][h] = _mm512_setzero_ps();
+    for (int64_t u = g * kUnitsPerGroup; u < (g + 1) * kUnitsPerGroup; ++u) {
+      __m512i sum[kCols][kH];
+      for (int h = 0; h < kH; ++h) {
+        // the offset's share (-kOffset * sum of x) as the integer sums' start
+        const __m512i start = T::kOffset != 0 ? _mm512_load_si512(xu + u * kTileRows + 16 * h)
+                                              : _mm512_setzero_si512();
+        for (int c = 0; c < kCols; ++c) sum[c][h] = start;
+      }
+#pragma GCC unroll 8
+      for (int64_t k = u * T::kUnit; k < (u + 1) * T::kUnit; k += 4) {
+        __m512i xv[kH];
+        for (int h = 0; h < kH; ++h) xv[h] = _mm512_load_si512(xq + k * kTileRows + 64 * h);
+        for (int c = 0; c < kCols; ++c) {
+          int32_t four;
+          std::memcpy(&four, codes[c] + k, 4);
+          const __m512i wv = _mm512_set1_epi32(four);
+          for (int h = 0; h < kH; ++h) sum[c][h] = _mm512_dpbusd_epi32(sum[c][h], wv, xv[h]);
+        }
+      }
+      for (int c = 0; c < kCols; ++c) {
+        const __m512 scale = _mm512_set1_ps(scales[c][u]);
+        for (int h = 0; h < kH; ++h)
+          part[c][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[c][h]), scale, part[c][h]);
+        if constexpr (T::kMins) {
+          const __m512 min = _mm512_set1_ps(mins[c][u]);
+          for (int h = 0; h < kH; ++h)
+            part[c][h] = _mm512_fmadd_ps(
+                _mm512_load_ps(reinterpret_cast<const float*>(xu) + u * kTileRows + 16 * h), min,
+                part[c][h]);
+        }
+      }
+    }
+    for (int h = 0; h < kH; ++h) {
+      const __m512 dx = _mm512_load_ps(xd + g * kTileRows + 16 * h);
+      for (int c = 0; c < kCols; ++c) acc[c][h] = _mm512_fmadd_ps(part[c][h], dx, acc[c][h]);
+    }
+  }
+  for (int c = 0; c < kCols; ++c)
+    for (int h = 0; h < kH; ++h) _mm512_store_ps(out + c * kTileRows + 16 * h, acc[c][h]);
+}
+
+template <int64_t kType, int kH>
+void q8_gemm_typed(const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N, float* y) {
+  using T = GemmType<kType>;
+  constexpr int64_t kTileRows = hybridllm_gguf::kTileRows<kH>;
+  constexpr int kCols = hybridllm_gguf::kCols<kH>;
+  thread_local std::vector<uint8_t> quantized, packed;  // kept from call to call
+  const Q8Rows rows = quantize_rows<T::kGroup>(x, M, K, quantized);
+  const PackedX px = pack_x<kType, kH>(rows, M, K, packed);
+  const int64_t row_bytes = row_bytes_of(kType, K), units = K / T::kUnit;
+  // rows a panel: a multiple of kCols, at least one micro-kernel's
+  const int64_t panel_rows = std::clamp<int64_t>(kPanelCodeBytes / K / kCols * kCols, kCols,
+                                                 (N + kCols - 1) / kCols * kCols);
+  const int64_t panels = (N + panel_rows - 1) / panel_rows;
+  const int64_t threads = at::get_num_threads();
+  at::parallel_for(0, panels, (panels + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    // block_scales writes whole 16-wide vectors: a row's scales and mins padded to 16
+    const int64_t units_padded = (units + 15) / 16 * 16 + 16;
+    thread_local std::vector<uint8_t> codes_buffer;
+    thread_local std::vector<float> scale_buffer;
+    codes_buffer.resize(panel_rows * K + 64);
+    scale_buffer.resize(2 * panel_rows * units_padded + 16);
+    const Panel w{codes_buffer.data(), align64(scale_buffer.data()),
+                  align64(scale_buffer.data()) + panel_rows * units_padded, units_padded};
+    alignas(64) float out[kCols * kTileRows];
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * panel_rows, count = std::min(panel_rows, N - n0);
+      for (int64_t j = 0; j < (count + kCols - 1) / kCols * kCols; ++j) {
+        if (j < count) {
+          unpack_row<kType>(qw + (n0 + j) * row_bytes, K, w.codes + j * K, w.scales + j * w.units,
+                            w.mins + j * w.units);
+        } else {  // a last partial micro-kernel's missing rows: zero weights
+          std::memset(w.codes + j * K, 0, K);
+          std::fill(w.scales + j * w.units, w.scales + (j + 1) * w.units, 0.f);
+          std::fill(w.mins + j * w.units, w.mins + (j + 1) * w.units, 0.f);
+        }
+      }
+      for (int64_t t = 0; t < px.tiles; ++t) {
+        const int64_t tile_rows = std::min(kTileRows, M - t * kTileRows);
+        for (int64_t c0 = 0; c0 < count; c0 += kCols) {
+          micro_kernel<kType, kH>(px, t, w, c0, K, out);
+          const int64_t cols = std::min<int64_t>(kCols, count - c0);
+          float* yt = y + t * kTileRows * N + n0 + c0;
+          for (int64_t i = 0; i < tile_rows; ++i)
+            for (int64_t c = 0; c < cols; ++c) yt[i * N + c] = out[c * kTileRows + i];
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+bool q8_gemm(int64_t type, const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N,
+             float* y) {
+  const auto run = [&](auto type_constant) {
+    constexpr int64_t kType = decltype(type_constant)::value;
+    if (M <= kTileRows<1>)
+      q8_gemm_typed<kType, 1>(x, M, K, qw, N, y);
+    else
+      q8_gemm_typed<kType, 2>(x, M, K, qw, N, y);
+    return true;
+  };
+  switch (type) {
+    case kQ4_0: return run(std::integral_constant<int64_t, kQ4_0>{});
+    case kQ4_1: return run(std::integral_constant<int64_t, kQ4_1>{});
+    case kQ8_0: return run(std::integral_constant<int64_t, kQ8_0>{});
+    case kQ4_K: return run(std::integral_constant<int64_t, kQ4_K>{});
+    case kQ5_K: return run(std::integral_constant<int64_t, kQ5_K>{});
+    case kQ6_K: return run(std::integral_constant<int64_t, kQ6_K>{});
+    default: return false;
+  }
+}
+#else
+bool q8_gemm(int64_t, const float*, int64_t, int64_t, const uint8_t*, int64_t, float*) {
+  return false;  // no AVX512-VNNI in this build: the fp32 paths serve many rows
+}
+#endif
+
+}  // namespace hybridllm_gguf

@@ -1,12 +1,15 @@
 // The routed experts of an MoE layer in one native call, from GGUF blocks or fp32 weights read
-// as F32 blocks (and the routing before it, route_experts): tokens grouped by expert (a counting sort), each selected expert's gate/up and
-// down computed once for all its tokens by hybridllm::gguf_linear, the SiLU gate fused, and each
-// token's weighted sum back in fp32. The Python loop it replaces cost ~50 us an expert in
+// as F32 blocks (and the routing before it, route_experts): tokens grouped by expert (a counting
+// sort), each selected expert's gate/up and down computed once for all its tokens by
+// hybridllm::gguf_linear, the SiLU gate fused, and the results added into each token's output
+// with its routing weight, in fp32. The Python loop it replaces cost ~50 us an expert in
 // dispatch and slicing, a third of a Qwen3-30B-A3B layer's decode step on 2 cores. Registered as
 // hybridllm::fused_moe; built on first use by hybridllm/layers/cpu_kernels.py.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -97,57 +100,62 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights,
   const int64_t pairs = n * top_k;
 
   // counting sort of the (token, slot) pairs by expert, stable so each expert's tokens keep
-  // their order: grouped[p] is the p-th pair in expert order, position[t * k + j] its place
-  std::vector<int64_t> offsets(experts + 1, 0), grouped(pairs), position(pairs);
+  // their order: grouped[p] is the p-th pair in expert order
+  std::vector<int64_t> offsets(experts + 1, 0), grouped(pairs);
   for (int64_t p = 0; p < pairs; ++p) {
     TORCH_CHECK(id[p] >= 0 && id[p] < experts, "fused_moe: expert id ", id[p],
                 " out of range [0, ", experts, ")");
     ++offsets[id[p] + 1];
   }
-  for (int64_t e = 0; e < experts; ++e) offsets[e + 1] += offsets[e];
-  std::vector<int64_t> next(offsets.begin(), offsets.end() - 1);
-  for (int64_t p = 0; p < pairs; ++p) {
-    position[p] = next[id[p]]++;
-    grouped[position[p]] = p;
+  int64_t most = 0;  // the largest group
+  for (int64_t e = 0; e < experts; ++e) {
+    most = std::max(most, offsets[e + 1]);
+    offsets[e + 1] += offsets[e];
   }
+  std::vector<int64_t> next(offsets.begin(), offsets.end() - 1);
+  for (int64_t p = 0; p < pairs; ++p) grouped[next[id[p]]++] = p;
 
-  // the rows each expert sees, grouped [pairs, hidden]
-  at::Tensor rows = at::empty({pairs, hidden}, xc.options());
+  // Each active expert once over its rows: gathered [count, H] -> [count, 2I] -> silu-gated
+  // [count, I] -> [count, H], added into its tokens' outputs with their weights, experts in
+  // order. The gather buffer is the calling thread's, kept from call to call: buffers of all
+  // n * k rows, fresh each call, cost more in page faults than the experts' GEMMs in a
+  // 2048-token prefill chunk (2 x 134 MB at Qwen3-30B-A3B's shape).
+  thread_local std::vector<float> gather_buffer;
+  if (gather_buffer.size() < static_cast<size_t>(most * hidden))
+    gather_buffer.resize(most * hidden);
+  at::Tensor out = at::zeros({n, hidden}, xc.options());
   const float* xp = xc.data_ptr<float>();
-  float* rp = rows.data_ptr<float>();
-  at::parallel_for(0, pairs, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t q = begin; q < end; ++q)
-      std::memcpy(rp + q * hidden, xp + (grouped[q] / top_k) * hidden, hidden * sizeof(float));
-  });
-
-  // each active expert once over its rows: [count, 2I] -> silu-gated [count, I] -> [count, H]
-  at::Tensor expert_out = at::empty({pairs, hidden}, xc.options());
+  const float* wt = weights.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // rows a thread takes: serial for decode-sized groups
+  const int64_t grain = std::max<int64_t>(1, 16384 / hidden);
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t start = offsets[e], count = offsets[e + 1] - start;
     if (count == 0) continue;
+    float* rows = gather_buffer.data();
+    at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t q = begin; q < end; ++q)
+        std::memcpy(rows + q * hidden, xp + (grouped[start + q] / top_k) * hidden,
+                    hidden * sizeof(float));
+    });
     const at::Tensor gate_up =
-        gguf_linear(rows.narrow(0, start, count), w13[e], w13_type, activations);
-    const at::Tensor down = gguf_linear(silu_and_mul(gate_up), w2[e], w2_type, activations);
-    expert_out.narrow(0, start, count).copy_(down);
-  }
-
-  // out[t] = sum_j weights[t, j] * expert_out[position[t * k + j]], in fp32
-  at::Tensor out = at::empty({n, hidden}, xc.options());
-  const float* eo = expert_out.data_ptr<float>();
-  const float* wt = weights.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      float* o = op + t * hidden;
-      std::memset(o, 0, hidden * sizeof(float));
-      for (int64_t j = 0; j < top_k; ++j) {
-        const float w = wt[t * top_k + j];
-        const float* src = eo + position[t * top_k + j] * hidden;
+        gguf_linear(at::from_blob(rows, {count, hidden}, xc.options()), w13[e], w13_type,
+                    activations);
+    const at::Tensor down =
+        gguf_linear(silu_and_mul(gate_up), w2[e], w2_type, activations).contiguous();
+    const float* dp = down.data_ptr<float>();
+    // a token meets an expert at most once: the rows of one group are distinct tokens
+    at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t q = begin; q < end; ++q) {
+        const int64_t pair = grouped[start + q];
+        float* o = op + (pair / top_k) * hidden;
+        const float* src = dp + q * hidden;
+        const float w = wt[pair];
 #pragma omp simd
         for (int64_t h = 0; h < hidden; ++h) o[h] += w * src[h];
       }
-    }
-  });
+    });
+  }
   return out;
 }
 

@@ -13,6 +13,7 @@ from hybridllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from hybridllm.plan.plan import WorkerPlacement
 from hybridllm.platforms import platform_for_device
 from hybridllm.worker.cpu_binding import bind_cpu_worker
+from hybridllm.worker.host_allocator import keep_freed_memory
 from hybridllm.worker.intermediate_tensors import IntermediateTensors
 from hybridllm.worker.model_runner import ModelRunner
 
@@ -81,6 +82,8 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
+        if self.placement.is_cpu:  # everything long-lived is allocated: steps from here on
+            keep_freed_memory()
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, intermediate: IntermediateTensors | None = None

@@ -106,9 +106,10 @@ class EngineArgs:
         from hybridllm.layers.gguf_linear import cpu_block_sizes
 
         cpu_blocks = cpu_block_sizes(source, hf_config, self.quantization)
-        plan = self._build_plan(hf_config, batched, max_model_len, cpu_blocks)
+        cpu_auto = self._cpu_auto_dtype(hf_config, float_weights=cpu_blocks is None)
+        plan = self._build_plan(hf_config, batched, max_model_len, cpu_blocks, cpu_auto)
         device = "cuda" if any(not w.is_cpu for w in plan.workers()) else "cpu"
-        dtype = _resolve_dtype(self.dtype, device)
+        dtype = _resolve_dtype(self.dtype, device, cpu_auto)
         model_config = ModelConfig(
             model=model_path,
             hf_config=hf_config,
@@ -150,8 +151,30 @@ class EngineArgs:
             ray_address=self.ray_address,
         )
 
+    def _cpu_auto_dtype(self, hf_config, float_weights: bool) -> str:
+        """What dtype "auto" computes in on CPU workers (plan/cpu_dtype.py): the hardware
+        profile is read (measured once per machine) only for a bf16 checkpoint on a bf16 CPU."""
+        from hybridllm.plan.cpu_dtype import checkpoint_dtype, cpu_auto_dtype, cpu_flags
+
+        if self.dtype != "auto" or self.quantization not in ("auto", "none"):
+            return "float32"
+
+        def gemm_rates() -> tuple[float, float]:
+            from hybridllm.plan.hardware_profile import load_or_measure_profile
+            from hybridllm.platforms.discovery import discover_hardware
+
+            cpu = load_or_measure_profile(discover_hardware()).cpu
+            return cpu.fp32_flops, cpu.bf16_flops
+
+        return cpu_auto_dtype(checkpoint_dtype(hf_config), float_weights, cpu_flags(), gemm_rates)
+
     def _build_plan(
-        self, hf_config, max_num_batched_tokens: int, max_model_len: int, cpu_blocks=None
+        self,
+        hf_config,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        cpu_blocks=None,
+        cpu_auto_dtype: str = "float32",
     ) -> Plan:
         """Place the model: the planner reads the flags, the hardware and (with a GPU) measured rates."""
         from hybridllm.plan.cost_model import CostModel
@@ -174,6 +197,7 @@ class EngineArgs:
             kv_reserve_tokens=min(max_model_len, self.max_num_seqs * 256),
             max_num_batched_tokens=max_num_batched_tokens,
             dtype=self.dtype,
+            cpu_auto_dtype=cpu_auto_dtype,
             stream_threshold=self.stream_threshold,
             stream_device=self.stream_device,
             cpu_moe=self.cpu_moe,
@@ -396,14 +420,10 @@ def _optional_size(value: str | int | None) -> int | None:
     return None if value is None else parse_memory_size(value)
 
 
-def _resolve_dtype(dtype: str, device: str) -> str:
+def _resolve_dtype(dtype: str, device: str, cpu_auto: str) -> str:
     if dtype != "auto":
         return dtype
-    if device == "cuda":
-        return "bfloat16"
-    # Measured on an AVX512-BF16 CPU: bf16 GEMM at batch 64 ran 3.7x slower than fp32,
-    # so the CPU default stays fp32 even where bf16 instructions exist.
-    return "float32"
+    return "bfloat16" if device == "cuda" else cpu_auto
 
 
 def _eos_token_ids(generation_config: dict, hf_config) -> tuple[int, ...]:

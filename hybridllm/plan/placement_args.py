@@ -51,6 +51,8 @@ class PlacementArgs:
     kv_reserve_tokens: int = 4096
     max_num_batched_tokens: int = 2048
     dtype: str = "auto"
+    # what "auto" means when no GPU runs layers (plan/cpu_dtype.py): "float32" or "bfloat16"
+    cpu_auto_dtype: str = "float32"
     # CPU stages beside a GPU stream their weights to it for steps of at least this many
     # tokens: None = the cost model's crossover, -1 = never, 0 = always
     stream_threshold: int | None = None
@@ -67,6 +69,10 @@ class PlacementArgs:
             raise ValueError(f"device must be one of {PLACEMENT_DEVICES}, got {self.device!r}")
         if self.dtype not in PLACEMENT_DTYPES:
             raise ValueError(f"dtype must be one of {PLACEMENT_DTYPES}, got {self.dtype!r}")
+        if self.cpu_auto_dtype not in ("float32", "bfloat16"):
+            raise ValueError(
+                f"cpu_auto_dtype must be 'float32' or 'bfloat16', got {self.cpu_auto_dtype!r}"
+            )
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

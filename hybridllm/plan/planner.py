@@ -57,11 +57,11 @@ __all__ = ["PlacementArgs", "build_plan", "resolve_plan_dtype"]
 
 
 def resolve_plan_dtype(args: PlacementArgs, hw: HardwareInfo) -> str:
-    """'auto': bf16 when a GPU will run layers, fp32 on CPU only (bf16 GEMM is slower on CPUs)."""
+    """'auto': bf16 when a GPU will run layers, else `args.cpu_auto_dtype` (plan/cpu_dtype.py)."""
     if args.dtype != "auto":
         return args.dtype
     uses_gpu = hw.num_gpus > 0 and args.device != "cpu" and args.gpu_layers != 0
-    return "bfloat16" if uses_gpu else "float32"
+    return "bfloat16" if uses_gpu else args.cpu_auto_dtype
 
 
 def build_plan(

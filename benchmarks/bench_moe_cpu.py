@@ -13,7 +13,8 @@ Q4_K; a decode token reads 8 of 128 of them.
 With `--llamacpp-bin DIR` (built by ../shared/tools/build_llamacpp.sh), the same file through
 llama.cpp in the same run: `llama-bench -n OUT -p 0` for one stream's decode and
 `llama-batched-bench -npp IN -ntg OUT -npl N` for the batch, whose figure is computed the same
-way (B x OUT over its total time T).
+way (B x OUT over its total time T). `--num-prompts 0` measures one stream only (quick enough for
+files of many layers).
 
     python benchmarks/bench_moe_cpu.py [--layers 4] [--num-prompts 64] [--llamacpp-bin D] [--json F]
 """
@@ -121,6 +122,8 @@ def llamacpp(bin_dir: Path, model: Path, args: argparse.Namespace) -> dict:
         check=True, capture_output=True, text=True,
     )  # fmt: skip
     decode = json.loads(bench.stdout)[0]["avg_ts"]
+    if not args.num_prompts:
+        return {"batch1_decode_tokens_per_s": round(decode, 2)}
     context = args.num_prompts * (args.input_len + args.output_len) + 256
     batched = subprocess.run(
         [str(bin_dir / "llama-batched-bench"), "-m", str(model), "-t", threads,
@@ -140,7 +143,7 @@ def llamacpp(bin_dir: Path, model: Path, args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=64, help="0: batch 1 only")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--cpu-threads", type=int, default=None)
@@ -160,10 +163,12 @@ def main() -> None:
             result["ratio_batch1"] = round(
                 ours["batch1_decode_tokens_per_s"] / theirs["batch1_decode_tokens_per_s"], 2
             )
-            result["ratio_throughput"] = round(
-                ours["throughput_output_tokens_per_s"] / theirs["throughput_output_tokens_per_s"],
-                2,
-            )
+            if args.num_prompts:
+                result["ratio_throughput"] = round(
+                    ours["throughput_output_tokens_per_s"]
+                    / theirs["throughput_output_tokens_per_s"],
+                    2,
+                )
     print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
@@ -202,6 +207,8 @@ def hybridllm(path: Path, args: argparse.Namespace) -> dict:
         start = time.perf_counter()
         check(llm.generate([second], params), args.output_len)
         decode_tps = (args.output_len - 1) / (time.perf_counter() - start - ttft)
+        if not args.num_prompts:  # --num-prompts 0: one stream only
+            return {"batch1_decode_tokens_per_s": round(decode_tps, 2), "prompt_seconds": ttft}
         batch = prompts(args.num_prompts, args.input_len, 2)
         start = time.perf_counter()
         check(llm.generate(batch, params), args.output_len)

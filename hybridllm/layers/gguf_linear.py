@@ -29,7 +29,12 @@ GGUF_KERNEL_TYPES: frozenset[int] = frozenset(
 
 
 # GGUF tensors stacked into one Linear: kept as blocks when the op reads each one's type.
-_STACKED = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
+_ATTENTION = (("attn_q", "attn_k", "attn_v"), ("attn_output",))
+# A layer's MLP: dense, or routed experts (stacked [E, rows, cols]; a stack stays blocks only when
+# its parts share one type, see expert_weights.py) and perhaps a shared expert beside them.
+_DENSE_MLP = (("ffn_gate", "ffn_up"), ("ffn_down",))
+_EXPERTS = (("ffn_gate_exps", "ffn_up_exps"), ("ffn_down_exps",))
+_SHARED_EXPERT = (("ffn_gate_shexp", "ffn_up_shexp"), ("ffn_down_shexp",))
 
 
 def gguf_block_sizes(source: ModelSource, num_layers: int) -> GGUFBlockSizes | None:
@@ -41,11 +46,20 @@ def gguf_block_sizes(source: ModelSource, num_layers: int) -> GGUFBlockSizes | N
     infos = tensor_infos()
     kept_params = kept_bytes = total_params = 0
     for layer in range(num_layers):
-        for stack in _STACKED:
+        stacks = list(_ATTENTION)
+        if f"blk.{layer}.ffn_gate_exps.weight" in infos:
+            stacks += _EXPERTS
+            if f"blk.{layer}.ffn_gate_shexp.weight" in infos:
+                stacks += _SHARED_EXPERT
+        else:
+            stacks += _DENSE_MLP
+        for stack in stacks:
             members = [infos.get(f"blk.{layer}.{name}.weight") for name in stack]
             if any(m is None for m in members):
                 return None
             kept = all(m.ggml_type in GGUF_KERNEL_TYPES for m in members)
+            if stack[0].endswith("_exps"):
+                kept = kept and len({m.ggml_type for m in members}) == 1
             for m in members:
                 total_params += math.prod(m.shape)
                 if kept:

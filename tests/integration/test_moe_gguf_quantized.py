@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from gguf import GGMLQuantizationType as Q
 
 from hybridllm import LLM, SamplingParams
+from hybridllm.layers.gguf_linear import gguf_block_sizes
+from hybridllm.loader import open_model_source
 from tests.kernel_helpers import require_cpu_kernels
 from tests.moe_helpers import build_tiny_moe_model, write_moe_gguf
 
+DENSE_KINDS = ("ffn_gate", "ffn_up", "ffn_down")
+MOE_KINDS = DENSE_KINDS + tuple(
+    f"{k}_{s}" for s in ("exps", "shexp") for k in ("ffn_gate", "ffn_up", "ffn_down")
+)
 PROMPTS = [[5, 17, 42, 99, 7, 63, 12, 8, 150, 33, 21, 9, 77, 4, 19, 250, 61, 3], [3, 8]]
 MAX_TOKENS = 16
 PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
@@ -78,3 +86,29 @@ def test_quantized_experts_equal_their_dequantized_self(case, tmp_path):
             assert a_top.keys() == b_top.keys()
             for token in a_top:
                 assert abs(a_top[token].logprob - b_top[token].logprob) < 1e-3
+
+
+def test_planner_counts_the_expert_blocks_a_cpu_worker_keeps(tmp_path):
+    # routed and shared experts are sized as blocks (a Q4_K_M MoE file was sized as fp32, 3-7x
+    # its RAM); an expert stack whose gate and up differ in type is dequantized at load
+    arch, overrides, quantize = CASES["qwen2_moe-q4_k"]
+    mixed = dict(quantize, ffn_up_exps=Q.Q5_K)  # gate Q4_K, up Q5_K: decoded to floats
+    for types, kept_kinds in (
+        (quantize, {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}),
+        (mixed, {"ffn_down_exps"}),
+    ):
+        model = build_tiny_moe_model(arch, **overrides)
+        path = write_moe_gguf(tmp_path / f"{len(kept_kinds)}.gguf", model, quantize=types)
+        source = open_model_source(str(path))
+        blocks = gguf_block_sizes(source, source.hf_config.num_hidden_layers)
+        assert blocks is not None
+        infos = source.tensor_infos()
+        kinds = {n: n.split(".")[2] for n in infos if n.startswith("blk.") and n.endswith("weight")}
+        matmuls = {k for k in kinds.values() if k.startswith(("attn_q", "attn_k", "attn_v"))}
+        matmuls |= {"attn_output"} | set(MOE_KINDS)
+        kept_kinds = kept_kinds | {k for k in MOE_KINDS if "shexp" in k or k in DENSE_KINDS}
+        every = [n for n, k in kinds.items() if k in matmuls]
+        kept = [n for n in every if kinds[n] in kept_kinds]
+        assert blocks.total_params == sum(math.prod(infos[n].shape) for n in every)
+        assert blocks.kept_bytes == sum(infos[n].nbytes for n in kept)
+        assert blocks.kept_params == sum(math.prod(infos[n].shape) for n in kept)

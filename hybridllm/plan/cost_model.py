@@ -52,6 +52,7 @@ class DeviceRates:
     matmul_flops: float  # FLOP/s at the model's dtype
     link_bandwidth: float  # bytes/s to and from the host (a CPU reaches its own RAM)
     block_read_bandwidth: float  # bytes/s of GGUF blocks a CPU computes from (else read_bandwidth)
+    block_matmul_flops: float  # FLOP/s of a CPU's GEMMs from GGUF blocks (else matmul_flops)
 
 
 @dataclass(frozen=True)
@@ -82,11 +83,12 @@ class CostModel:
                 flops / sharing,
                 cpu.read_bandwidth / 2,
                 blocks / sharing,
+                (cpu.block_gemm_flops or flops) / sharing,
             )
         index = int(device.partition(":")[2] or 0)
         gpu = self.profile.gpu(index)
         flops = gpu.fp32_flops if dtype == "float32" else gpu.bf16_flops
-        return DeviceRates(gpu.read_bandwidth, flops, gpu.h2d_bandwidth, gpu.read_bandwidth)
+        return DeviceRates(gpu.read_bandwidth, flops, gpu.h2d_bandwidth, gpu.read_bandwidth, flops)
 
     def worker_time(
         self,
@@ -138,11 +140,13 @@ class CostModel:
             flops += 2 * num_seqs * shard.vocab * size.hidden_size
         overhead = CPU_LAYER_OVERHEAD_S if worker.is_cpu else GPU_LAYER_OVERHEAD_S
         fixed = overhead * (layers + stage.has_lm_head)
-        # the GGUF blocks a CPU worker keeps are read as fast as the op decodes them
+        # the GGUF blocks a CPU worker keeps are read as fast as the op decodes them, and
+        # multiplied at the op's GEMM rate (the int8 GEMM, 2-4x fp32, where built)
         blocks = worker.is_cpu and size.matmul_bytes_per_param is not None
         weight_rate = rates.block_read_bandwidth if blocks else rates.read_bandwidth
+        flop_rate = rates.block_matmul_flops if blocks else rates.matmul_flops
         read_s = weight_bytes / weight_rate + bytes_read / rates.read_bandwidth
-        return fixed + max(read_s, flops / rates.matmul_flops) + experts_s
+        return fixed + max(read_s, flops / flop_rate) + experts_s
 
     def cpu_expert_time(self, stage: StagePlan, size: ModelSize, num_tokens: int) -> float:
         """Seconds the host CPU spends on the routed experts a GPU stage keeps there: the
@@ -164,11 +168,12 @@ class CostModel:
         read = share * sum(cpu.routed_expert_bytes(i) for i in layers)
         blocks = cpu.matmul_bytes_per_param is not None
         read_s = read / (rates.block_read_bandwidth if blocks else rates.read_bandwidth)
+        flop_rate = rates.block_matmul_flops if blocks else rates.matmul_flops
         flops = 2 * num_tokens * moe.top_k * moe.expert_params * len(layers)
         # [tokens, hidden] out and back, [tokens, E] fp32 logits out
         crossing = num_tokens * (2 * size.hidden_size * size.dtype_bytes + 4 * moe.num_experts)
         hops = len(layers) * (HOP_LATENCY_S + crossing / link)
-        return len(layers) * CPU_LAYER_OVERHEAD_S + max(read_s, flops / rates.matmul_flops) + hops
+        return len(layers) * CPU_LAYER_OVERHEAD_S + max(read_s, flops / flop_rate) + hops
 
     def stream_time(
         self, stage: StagePlan, size: ModelSize, num_tokens: int, num_seqs: int, context_len: int

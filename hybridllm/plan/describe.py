@@ -47,6 +47,8 @@ def describe_hardware(hw: HardwareInfo, profile: HardwareProfile | None = None) 
         )
         if cpu.block_read_bandwidth is not None:
             line += f", Q4_1 blocks at {cpu.block_read_bandwidth / 1e9:.1f} GB/s"
+        if cpu.block_gemm_flops is not None:
+            line += f" and {cpu.block_gemm_flops / 1e9:.0f} GFLOP/s"
     lines.append(line)
     return "hardware:\n" + "\n".join(lines)
 

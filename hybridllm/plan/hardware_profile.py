@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 CACHE_DIR_ENV = "HYBRIDLLM_CACHE_DIR"
 # 2: the fp32 rate is that of the GEMM a CPU worker runs (the native op on non-Intel CPUs)
 # 3: + the rate the native op computes from Q4_1 blocks
-_PROFILE_VERSION = 3
+_PROFILE_VERSION = 4
 GiB = 1 << 30
 
 # Spec-sheet peaks (dense, no sparsity): (HBM bytes/s, bf16 FLOP/s, fp32 FLOP/s, PCIe bytes/s
@@ -54,6 +54,9 @@ class CpuRates:
     # bytes/s of GGUF Q4_1 blocks the native op computes from at batch 1, out of DRAM: decoding
     # the blocks, not the memory, may set the pace; None without the op
     block_read_bandwidth: float | None = None
+    # FLOP/s of the same op on Q4_1 blocks at batch 64 with its default activations (the int8
+    # GEMM where built): what a CPU worker's prefill and large batches compute from blocks at
+    block_gemm_flops: float | None = None
 
 
 @dataclass(frozen=True)
@@ -194,9 +197,23 @@ def measure_cpu_rates(threads: int, budget_s: float = 2.0) -> CpuRates:
                 lambda a=a, w=w: cpu_matmul(a, w), 5, budget_s * 0.3
             )
         blocks = measure_block_read_rate(budget_s * 0.1)
-        return CpuRates(bandwidth, rates[torch.float32], rates[torch.bfloat16], threads, blocks)
+        block_gemm = measure_block_gemm_rate(budget_s * 0.1)
+        return CpuRates(
+            bandwidth, rates[torch.float32], rates[torch.bfloat16], threads, blocks, block_gemm
+        )
     finally:
         torch.set_num_threads(saved)
+
+
+def q4_1_blocks(rows: int, in_features: int):
+    """[rows, bytes a row] of Q4_1 blocks with d = 1.0 (fp16 0x3C00), m = 0 and zero nibbles:
+    the op's speed does not depend on the values."""
+    import torch
+
+    block_bytes = 20  # Q4_1: fp16 d, fp16 m, 16 bytes of nibbles
+    blocks = torch.zeros(rows, in_features // 32, block_bytes, dtype=torch.uint8)
+    blocks[..., 1] = 0x3C
+    return blocks.view(rows, in_features // 32 * block_bytes)
 
 
 def measure_block_read_rate(budget_s: float) -> float | None:
@@ -210,17 +227,30 @@ def measure_block_read_rate(budget_s: float) -> float | None:
 
     if not load_cpu_kernels():
         return None
-    in_features, block_bytes = 4096, 20  # Q4_1: fp16 d, fp16 m, 16 bytes of nibbles
-    blocks_per_row = in_features // 32
-    rows = (128 << 20) // (blocks_per_row * block_bytes)
-    # Every block d = 1.0 (fp16 0x3C00), m = 0 and zero nibbles: speed does not depend on them.
-    blocks = torch.zeros(rows, blocks_per_row, block_bytes, dtype=torch.uint8)
-    blocks[..., 1] = 0x3C
-    qweight = blocks.view(rows, blocks_per_row * block_bytes)  # [out, bytes a row]
+    in_features = 4096
+    qweight = q4_1_blocks((128 << 20) // (in_features // 32 * 20), in_features)
     x = torch.full((1, in_features), 0.5)  # [1, in]
     q4_1 = int(GGMLQuantizationType.Q4_1)
-    seconds = best_time(lambda: gguf_linear(x, qweight, q4_1, rows), 5, budget_s)
+    seconds = best_time(lambda: gguf_linear(x, qweight, q4_1, qweight.shape[0]), 5, budget_s)
     return qweight.nbytes / seconds
+
+
+def measure_block_gemm_rate(budget_s: float) -> float | None:
+    """FLOP/s of `gguf_linear` on 4096 x 4096 Q4_1 blocks at batch 64 (as measure_cpu_rates'
+    float GEMMs), with the activations a model's linears use; None without the native op."""
+    import torch
+    from gguf import GGMLQuantizationType
+
+    from hybridllm.layers.cpu_kernels import load_cpu_kernels
+    from hybridllm.layers.gguf_linear import gguf_linear
+
+    if not load_cpu_kernels():
+        return None
+    qweight = q4_1_blocks(4096, 4096)
+    x = torch.full((64, 4096), 0.5)  # [batch, in]
+    q4_1 = int(GGMLQuantizationType.Q4_1)
+    seconds = best_time(lambda: gguf_linear(x, qweight, q4_1, 4096), 5, budget_s)
+    return 2 * 64 * 4096 * 4096 / seconds
 
 
 def cpu_matmul(a, w):

@@ -171,6 +171,8 @@ def test_profile_is_measured_once_then_read_from_the_cache(tmp_path):
     # the native op's Q4_1 block rate, where the op builds
     assert (first.cpu.block_read_bandwidth is None) == (not load_cpu_kernels())
     assert first.cpu.block_read_bandwidth is None or first.cpu.block_read_bandwidth > 1e8
+    assert (first.cpu.block_gemm_flops is None) == (not load_cpu_kernels())
+    assert first.cpu.block_gemm_flops is None or first.cpu.block_gemm_flops > 1e8
     assert first.gpus == (nominal_gpu_rates("H200"),)  # simulated GPUs are never measured
     (cache_file,) = tmp_path.iterdir()
     record = json.loads(cache_file.read_text())

@@ -391,3 +391,21 @@ def test_cpu_blocks_are_read_at_the_measured_block_rate():
     assert step[25e9] - step[50e9] == pytest.approx(weights / 25e9 - weights / 50e9, rel=0.01)
     same = {c.decode_tokens_per_s(plan, plain, 1) for c in cost.values()}
     assert len(same) == 1
+
+
+def test_cpu_blocks_are_multiplied_at_the_measured_block_gemm_rate():
+    # prefill is compute-bound: from blocks at the op's GEMM rate (the int8 GEMM), floats at
+    # the float GEMM's; unmeasured, the float rate
+    hw = machine()
+    plan = plan_for("llama3-8b", hw, device="cpu")
+    blocks = model_size(config("llama3-8b"), "float32", q4_1_blocks("llama3-8b"))
+    plain = model_size(config("llama3-8b"), "float32")
+    cpu = CpuRates(read_bandwidth=50e9, fp32_flops=1e12, bf16_flops=1e12, threads=32)
+    cost = {
+        rate: CostModel(HardwareProfile(dataclasses.replace(cpu, block_gemm_flops=rate)))
+        for rate in (None, 1e12, 3e12)
+    }
+    prefill = {rate: c.prefill_tokens_per_s(plan, blocks) for rate, c in cost.items()}
+    assert prefill[None] == prefill[1e12]
+    assert prefill[3e12] > 2 * prefill[1e12]
+    assert len({c.prefill_tokens_per_s(plan, plain) for c in cost.values()}) == 1

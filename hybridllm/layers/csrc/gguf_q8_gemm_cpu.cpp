@@ -1,6 +1,6 @@
 // hybridllm::gguf_linear's int8-activation path for many rows of x (prefill, large batches,
 // big expert groups), AVX512-VNNI: a GEMM with the rows of x quantized as the few-rows path
-// does (gguf_q8_quantize.h) and packed in tiles of 32 rows, the weight rows unpacked a panel at
+// does (gguf_q8_quantize.h) and packed in tiles of 16 or 32 rows, the weight rows unpacked a panel at
 // a time into unsigned codes and fp32 scales, and a micro-kernel whose vpdpbusd multiplies 4
 // codes of one weight row (broadcast) with 4 values of each of 16 rows of x (a vector).
 #include <ATen/Parallel.h>

@@ -174,7 +174,9 @@ class QueueExecutor(Executor):
         causes = [r for r in sorted(codes) if codes[r] not in (0, EXIT_PEER_DIED)]
         causes = causes or sorted(codes)
         lines = [f"{self._describe(r)} {exit_reason(codes[r])}" for r in causes]
-        followers = [r for r in sorted(codes) if r not in causes]
+        # everyone else: stopped below if it has not stopped by itself on seeing its peer go
+        # (whether it had, by now, is a race: a stage that never waits on the dead one would not)
+        followers = [p.rank for p in self._placements if p.rank not in causes]
         if followers:
             lines.append("then stopped: " + ", ".join(self._describe(r) for r in followers))
         lines += [reported[r][1].rstrip() for r in causes if r in reported]

@@ -21,9 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_cpu_gguf import SHAPES  # noqa: E402
+from benchmarks.bench_cpu_gguf import SHAPES, random_llama  # noqa: E402
 from benchmarks.bench_offline import machine  # noqa: E402
-from tests.gguf_helpers import tokenizer_vocab  # noqa: E402
 
 NEW_TOKENS = 64
 PROMPT_LEN = 512
@@ -31,15 +30,7 @@ BATCH = 16
 
 
 def write_folder(path: Path, shape: str) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    vocab = len(tokenizer_vocab())
-    config = LlamaConfig(
-        vocab_size=vocab, max_position_embeddings=4096, rms_norm_eps=1e-5,
-        bos_token_id=vocab - 2, eos_token_id=vocab - 1, tie_word_embeddings=True, **SHAPES[shape],
-    )  # fmt: skip
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.bfloat16).eval().save_pretrained(path)
+    random_llama(shape).to(torch.bfloat16).save_pretrained(path)
     return path
 
 

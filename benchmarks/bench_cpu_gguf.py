@@ -51,7 +51,8 @@ K_M_PROJECTIONS = {"v_proj": "Q6_K", "down_proj": "Q6_K"}
 ROUNDS = 3
 
 
-def write_model(path: Path, shape: str, type_name: str, hf_folder: Path | None = None) -> Path:
+def random_llama(shape: str):
+    """A random fp32 LlamaForCausalLM of `shape` with the tests' vocabulary (seed 0)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     vocab = len(tokenizer_vocab())
@@ -60,7 +61,12 @@ def write_model(path: Path, shape: str, type_name: str, hf_folder: Path | None =
         bos_token_id=vocab - 2, eos_token_id=vocab - 1, tie_word_embeddings=True, **SHAPES[shape],
     )  # fmt: skip
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(config).eval()
+
+
+def write_model(path: Path, shape: str, type_name: str, hf_folder: Path | None = None) -> Path:
+    model = random_llama(shape)
+    config = model.config
     if hf_folder is not None:
         model.save_pretrained(hf_folder)
 

@@ -106,7 +106,7 @@ class EngineArgs:
         from hybridllm.layers.gguf_linear import cpu_block_sizes
 
         cpu_blocks = cpu_block_sizes(source, hf_config, self.quantization)
-        cpu_auto = self._cpu_auto_dtype(hf_config, float_weights=cpu_blocks is None)
+        cpu_auto = self._cpu_auto_dtype(hf_config, cpu_blocks)
         plan = self._build_plan(hf_config, batched, max_model_len, cpu_blocks, cpu_auto)
         device = "cuda" if any(not w.is_cpu for w in plan.workers()) else "cpu"
         dtype = _resolve_dtype(self.dtype, device, cpu_auto)
@@ -151,12 +151,12 @@ class EngineArgs:
             ray_address=self.ray_address,
         )
 
-    def _cpu_auto_dtype(self, hf_config, float_weights: bool) -> str:
+    def _cpu_auto_dtype(self, hf_config, cpu_blocks) -> str:
         """What dtype "auto" computes in on CPU workers (plan/cpu_dtype.py): the hardware
         profile is read (measured once per machine) only for a bf16 checkpoint on a bf16 CPU."""
-        from hybridllm.plan.cpu_dtype import checkpoint_dtype, cpu_auto_dtype, cpu_flags
+        from hybridllm.plan.cpu_dtype import auto_dtype_for
 
-        if self.dtype != "auto" or self.quantization not in ("auto", "none"):
+        if self.dtype != "auto":
             return "float32"
 
         def gemm_rates() -> tuple[float, float]:
@@ -166,7 +166,7 @@ class EngineArgs:
             cpu = load_or_measure_profile(discover_hardware()).cpu
             return cpu.fp32_flops, cpu.bf16_flops
 
-        return cpu_auto_dtype(checkpoint_dtype(hf_config), float_weights, cpu_flags(), gemm_rates)
+        return auto_dtype_for(hf_config, self.quantization, cpu_blocks, gemm_rates)
 
     def _build_plan(
         self,

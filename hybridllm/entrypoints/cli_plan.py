@@ -155,7 +155,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from hybridllm.layers.gguf_linear import cpu_block_sizes
     from hybridllm.loader import default_model_path, open_model_source
     from hybridllm.plan.cost_model import CostModel
-    from hybridllm.plan.cpu_dtype import checkpoint_dtype, cpu_auto_dtype, cpu_flags
+    from hybridllm.plan.cpu_dtype import auto_dtype_for
     from hybridllm.plan.describe import describe_hardware, describe_plan
     from hybridllm.plan.hardware_profile import load_or_measure_profile
     from hybridllm.plan.memory_budget import memory_budgets
@@ -181,11 +181,8 @@ def run_plan(args: argparse.Namespace) -> int:
         hw = _with_fakes(discover_hardware(include_gpus=not args.fake_gpu), args)
     profile = load_or_measure_profile(hw, refresh=args.refresh_profile)
     if args.dtype == "auto":  # what "auto" means if the plan ends CPU-only, as the engine decides
-        float_weights = cpu_blocks is None and args.quantization in ("auto", "none")
         rates = (profile.cpu.fp32_flops, profile.cpu.bf16_flops)
-        auto = cpu_auto_dtype(
-            checkpoint_dtype(hf_config), float_weights, cpu_flags(), lambda: rates
-        )
+        auto = auto_dtype_for(hf_config, args.quantization, cpu_blocks, lambda: rates)
         placement = dataclasses.replace(placement, cpu_auto_dtype=auto)
     cost = CostModel(profile, context_len=args.context_len)
     plan = build_plan(hf_config, placement, hw, cost, cpu_blocks)

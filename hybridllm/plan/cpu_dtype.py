@@ -48,3 +48,15 @@ def cpu_auto_dtype(
         return "float32"
     fp32, bf16 = gemm_rates()
     return "bfloat16" if bf16 > fp32 else "float32"
+
+
+def auto_dtype_for(
+    hf_config: Any,
+    quantization: str,
+    cpu_blocks: object | None,
+    gemm_rates: Callable[[], tuple[float, float]],
+) -> str:
+    """`cpu_auto_dtype` for a model as the engine loads it: float weights unless a CPU worker
+    keeps GGUF blocks (`cpu_blocks`) or `quantization` quantizes them at load."""
+    float_weights = cpu_blocks is None and quantization in ("auto", "none")
+    return cpu_auto_dtype(checkpoint_dtype(hf_config), float_weights, cpu_flags(), gemm_rates)

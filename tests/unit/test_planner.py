@@ -371,18 +371,24 @@ def test_gguf_blocks_make_the_cpu_stage_faster_in_the_cost_model():
     assert ours > 4 * plain  # bandwidth-bound batch 1: ~6x fewer bytes per token
 
 
-def test_cpu_blocks_are_read_at_the_measured_block_rate():
-    # where decoding the blocks is slower than the memory, the blocks set the pace; floats
-    # (and any GPU) keep the memory's
-    hw = machine()
-    plan = plan_for("llama3-8b", hw, device="cpu")
+def llama3_8b_on_cpu_costs(rate_field: str, rates: tuple):
+    """Llama-3-8B on one CPU worker: (plan, sizes as Q4_1 blocks, fp32 sizes, {rate: cost
+    model whose CPU profile has `rate_field` = rate})."""
+    plan = plan_for("llama3-8b", machine(), device="cpu")
     blocks = model_size(config("llama3-8b"), "float32", q4_1_blocks("llama3-8b"))
     plain = model_size(config("llama3-8b"), "float32")
     cpu = CpuRates(read_bandwidth=50e9, fp32_flops=1e12, bf16_flops=1e12, threads=32)
     cost = {
-        rate: CostModel(HardwareProfile(dataclasses.replace(cpu, block_read_bandwidth=rate)))
-        for rate in (None, 50e9, 25e9)
+        rate: CostModel(HardwareProfile(dataclasses.replace(cpu, **{rate_field: rate})))
+        for rate in rates
     }
+    return plan, blocks, plain, cost
+
+
+def test_cpu_blocks_are_read_at_the_measured_block_rate():
+    # where decoding the blocks is slower than the memory, the blocks set the pace; floats
+    # (and any GPU) keep the memory's
+    plan, blocks, plain, cost = llama3_8b_on_cpu_costs("block_read_bandwidth", (None, 50e9, 25e9))
     step = {rate: 1 / c.decode_tokens_per_s(plan, blocks, 1) for rate, c in cost.items()}
     assert step[None] == step[50e9]  # not measured: the memory's rate
     stage = plan.stages[0]
@@ -396,15 +402,7 @@ def test_cpu_blocks_are_read_at_the_measured_block_rate():
 def test_cpu_blocks_are_multiplied_at_the_measured_block_gemm_rate():
     # prefill is compute-bound: from blocks at the op's GEMM rate (the int8 GEMM), floats at
     # the float GEMM's; unmeasured, the float rate
-    hw = machine()
-    plan = plan_for("llama3-8b", hw, device="cpu")
-    blocks = model_size(config("llama3-8b"), "float32", q4_1_blocks("llama3-8b"))
-    plain = model_size(config("llama3-8b"), "float32")
-    cpu = CpuRates(read_bandwidth=50e9, fp32_flops=1e12, bf16_flops=1e12, threads=32)
-    cost = {
-        rate: CostModel(HardwareProfile(dataclasses.replace(cpu, block_gemm_flops=rate)))
-        for rate in (None, 1e12, 3e12)
-    }
+    plan, blocks, plain, cost = llama3_8b_on_cpu_costs("block_gemm_flops", (None, 1e12, 3e12))
     prefill = {rate: c.prefill_tokens_per_s(plan, blocks) for rate, c in cost.items()}
     assert prefill[None] == prefill[1e12]
     assert prefill[3e12] > 2 * prefill[1e12]

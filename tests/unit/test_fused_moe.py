@@ -219,6 +219,49 @@ def test_native_whole_block_op_from_gguf_blocks(qtype):
     torch.testing.assert_close(native, want, atol=2e-3, rtol=2e-3)
 
 
+def per_expert_int8(x, weights, ids, w13, t13, w2, t2, activations):
+    """hybridllm::gguf_linear once per active expert with int8 activations, outputs added in
+    expert order: what the op computes for experts with many rows."""
+    linear, inter = torch.ops.hybridllm.gguf_linear, w13.shape[1] // 2
+    out = torch.zeros_like(x)
+    for e in range(w13.shape[0]):
+        tokens, slots = (ids == e).nonzero(as_tuple=True)
+        if len(tokens) == 0:
+            continue
+        gate_up = linear(x[tokens], w13[e], t13, 2 * inter, activations)
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        out[tokens] += weights[tokens, slots, None] * linear(
+            act, w2[e], t2, x.shape[1], activations
+        )
+    return out
+
+
+@pytest.mark.parametrize("qtypes", [(Q.Q4_K, Q.Q6_K), (Q.Q4_1, Q.Q8_0)], ids=lambda t: t[0].name)
+def test_experts_with_few_rows_computed_together(qtypes):
+    # int8 activations: experts with fewer rows than the int8 GEMM takes run gate/up and down
+    # each in one parallel region for all of them; every path gives what one gguf_linear call per
+    # expert gives (the rest of the experts, with many rows, as before)
+    require_cpu_kernels()
+    experts, top_k, inter, hidden = 7, 3, 256, 512
+    t13, t2 = qtypes
+    w13 = torch.from_numpy(random_blocks(t13, experts * 2 * inter, hidden, 8))
+    w13 = w13.view(experts, 2 * inter, -1)
+    w2 = torch.from_numpy(random_blocks(t2, experts * hidden, inter, 9)).view(experts, hidden, -1)
+    g = torch.Generator().manual_seed(3)
+    op = torch.ops.hybridllm.fused_moe
+    for num_tokens in (1, 5, 30):
+        x = torch.randn(num_tokens, hidden, generator=g)
+        logits = torch.randn(num_tokens, experts, generator=g)
+        logits[:, 2] += 3.0  # expert 2 takes every token: 30 rows, the GEMM's side
+        weights, ids = select_experts(logits, top_k)
+        counts = torch.bincount(ids.flatten(), minlength=experts)
+        assert num_tokens < 30 or (counts[2] == 30 and (counts[counts > 0] < 8).any())
+        for path in torch.ops.hybridllm.gguf_int8_paths():
+            got = op(x, weights, ids, w13, t13, w2, t2, path)
+            want = per_expert_int8(x, weights, ids, w13, t13, w2, t2, path)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_native_whole_block_op_rejects_bad_inputs():
     require_cpu_kernels()
     w13 = torch.zeros(4, 64, 32 * 4, dtype=torch.uint8)  # F32 blocks of [4, 64, 32]

@@ -19,12 +19,32 @@
 #include <tuple>
 #include <vector>
 
+#include "gguf_blocks.h"
+#include "gguf_q8_linear.h"
 #include "library_ops.h"
 
 namespace {
 
+using hybridllm_gguf::kF32;
+using hybridllm_gguf::kFp32Activations;
+using hybridllm_gguf::kQ8Avx512Vnni;
+using hybridllm_gguf::kQ8GemmMinRows;
+using hybridllm_gguf::q8_linear_grouped;
 using hybridllm_ops::gguf_linear;
 using hybridllm_ops::silu_and_mul;
+
+// What gguf_linear checks of a weight, for the experts computed together without it: uint8
+// [E, N, bytes] rows of blocks of `type` for K inputs, each expert's rows dense.
+void check_int8_experts(const at::Tensor& w, int64_t type, int64_t K, const char* name) {
+  using namespace hybridllm_gguf;
+  TORCH_CHECK(w.scalar_type() == at::kByte && supported_type(type),
+              "fused_moe: ", name, " must be uint8 blocks of a supported ggml_type, got ",
+              w.scalar_type(), " and type ", type);
+  TORCH_CHECK(K % row_granule(type) == 0 && w.size(2) == row_bytes_of(type, K) &&
+                  w.stride(2) == 1 && w.stride(1) == w.size(2),
+              "fused_moe: ", name, " ", w.sizes(), " is not dense rows of ", row_bytes_of(type, K),
+              " bytes (", K, " inputs of ggml_type ", type, ")");
+}
 
 // Each token's top_k experts from its router logits [n, E]: softmax (or each logit's sigmoid)
 // in fp32, the best first (ties to the lower id), weights renormalised to sum 1 or not. Returns
@@ -117,33 +137,84 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights,
 
   // Each active expert once over its rows: gathered [count, H] -> [count, 2I] -> silu-gated
   // [count, I] -> [count, H], added into its tokens' outputs with their weights, experts in
-  // order. The gather buffer is the calling thread's, kept from call to call: buffers of all
-  // n * k rows, fresh each call, cost more in page faults than the experts' GEMMs in a
-  // 2048-token prefill chunk (2 x 134 MB at Qwen3-30B-A3B's shape).
+  // order. Experts with few rows (what gguf_linear gives its few-rows int8 kernels) are
+  // computed together first, gate/up of all of them in one parallel region and down in
+  // another: one call each per expert cost a third of a decode step's expert time in thread
+  // wake-ups and short weight streams (8 experts of Qwen3-30B-A3B's shape, 2 threads).
+  const bool int8 = activations != kFp32Activations && w13_type != kF32 && w2_type != kF32;
+  auto few_rows = [&](int64_t count) {
+    return int8 && (count < kQ8GemmMinRows || activations > kQ8Avx512Vnni);
+  };
+  std::vector<int64_t> small_starts{0};  // rows of the experts computed together, in order
+  std::vector<const uint8_t*> small_w13, small_w2;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t count = offsets[e + 1] - offsets[e];
+    if (count == 0 || !few_rows(count)) continue;
+    small_starts.push_back(small_starts.back() + count);
+    small_w13.push_back(w13[e].data_ptr<uint8_t>());
+    small_w2.push_back(w2[e].data_ptr<uint8_t>());
+  }
+  const int64_t small_rows = small_starts.back(), small_experts = small_w13.size();
+  const int64_t most_large = small_experts == 0 ? most : [&] {
+    int64_t m = 0;
+    for (int64_t e = 0; e < experts; ++e)
+      if (!few_rows(offsets[e + 1] - offsets[e])) m = std::max(m, offsets[e + 1] - offsets[e]);
+    return m;
+  }();
+  // The gather buffer is the calling thread's, kept from call to call: buffers of all n * k
+  // rows, fresh each call, cost more in page faults than the experts' GEMMs in a 2048-token
+  // prefill chunk (2 x 134 MB at Qwen3-30B-A3B's shape).
   thread_local std::vector<float> gather_buffer;
-  if (gather_buffer.size() < static_cast<size_t>(most * hidden))
-    gather_buffer.resize(most * hidden);
+  const int64_t gather_rows = std::max(small_rows, most_large);
+  if (gather_buffer.size() < static_cast<size_t>(gather_rows * hidden))
+    gather_buffer.resize(gather_rows * hidden);
   at::Tensor out = at::zeros({n, hidden}, xc.options());
   const float* xp = xc.data_ptr<float>();
   const float* wt = weights.data_ptr<float>();
   float* op = out.data_ptr<float>();
   // rows a thread takes: serial for decode-sized groups
   const int64_t grain = std::max<int64_t>(1, 16384 / hidden);
-  for (int64_t e = 0; e < experts; ++e) {
-    const int64_t start = offsets[e], count = offsets[e + 1] - start;
-    if (count == 0) continue;
-    float* rows = gather_buffer.data();
+  // rows [start, start + count) of `grouped` (an expert's pairs) into rows
+  auto gather = [&](int64_t start, int64_t count, float* rows) {
     at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
       for (int64_t q = begin; q < end; ++q)
         std::memcpy(rows + q * hidden, xp + (grouped[start + q] / top_k) * hidden,
                     hidden * sizeof(float));
     });
-    const at::Tensor gate_up =
-        gguf_linear(at::from_blob(rows, {count, hidden}, xc.options()), w13[e], w13_type,
-                    activations);
-    const at::Tensor down =
-        gguf_linear(silu_and_mul(gate_up), w2[e], w2_type, activations).contiguous();
-    const float* dp = down.data_ptr<float>();
+  };
+  at::Tensor small_down;
+  if (small_experts > 0) {
+    check_int8_experts(w13, w13_type, hidden, "w13");
+    check_int8_experts(w2, w2_type, width2 / 2, "w2");
+    float* rows = gather_buffer.data();
+    for (int64_t e = 0, g = 0; e < experts; ++e) {
+      const int64_t count = offsets[e + 1] - offsets[e];
+      if (count > 0 && few_rows(count)) gather(offsets[e], count, rows + small_starts[g++] * hidden);
+    }
+    at::Tensor gate_up = at::empty({small_rows, width2}, xc.options());
+    q8_linear_grouped(w13_type, activations, rows, small_starts.data(), small_experts, hidden,
+                      small_w13.data(), width2, gate_up.data_ptr<float>());
+    const at::Tensor act = silu_and_mul(gate_up);
+    small_down = at::empty({small_rows, hidden}, xc.options());
+    q8_linear_grouped(w2_type, activations, act.data_ptr<float>(), small_starts.data(),
+                      small_experts, width2 / 2, small_w2.data(), hidden,
+                      small_down.data_ptr<float>());
+  }
+  for (int64_t e = 0, g = 0; e < experts; ++e) {
+    const int64_t start = offsets[e], count = offsets[e + 1] - start;
+    if (count == 0) continue;
+    const float* dp;
+    at::Tensor down;
+    if (few_rows(count)) {
+      dp = small_down.data_ptr<float>() + small_starts[g++] * hidden;
+    } else {
+      float* rows = gather_buffer.data();
+      gather(start, count, rows);
+      const at::Tensor gate_up = gguf_linear(at::from_blob(rows, {count, hidden}, xc.options()),
+                                             w13[e], w13_type, activations);
+      down = gguf_linear(silu_and_mul(gate_up), w2[e], w2_type, activations).contiguous();
+      dp = down.data_ptr<float>();
+    }
     // a token meets an expert at most once: the rows of one group are distinct tokens
     at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
       for (int64_t q = begin; q < end; ++q) {

@@ -31,11 +31,6 @@ using namespace hybridllm_gguf;
 // without AVX-512, chunks of decoded fp32 weights through the BLAS GEMM. The constants below were
 // measured on a 2-core AVX-512 Xeon (the direct kernel was faster up to M = 24-32).
 constexpr int64_t kDirectMaxRows = 24;
-// With int8 activations, from this many rows of x on the int8 GEMM (gguf_q8_gemm_cpu.cpp) runs
-// instead of the few-rows kernels: on the 2-core AMD EPYC of docs/benchmarks.md it took 0.85-1.1x
-// their time at M = 8, about half at 12-24 and 2.5-3x at M = 2 (SmolLM2's and a 1B model's
-// shapes).
-constexpr int64_t kQ8GemmMinRows = 8;
 // Rows of x handled together by the direct kernel (accumulators live in registers).
 constexpr int kRowTile = 8;
 // Decoded fp32 weight rows a BLAS GEMM of the many-rows path takes at once: SmolLM2's largest

@@ -1,5 +1,6 @@
-// hybridllm::gguf_linear with int8 activations: the entry points gguf_linear_cpu.cpp calls, for
-// few rows of x (gguf_q8_linear_cpu.cpp) and for many (gguf_q8_gemm_cpu.cpp).
+// hybridllm::gguf_linear with int8 activations: the entry points gguf_linear_cpu.cpp (and
+// fused_moe_cpu.cpp) call, for few rows of x (gguf_q8_linear_cpu.cpp) and for many
+// (gguf_q8_gemm_cpu.cpp).
 #pragma once
 
 #include <cstdint>
@@ -18,6 +19,12 @@ enum Q8Path : int64_t {
   kQ8Scalar = 5,      // portable C++
 };
 
+// With int8 activations, from this many rows of x on the int8 GEMM (gguf_q8_gemm_cpu.cpp) runs
+// instead of the few-rows kernels: on the 2-core AMD EPYC of docs/benchmarks.md it took 0.85-1.1x
+// their time at M = 8, about half at 12-24 and 2.5-3x at M = 2 (SmolLM2's and a 1B model's
+// shapes).
+constexpr int64_t kQ8GemmMinRows = 8;
+
 // The integer paths this build has, best first (the first is what kQ8Best takes).
 const std::vector<int64_t>& q8_paths();
 
@@ -25,6 +32,14 @@ const std::vector<int64_t>& q8_paths();
 // of 32 (256 for K-quants) with an fp32 scale each; `path` one of q8_paths().
 void q8_linear(int64_t type, int64_t path, const float* x, int64_t M, int64_t K, const uint8_t* qw,
                int64_t N, float* y);
+
+// Several such products in one parallel region, for few rows each (an MoE layer's experts at
+// decode): rows [starts[g], starts[g + 1]) of x [starts[groups], K] times weight g [N, bytes]
+// (weights[g]) into the same rows of y [starts[groups], N]. Every group's weight rows are split
+// among the threads together; each output equals q8_linear's for that group alone.
+void q8_linear_grouped(int64_t type, int64_t path, const float* x, const int64_t* starts,
+                       int64_t groups, int64_t K, const uint8_t* const* weights, int64_t N,
+                       float* y);
 
 // The same product for many rows of x, as a GEMM (gguf_q8_gemm_cpu.cpp): x quantized as
 // q8_linear quantizes it, the integer sums exact, the same up to fp32 rounding. False (y

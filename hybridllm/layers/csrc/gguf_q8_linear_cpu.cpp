@@ -56,81 +56,116 @@ void tile_dispatch(int rows, std::integer_sequence<int, kRows...>, const Q8Rows&
    ...);
 }
 
-// The vector paths. Rows of x a tile: 4 with 64-byte vectors (32 registers), 2 with AVX2's 16;
-// weight rows a call: 4 while the tile has 1-2 rows of x (their accumulators fit), else 2.
+// The vector paths, for the weight rows [begin, end) of y = x W^T (y's rows N apart). Rows of x a
+// tile: 4 with 64-byte vectors (32 registers), 2 with AVX2's 16; weight rows a call: 4 while
+// the tile has 1-2 rows of x (their accumulators fit), else 2.
 template <class S, int64_t kType>
-void q8_linear_simd(const Q8Rows& xq, int64_t M, int64_t K, const uint8_t* qw, int64_t N,
-                    float* y) {
+void q8_rows_simd(const Q8Rows& xq, int64_t M, int64_t K, const uint8_t* qw, int64_t N, float* y,
+                  int64_t begin, int64_t end, const PrefetchWindow& prefetch) {
   constexpr int kRowTile = 4;
   const int64_t row_bytes = row_bytes_of(kType, K);
-  for_weight_rows<kType>(
-      M, K, qw, N, [&](int64_t begin, int64_t end, const PrefetchWindow& prefetch) {
-        // groups of 16 weight rows, the x tiles outside: a tile's int8 rows and the group's weight
-        // bytes stay in cache while every weight row meets every tile
-        for (int64_t n0 = begin; n0 < end; n0 += 16) {
-          const int64_t count = std::min<int64_t>(16, end - n0);
-          for (int64_t r0 = 0; r0 < M; r0 += kRowTile) {
-            const int rows = static_cast<int>(std::min<int64_t>(kRowTile, M - r0));
-            const Q8Rows x = xq.row(r0);
-            const auto run = [&](auto kCols, int64_t i) {
-              tile_dispatch<S, kType, decltype(kCols)::value>(
-                  rows, std::make_integer_sequence<int, kRowTile>{}, x, qw + (n0 + i) * row_bytes,
-                  row_bytes, K, y + r0 * N + n0 + i, N, prefetch);
-            };
-            for (int64_t i = 0; i < count;) {
-              const int64_t left = count - i;
-              if (rows <= 2 && kRowTile == 4 && left >= 4) {
-                run(std::integral_constant<int, 4>{}, i);
-                i += 4;
-              } else if (left >= 2) {
-                run(std::integral_constant<int, 2>{}, i);
-                i += 2;
-              } else {
-                run(std::integral_constant<int, 1>{}, i);
-                i += 1;
-              }
-            }
-          }
+  // groups of 16 weight rows, the x tiles outside: a tile's int8 rows and the group's weight
+  // bytes stay in cache while every weight row meets every tile
+  for (int64_t n0 = begin; n0 < end; n0 += 16) {
+    const int64_t count = std::min<int64_t>(16, end - n0);
+    for (int64_t r0 = 0; r0 < M; r0 += kRowTile) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRowTile, M - r0));
+      const Q8Rows x = xq.row(r0);
+      const auto run = [&](auto kCols, int64_t i) {
+        tile_dispatch<S, kType, decltype(kCols)::value>(
+            rows, std::make_integer_sequence<int, kRowTile>{}, x, qw + (n0 + i) * row_bytes,
+            row_bytes, K, y + r0 * N + n0 + i, N, prefetch);
+      };
+      for (int64_t i = 0; i < count;) {
+        const int64_t left = count - i;
+        if (rows <= 2 && kRowTile == 4 && left >= 4) {
+          run(std::integral_constant<int, 4>{}, i);
+          i += 4;
+        } else if (left >= 2) {
+          run(std::integral_constant<int, 2>{}, i);
+          i += 2;
+        } else {
+          run(std::integral_constant<int, 1>{}, i);
+          i += 1;
         }
-      });
+      }
+    }
+  }
 }
 #endif
 
 template <int64_t kType>
-void q8_linear_scalar(const Q8Rows& xq, int64_t M, int64_t K, const uint8_t* qw, int64_t N,
-                      float* y) {
+void q8_rows_scalar(const Q8Rows& xq, int64_t M, int64_t K, const uint8_t* qw, int64_t N, float* y,
+                    int64_t begin, int64_t end, const PrefetchWindow&) {
   const int64_t row_bytes = row_bytes_of(kType, K);
-  for_weight_rows<kType>(M, K, qw, N, [&](int64_t begin, int64_t end, const PrefetchWindow&) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t r = 0; r < M; ++r)
-        y[r * N + n] = q8_dot_scalar<kType>(xq.row(r), qw + n * row_bytes, K);
-  });
+  for (int64_t n = begin; n < end; ++n)
+    for (int64_t r = 0; r < M; ++r)
+      y[r * N + n] = q8_dot_scalar<kType>(xq.row(r), qw + n * row_bytes, K);
+}
+
+// The weight rows [begin, end) of y = x W^T on one path.
+using RowsFn = void (*)(const Q8Rows&, int64_t, int64_t, const uint8_t*, int64_t, float*, int64_t,
+                        int64_t, const PrefetchWindow&);
+
+template <int64_t kType>
+RowsFn rows_fn(int64_t path) {
+  switch (path) {
+#if defined(HYBRIDLLM_Q8_AVX512)
+    case kQ8Avx512Vnni:
+      return &q8_rows_simd<Avx512Vnni, kType>;
+#endif
+#if defined(HYBRIDLLM_Q8_AVX2_VNNI)
+    case kQ8Avx2Vnni:
+      return &q8_rows_simd<Avx2Q8<true>, kType>;
+#endif
+#if defined(HYBRIDLLM_Q8_AVX2)
+    case kQ8Avx2:
+      return &q8_rows_simd<Avx2Q8<false>, kType>;
+#endif
+    default:
+      return &q8_rows_scalar<kType>;
+  }
+}
+
+// x's rows quantized as every path reads them: Q4_0/Q4_1 in quads of blocks (see
+// q8_dot_blocks) except on the scalar path, which reads them in order.
+template <int64_t kType>
+Q8Rows quantize_for(int64_t path, const float* x, int64_t M, int64_t K) {
+  thread_local std::vector<uint8_t> buffer;  // kept from call to call, as thread_scratch
+  constexpr bool kQuads = kType == kQ4_0 || kType == kQ4_1;
+  return path == kQ8Scalar ? quantize_rows<q8_group(kType)>(x, M, K, buffer)
+                           : quantize_rows<q8_group(kType), kQuads>(x, M, K, buffer);
 }
 
 template <int64_t kType>
 void q8_linear_typed(int64_t path, const float* x, int64_t M, int64_t K, const uint8_t* qw,
                      int64_t N, float* y) {
-  thread_local std::vector<uint8_t> buffer;  // kept from call to call, as thread_scratch
-  // Q4_0/Q4_1 x in quads of blocks (see q8_dot_blocks); the scalar path reads it in order
-  constexpr bool kQuads = kType == kQ4_0 || kType == kQ4_1;
-  const Q8Rows xq = path == kQ8Scalar ? quantize_rows<q8_group(kType)>(x, M, K, buffer)
-                                      : quantize_rows<q8_group(kType), kQuads>(x, M, K, buffer);
-  switch (path) {
-#if defined(HYBRIDLLM_Q8_AVX512)
-    case kQ8Avx512Vnni:
-      return q8_linear_simd<Avx512Vnni, kType>(xq, M, K, qw, N, y);
-#endif
-#if defined(HYBRIDLLM_Q8_AVX2_VNNI)
-    case kQ8Avx2Vnni:
-      return q8_linear_simd<Avx2Q8<true>, kType>(xq, M, K, qw, N, y);
-#endif
-#if defined(HYBRIDLLM_Q8_AVX2)
-    case kQ8Avx2:
-      return q8_linear_simd<Avx2Q8<false>, kType>(xq, M, K, qw, N, y);
-#endif
-    default:
-      return q8_linear_scalar<kType>(xq, M, K, qw, N, y);
-  }
+  const Q8Rows xq = quantize_for<kType>(path, x, M, K);
+  const RowsFn rows = rows_fn<kType>(path);
+  for_weight_rows<kType>(M, K, qw, N, [&](int64_t begin, int64_t end, const PrefetchWindow& pf) {
+    rows(xq, M, K, qw, N, y, begin, end, pf);
+  });
+}
+
+template <int64_t kType>
+void q8_linear_grouped_typed(int64_t path, const float* x, const int64_t* starts, int64_t groups,
+                             int64_t K, const uint8_t* const* weights, int64_t N, float* y) {
+  const int64_t M = starts[groups];
+  const Q8Rows xq = quantize_for<kType>(path, x, M, K);
+  const RowsFn rows = rows_fn<kType>(path);
+  const int64_t row_bytes = row_bytes_of(kType, K), total = groups * N;
+  const int64_t threads = at::get_num_threads();
+  // every group's weight rows one after the other, split among the threads in contiguous runs
+  const int64_t grain = K / kBlock * M * N < kSerialWork ? total : (total + threads - 1) / threads;
+  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin / N; g < groups && g * N < end; ++g) {
+      const int64_t n0 = std::max(begin, g * N) - g * N, n1 = std::min(end, (g + 1) * N) - g * N;
+      const int64_t r0 = starts[g], m = starts[g + 1] - r0;
+      if (m == 0) continue;
+      rows(xq.row(r0), m, K, weights[g], N, y + r0 * N, n0, n1,
+           start_prefetch(weights[g] + n0 * row_bytes, (n1 - n0) * row_bytes));
+    }
+  });
 }
 
 }  // namespace
@@ -158,28 +193,43 @@ const std::vector<int64_t>& q8_paths() {
   return paths;
 }
 
-void q8_linear(int64_t type, int64_t path, const float* x, int64_t M, int64_t K, const uint8_t* qw,
-               int64_t N, float* y) {
+namespace {
+int64_t checked_path(int64_t path) {
   const std::vector<int64_t>& paths = q8_paths();
   if (path == kQ8Best) path = paths.front();
   TORCH_CHECK(std::find(paths.begin(), paths.end(), path) != paths.end(), "gguf_linear: int8 path ",
               path, " is not in this build (see gguf_int8_paths())");
+  return path;
+}
+
+// body(std::integral_constant<int64_t, kType>) for a type with int8 paths
+template <class Body>
+void for_type(int64_t type, Body body) {
   switch (type) {
-    case kQ4_0:
-      return q8_linear_typed<kQ4_0>(path, x, M, K, qw, N, y);
-    case kQ4_1:
-      return q8_linear_typed<kQ4_1>(path, x, M, K, qw, N, y);
-    case kQ8_0:
-      return q8_linear_typed<kQ8_0>(path, x, M, K, qw, N, y);
-    case kQ4_K:
-      return q8_linear_typed<kQ4_K>(path, x, M, K, qw, N, y);
-    case kQ5_K:
-      return q8_linear_typed<kQ5_K>(path, x, M, K, qw, N, y);
-    case kQ6_K:
-      return q8_linear_typed<kQ6_K>(path, x, M, K, qw, N, y);
-    default:
-      TORCH_CHECK(false, "gguf_linear: no int8 path for ggml_type ", type);
+    case kQ4_0: return body(std::integral_constant<int64_t, kQ4_0>{});
+    case kQ4_1: return body(std::integral_constant<int64_t, kQ4_1>{});
+    case kQ8_0: return body(std::integral_constant<int64_t, kQ8_0>{});
+    case kQ4_K: return body(std::integral_constant<int64_t, kQ4_K>{});
+    case kQ5_K: return body(std::integral_constant<int64_t, kQ5_K>{});
+    case kQ6_K: return body(std::integral_constant<int64_t, kQ6_K>{});
+    default: TORCH_CHECK(false, "gguf_linear: no int8 path for ggml_type ", type);
   }
+}
+}  // namespace
+
+void q8_linear(int64_t type, int64_t path, const float* x, int64_t M, int64_t K, const uint8_t* qw,
+               int64_t N, float* y) {
+  path = checked_path(path);
+  for_type(type, [&](auto t) { q8_linear_typed<decltype(t)::value>(path, x, M, K, qw, N, y); });
+}
+
+void q8_linear_grouped(int64_t type, int64_t path, const float* x, const int64_t* starts,
+                       int64_t groups, int64_t K, const uint8_t* const* weights, int64_t N,
+                       float* y) {
+  path = checked_path(path);
+  for_type(type, [&](auto t) {
+    q8_linear_grouped_typed<decltype(t)::value>(path, x, starts, groups, K, weights, N, y);
+  });
 }
 
 }  // namespace hybridllm_gguf

@@ -32,11 +32,11 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # x: [..., hidden]; variance in fp32 for half types on every path
-        if self.native and x.is_contiguous():
-            if residual is None:
-                return torch.ops.hybridllm.rms_norm(x, self.weight, self.eps)
-            if residual.is_contiguous():
-                return torch.ops.hybridllm.add_rms_norm(x, residual, self.weight, self.eps)
+        if self.native and residual is None and x.stride(-1) == 1:
+            # also a strided x: Qwen3's per-head q and k, views into the qkv output
+            return torch.ops.hybridllm.rms_norm(x, self.weight, self.eps)
+        if self.native and residual is not None and x.is_contiguous() and residual.is_contiguous():
+            return torch.ops.hybridllm.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
         x = x + residual

@@ -45,10 +45,33 @@ def test_non_contiguous_input_takes_the_torch_path():
     torch.testing.assert_close(norm(x), F.rms_norm(x, (64,), norm.weight, 1e-6))
 
 
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_per_head_views_into_a_wider_row_take_the_native_op(tokens):
+    # Qwen3's q norm: [tokens, heads, D] heads of the fused qkv output, rows (tokens) wider than
+    # heads * D; the output is a new contiguous tensor, the input untouched
+    torch.manual_seed(tokens)
+    norm = RMSNorm(64, 1e-6, torch.float32, torch.device("cpu"))
+    norm.weight.copy_(torch.rand(64) + 0.5)
+    qkv = torch.randn(tokens, 7 * 64)
+    q = qkv[:, : 4 * 64].view(tokens, 4, 64)
+    norm.use_native_op()
+    got = norm(q)
+    assert got.is_contiguous() and got.shape == (tokens, 4, 64)
+    want = F.rms_norm(q.contiguous(), (64,), norm.weight, 1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got, torch.ops.hybridllm.rms_norm(q.contiguous(), norm.weight, 1e-6))
+
+
 def test_bad_inputs_name_the_problem():
     weight = torch.ones(64)
     with pytest.raises(RuntimeError, match="weight must be a contiguous"):
         torch.ops.hybridllm.rms_norm(torch.randn(4, 32), weight, 1e-6)
+    with pytest.raises(RuntimeError, match="last dim dense"):
+        torch.ops.hybridllm.rms_norm(torch.randn(64, 4).T, torch.ones(4), 1e-6)
+    with pytest.raises(RuntimeError, match="add_rms_norm: x must be contiguous"):
+        torch.ops.hybridllm.add_rms_norm(
+            torch.randn(8, 128)[:, :64], torch.randn(8, 64), weight, 1e-6
+        )
     with pytest.raises(RuntimeError, match="residual must be"):
         torch.ops.hybridllm.add_rms_norm(torch.randn(4, 64), torch.randn(3, 64), weight, 1e-6)
     with pytest.raises(RuntimeError, match="dtypes differ"):

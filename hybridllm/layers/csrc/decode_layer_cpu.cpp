@@ -8,7 +8,6 @@
 // layer, measured at ~90 us a layer on a 2-core EPYC, as long as SmolLM2's linears take.
 // Registered as hybridllm::decode_layer; built on first use by hybridllm/layers/cpu_kernels.py.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/rms_norm.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -36,13 +35,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
                                                  const at::Tensor&, double)>(
           "hybridllm::add_rms_norm");
   return op.call(x, residual, weight, eps);
-}
-
-// Qwen3's per-head norm of q or k [n, heads, D] as the per-op path computes it: the compiled op
-// on a contiguous view (one row), ATen's rms_norm on a strided one
-at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  if (x.is_contiguous()) return rms_norm(x, weight, eps);
-  return at::rms_norm(x, {x.size(-1)}, weight, eps);
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_layer(
@@ -92,8 +84,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(),
               "decode_layer: q_norm and k_norm come together");
   if (q_norm.has_value()) {
-    q = head_norm(q, *q_norm, eps);
-    k = head_norm(k, *k_norm, eps);
+    q = rms_norm(q, *q_norm, eps);  // Qwen3's per-head norms: views into qkv's output
+    k = rms_norm(k, *k_norm, eps);
     rotary.call(q, cos, sin);
     rotary.call(k, cos, sin);
   } else {

@@ -139,9 +139,13 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights,
   // [count, I] -> [count, H], added into its tokens' outputs with their weights, experts in
   // order. Experts with few rows (what gguf_linear gives its few-rows int8 kernels) are
   // computed together first, gate/up of all of them in one parallel region and down in
-  // another: one call each per expert cost a third of a decode step's expert time in thread
-  // wake-ups and short weight streams (8 experts of Qwen3-30B-A3B's shape, 2 threads).
+  // another: two gguf_linear calls an expert, 16 short parallel regions and weight streams a
+  // layer at one token, took 10-20% longer (Qwen3-30B-A3B's shape, 2 threads).
   const bool int8 = activations != kFp32Activations && w13_type != kF32 && w2_type != kF32;
+  if (int8) {
+    check_int8_experts(w13, w13_type, hidden, "w13");
+    check_int8_experts(w2, w2_type, width2 / 2, "w2");
+  }
   auto few_rows = [&](int64_t count) {
     return int8 && (count < kQ8GemmMinRows || activations > kQ8Avx512Vnni);
   };
@@ -184,8 +188,6 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights,
   };
   at::Tensor small_down;
   if (small_experts > 0) {
-    check_int8_experts(w13, w13_type, hidden, "w13");
-    check_int8_experts(w2, w2_type, width2 / 2, "w2");
     float* rows = gather_buffer.data();
     for (int64_t e = 0, g = 0; e < experts; ++e) {
       const int64_t count = offsets[e + 1] - offsets[e];

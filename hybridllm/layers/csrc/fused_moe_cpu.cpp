@@ -127,11 +127,7 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights,
                 " out of range [0, ", experts, ")");
     ++offsets[id[p] + 1];
   }
-  int64_t most = 0;  // the largest group
-  for (int64_t e = 0; e < experts; ++e) {
-    most = std::max(most, offsets[e + 1]);
-    offsets[e + 1] += offsets[e];
-  }
+  for (int64_t e = 0; e < experts; ++e) offsets[e + 1] += offsets[e];
   std::vector<int64_t> next(offsets.begin(), offsets.end() - 1);
   for (int64_t p = 0; p < pairs; ++p) grouped[next[id[p]]++] = p;
 
@@ -151,20 +147,19 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights,
   };
   std::vector<int64_t> small_starts{0};  // rows of the experts computed together, in order
   std::vector<const uint8_t*> small_w13, small_w2;
+  int64_t most_large = 0;  // the largest group of the experts computed one at a time
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t count = offsets[e + 1] - offsets[e];
-    if (count == 0 || !few_rows(count)) continue;
+    if (count == 0) continue;
+    if (!few_rows(count)) {
+      most_large = std::max(most_large, count);
+      continue;
+    }
     small_starts.push_back(small_starts.back() + count);
     small_w13.push_back(w13[e].data_ptr<uint8_t>());
     small_w2.push_back(w2[e].data_ptr<uint8_t>());
   }
   const int64_t small_rows = small_starts.back(), small_experts = small_w13.size();
-  const int64_t most_large = small_experts == 0 ? most : [&] {
-    int64_t m = 0;
-    for (int64_t e = 0; e < experts; ++e)
-      if (!few_rows(offsets[e + 1] - offsets[e])) m = std::max(m, offsets[e + 1] - offsets[e]);
-    return m;
-  }();
   // The gather buffer is the calling thread's, kept from call to call: buffers of all n * k
   // rows, fresh each call, cost more in page faults than the experts' GEMMs in a 2048-token
   // prefill chunk (2 x 134 MB at Qwen3-30B-A3B's shape).

@@ -289,15 +289,7 @@ bool q8_gemm(int64_t type, const float* x, int64_t M, int64_t K, const uint8_t* 
       q8_gemm_typed<kType, 2>(x, M, K, qw, N, y);
     return true;
   };
-  switch (type) {
-    case kQ4_0: return run(std::integral_constant<int64_t, kQ4_0>{});
-    case kQ4_1: return run(std::integral_constant<int64_t, kQ4_1>{});
-    case kQ8_0: return run(std::integral_constant<int64_t, kQ8_0>{});
-    case kQ4_K: return run(std::integral_constant<int64_t, kQ4_K>{});
-    case kQ5_K: return run(std::integral_constant<int64_t, kQ5_K>{});
-    case kQ6_K: return run(std::integral_constant<int64_t, kQ6_K>{});
-    default: return false;
-  }
+  return for_int8_type(type, run, [] { return false; });
 }
 #else
 bool q8_gemm(int64_t, const float*, int64_t, int64_t, const uint8_t*, int64_t, float*) {

@@ -202,34 +202,30 @@ int64_t checked_path(int64_t path) {
   return path;
 }
 
-// body(std::integral_constant<int64_t, kType>) for a type with int8 paths
-template <class Body>
-void for_type(int64_t type, Body body) {
-  switch (type) {
-    case kQ4_0: return body(std::integral_constant<int64_t, kQ4_0>{});
-    case kQ4_1: return body(std::integral_constant<int64_t, kQ4_1>{});
-    case kQ8_0: return body(std::integral_constant<int64_t, kQ8_0>{});
-    case kQ4_K: return body(std::integral_constant<int64_t, kQ4_K>{});
-    case kQ5_K: return body(std::integral_constant<int64_t, kQ5_K>{});
-    case kQ6_K: return body(std::integral_constant<int64_t, kQ6_K>{});
-    default: TORCH_CHECK(false, "gguf_linear: no int8 path for ggml_type ", type);
-  }
+// what q8_linear and q8_linear_grouped do for a type without int8 kernels
+void no_int8_path(int64_t type) {
+  TORCH_CHECK(false, "gguf_linear: no int8 path for ggml_type ", type);
 }
 }  // namespace
 
 void q8_linear(int64_t type, int64_t path, const float* x, int64_t M, int64_t K, const uint8_t* qw,
                int64_t N, float* y) {
   path = checked_path(path);
-  for_type(type, [&](auto t) { q8_linear_typed<decltype(t)::value>(path, x, M, K, qw, N, y); });
+  for_int8_type(
+      type, [&](auto t) { q8_linear_typed<decltype(t)::value>(path, x, M, K, qw, N, y); },
+      [&] { no_int8_path(type); });
 }
 
 void q8_linear_grouped(int64_t type, int64_t path, const float* x, const int64_t* starts,
                        int64_t groups, int64_t K, const uint8_t* const* weights, int64_t N,
                        float* y) {
   path = checked_path(path);
-  for_type(type, [&](auto t) {
-    q8_linear_grouped_typed<decltype(t)::value>(path, x, starts, groups, K, weights, N, y);
-  });
+  for_int8_type(
+      type,
+      [&](auto t) {
+        q8_linear_grouped_typed<decltype(t)::value>(path, x, starts, groups, K, weights, N, y);
+      },
+      [&] { no_int8_path(type); });
 }
 
 }  // namespace hybridllm_gguf

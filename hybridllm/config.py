@@ -8,6 +8,9 @@ from typing import Any
 from hybridllm.plan.plan import Plan
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# auto: the compute dtype; float16/bfloat16 under float32 compute: CPU workers store keys and
+# values in 16 bits (half the bytes a decode step reads); GPU workers keep the compute dtype
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUPPORTED_DEVICES = ("auto", "cpu", "cuda", "heterogeneous")
 SUPPORTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # auto: GGUF blocks kept on CPU workers; none: every weight dequantized; q8_0/q4_0/q4_1: as
@@ -65,8 +68,14 @@ class CacheConfig:
     max_cpu_memory_bytes: int | None = None  # all CPU workers: weights + KV
     num_gpu_blocks_override: int | None = None  # tests: force a tiny pool (preemption)
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # CPU workers' cache dtype (SUPPORTED_KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {SUPPORTED_KV_CACHE_DTYPES}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

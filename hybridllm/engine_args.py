@@ -10,6 +10,7 @@ from hybridllm.config import (
     SUPPORTED_DEVICES,
     SUPPORTED_DTYPES,
     SUPPORTED_EXECUTOR_BACKENDS,
+    SUPPORTED_KV_CACHE_DTYPES,
     SUPPORTED_QUANTIZATION,
     CacheConfig,
     DeviceConfig,
@@ -36,6 +37,8 @@ class EngineArgs:
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: str | int | None = None  # CPU KV budget, e.g. "2GiB"
+    # CPU workers' KV cache: auto = the compute dtype; float16/bfloat16 under fp32 compute
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -71,6 +74,11 @@ class EngineArgs:
         if self.quantization not in SUPPORTED_QUANTIZATION:
             raise ValueError(
                 f"quantization must be one of {SUPPORTED_QUANTIZATION}, got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {SUPPORTED_KV_CACHE_DTYPES}, "
+                f"got {self.kv_cache_dtype!r}"
             )
         if self.device not in SUPPORTED_DEVICES:
             raise ValueError(f"device must be one of {SUPPORTED_DEVICES}, got {self.device!r}")
@@ -110,6 +118,7 @@ class EngineArgs:
         plan = self._build_plan(hf_config, batched, max_model_len, cpu_blocks, cpu_auto)
         device = "cuda" if any(not w.is_cpu for w in plan.workers()) else "cpu"
         dtype = _resolve_dtype(self.dtype, device, cpu_auto)
+        _check_kv_cache_dtype(self.kv_cache_dtype, dtype)
         model_config = ModelConfig(
             model=model_path,
             hf_config=hf_config,
@@ -131,6 +140,7 @@ class EngineArgs:
             max_cpu_memory_bytes=_optional_size(self.max_cpu_memory),
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=batched,
@@ -264,6 +274,14 @@ class EngineArgs:
             "--kv-cache-memory",
             default=None,
             help="KV cache budget on the CPU, e.g. 2GiB (default: a share of free RAM)",
+        )
+        g.add_argument(
+            "--kv-cache-dtype",
+            choices=SUPPORTED_KV_CACHE_DTYPES,
+            default="auto",
+            help="CPU workers' KV cache dtype: auto = the compute dtype; float16 or bfloat16 "
+            "under float32 compute halves the cache's memory and the bytes decode reads "
+            "(GPU workers keep the compute dtype)",
         )
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
         g.add_argument(
@@ -424,6 +442,17 @@ def _resolve_dtype(dtype: str, device: str, cpu_auto: str) -> str:
     if dtype != "auto":
         return dtype
     return "bfloat16" if device == "cuda" else cpu_auto
+
+
+def _check_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> None:
+    """A cache dtype other than the compute dtype is a 16-bit one under fp32 compute."""
+    if kv_cache_dtype in ("auto", dtype):
+        return
+    if dtype != "float32" or kv_cache_dtype == "float32":
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} with {dtype} compute: the KV cache holds the "
+            "compute dtype, or float16/bfloat16 under float32 compute"
+        )
 
 
 def _eos_token_ids(generation_config: dict, hf_config) -> tuple[int, ...]:

@@ -1,6 +1,8 @@
 """Paged attention in plain torch: the CPU backend, and the CUDA backend's fallback.
 
-Keys and values live in a per-layer cache [2, num_blocks, block_size, num_kv_heads, head_dim].
+Keys and values live in a per-layer cache [2, num_blocks, block_size, num_kv_heads, head_dim],
+in the compute dtype or, under fp32 compute, a 16-bit `kv_cache_dtype` (halves the bytes decode
+reads): keys and values are rounded to it when written and widened back when read.
 Decode rows gather their blocks into one padded batch and run a single SDPA call in which
 the query heads of one KV head act as that head's "query length" (GQA without repeating K/V).
 Prefill rows run SDPA per sequence over their context, causal with the prefix offset.
@@ -17,11 +19,12 @@ from hybridllm.layers.prepared_attention import PrefillSequence, PreparedAttenti
 def write_kv_cache(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Scatter this step's key/value [num_tokens, kv_heads, head_dim] into their cache slots."""
+    """Scatter this step's key/value [num_tokens, kv_heads, head_dim] into their cache slots
+    (rounded to the cache's dtype)."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_blocks * block_size, kvh, D]
-    flat[0].index_copy_(0, slot_mapping, key)
-    flat[1].index_copy_(0, slot_mapping, value)
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
 class TorchPagedAttention:
@@ -107,7 +110,7 @@ class TorchPagedAttention:
         num_kv_heads = kv_cache.shape[3]
         padded_len = prep.decode_padded_len
         gathered = kv_cache.index_select(1, prep.decode_block_ids)  # [2, B * nb, bs, kvh, D]
-        kv = gathered.view(2, batch, padded_len, num_kv_heads, head_dim)
+        kv = gathered.view(2, batch, padded_len, num_kv_heads, head_dim).to(query.dtype)
         mask = None
         if batch == 1:
             # one row: slice to its exact (windowed) context instead of masking
@@ -141,7 +144,7 @@ class TorchPagedAttention:
             k = key[rows].transpose(0, 1).unsqueeze(0)  # [1, kvh, q_len, D]
             v = value[rows].transpose(0, 1).unsqueeze(0)
         else:
-            k, v = self.gather_context(kv_cache, seq)
+            k, v = (t.to(q.dtype) for t in self.gather_context(kv_cache, seq))
         mask = prep.prefill_mask(seq, sliding_window)
         out = self.sdpa(q, k, v, mask, scale)  # [1, H, q_len, D]
         return out[0].transpose(0, 1)
@@ -150,7 +153,8 @@ class TorchPagedAttention:
     def gather_context(
         kv_cache: torch.Tensor, seq: PrefillSequence
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sequence's keys and values from the cache, each [1, kvh, context_len, D]."""
+        """The sequence's keys and values from the cache, each [1, kvh, context_len, D], in the
+        cache's dtype."""
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         gathered = kv_cache.index_select(1, seq.block_ids)  # [2, nb, bs, kvh, D]
         kv = gathered.view(2, -1, num_kv_heads, head_dim)[:, : seq.context_len]

@@ -73,6 +73,11 @@ class ModelRunner:
         self.is_last_stage = stage.has_lm_head
         self.tp_group = tp_group  # None without tensor parallelism
         self.dtype = _DTYPES[config.model_config.dtype]
+        kv_dtype = config.cache_config.kv_cache_dtype
+        # GPU workers keep their (16-bit) compute dtype; CPU ones may store fp32 K/V in 16 bits
+        self.kv_cache_dtype = (
+            self.dtype if kv_dtype == "auto" or self.device.type != "cpu" else _DTYPES[kv_dtype]
+        )
         self.block_size = config.cache_config.block_size
         self.show_progress = show_progress
         self.model: torch.nn.Module | None = None
@@ -165,7 +170,7 @@ class ModelRunner:
     def kv_cache_bytes_per_block(self) -> int:
         m = self.model
         elems = 2 * self.block_size * m.num_kv_heads * m.head_dim
-        return elems * self.dtype.itemsize * m.num_layers_in_stage
+        return elems * self.kv_cache_dtype.itemsize * m.num_layers_in_stage
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit this worker's KV budget (never more than the scheduler could use)."""
@@ -243,7 +248,8 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = self.model.kv_cache_shape(num_blocks, self.block_size)
         self.kv_caches = [
-            _zeros(shape, self.dtype, self.device) for _ in range(self.model.num_layers_in_stage)
+            _zeros(shape, self.kv_cache_dtype, self.device)
+            for _ in range(self.model.num_layers_in_stage)
         ]
 
     def _profile_activation_bytes(self) -> int:
@@ -514,7 +520,7 @@ class ModelRunner:
             blocks = -(-n // self.block_size)
             shape = self.model.kv_cache_shape(blocks, self.block_size)
             scratch = [
-                _zeros(shape, self.dtype, self.device)
+                _zeros(shape, self.kv_cache_dtype, self.device)
                 for _ in range(self.model.num_layers_in_stage)
             ]
             pos_np = np.arange(n)

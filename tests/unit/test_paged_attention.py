@@ -51,18 +51,23 @@ def run_case(
     dtype=torch.float32,
     backend=None,
     device="cpu",
+    kv_dtype=None,
 ):
     """specs: list of (context_len, query_len); decodes (query_len 1) must come first.
-    The attention runs on `device`, the fp64 reference on the CPU."""
+    The attention runs on `device`, the fp64 reference on the CPU. With `kv_dtype` the cache
+    holds that dtype, and keys and values are drawn representable in it, so that storing them
+    loses nothing and the tolerance can stay the same."""
     torch.manual_seed(0)
     max_blocks = max(-(-ctx // block_size) for ctx, _ in specs)
     num_blocks = max(NUM_BLOCKS, 2 * len(specs) * max_blocks)
     tables = scattered_block_tables(len(specs), max_blocks, num_blocks, seed=1)
-    cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=kv_dtype or dtype)
     seqs, contexts, queries = [], [], []
     for (ctx, q_len), table in zip(specs, tables):
-        k_ctx = torch.randn(ctx, num_kv_heads, head_dim, dtype=dtype)
-        v_ctx = torch.randn(ctx, num_kv_heads, head_dim, dtype=dtype)
+        k_ctx, v_ctx = (
+            torch.randn(ctx, num_kv_heads, head_dim).to(kv_dtype or dtype).to(dtype)
+            for _ in range(2)
+        )
         prefix = ctx - q_len
         if prefix:  # the cached prefix, written as an earlier step would have
             _, _, meta = make_step([StepSequence([0] * prefix, 0, table)], block_size)
@@ -144,6 +149,50 @@ def test_half_precision(dtype, cpu_backend):
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("window", [None, 6])
+def test_16_bit_cache_under_fp32(kv_dtype, head_dim, window, cpu_backend):
+    # kv_cache_dtype: fp32 queries over a float16/bfloat16 cache, widened as read (head_dim 64
+    # and 128 take the native op's AVX-512 path, 32 its generic loop); decodes in batches of
+    # ten (whole-sequence items) and three (per-head), prefills with and without a prefix
+    decodes = [(c, 1) for c in (13, 5, 32, 1, 40, 7, 16, 17, 2, 29)]
+    for specs in (decodes, decodes[:3], MIXED):
+        out, ref = run_case(
+            specs,
+            num_heads=9,
+            num_kv_heads=3,
+            head_dim=head_dim,
+            window=window,
+            backend=cpu_backend,
+            kv_dtype=kv_dtype,
+        )
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_cache_write_rounds_like_torch(kv_dtype):
+    # fp32 keys/values into a 16-bit cache: each slot holds tensor.to(kv_dtype), native op and
+    # torch fallback alike; strided views (the qkv output's) as the model passes them
+    require_cpu_kernels()
+    torch.manual_seed(0)
+    qkv = torch.randn(5, 3, 2, 16) * 100  # [tokens, k/v/other, heads, D]
+    key, value = qkv[:, 0], qkv[:, 1]
+    slots = torch.tensor([7, 0, 12, 3, 9])
+    for write in (write_kv_cache, torch.ops.hybridllm.write_kv_cache):
+        cache = torch.zeros(2, 4, 4, 2, 16, dtype=kv_dtype)
+        if write is write_kv_cache:
+            write(cache, key, value, slots)
+        else:
+            write(key, value, cache, slots)
+        flat = cache.view(2, 16, 2, 16)
+        assert torch.equal(flat[0, slots], key.to(kv_dtype))
+        assert torch.equal(flat[1, slots], value.to(kv_dtype))
+        untouched = torch.ones(16, dtype=torch.bool)
+        untouched[slots] = False
+        assert not flat[:, untouched].any()
+
+
 def test_long_decode_contexts(cpu_backend):
     # contexts of several hundred blocks, plus a 1-token one, in one decode batch
     specs = [(1000, 1), (1, 1), (517, 1)]
@@ -181,6 +230,18 @@ def test_native_op_rejects_bad_inputs():
         op(q, cache, tables.long(), lens, 1.0, 0)
     with pytest.raises(RuntimeError, match="dtypes differ"):
         op(q.double(), cache, tables, lens, 1.0, 0)
+    with pytest.raises(RuntimeError, match="dtypes differ"):  # 16-bit caches: fp32 queries only
+        op(q.bfloat16(), cache.half(), tables, lens, 1.0, 0)
+    with pytest.raises(RuntimeError, match="dtypes differ"):  # wider than the query
+        op(q.half(), cache, tables, lens, 1.0, 0)
+    write = torch.ops.hybridllm.write_kv_cache
+    key, slots = torch.randn(2, 2, 8), torch.tensor([0, 1])
+    with pytest.raises(RuntimeError, match="must have kv_cache's dtype"):
+        write(key.double(), key.double(), cache.half(), slots)
+    with pytest.raises(RuntimeError, match="must have kv_cache's dtype"):
+        write(key.half(), key.half(), cache, slots)
+    with pytest.raises(RuntimeError, match=r"key \(Float\) and value \(Half\) dtypes differ"):
+        write(key, key.half(), cache.half(), slots)
     with pytest.raises(RuntimeError, match="multiple of kv_heads"):
         op(torch.randn(2, 3, 8), cache, tables, lens, 1.0, 0)
 

@@ -1,10 +1,14 @@
 // Paged decode attention for CPU: each single-token query attends over its context read in
-// place from the block-paged KV cache (no gather into a padded copy). Registered as the torch
+// place from the block-paged KV cache (no gather into a padded copy). The cache has the query's
+// dtype, or is 16-bit (float16/bfloat16) under an fp32 query: keys and values widen to fp32 as
+// they are loaded and the arithmetic stays fp32. Registered as the torch
 // op hybridllm::paged_decode_attention; built on first use by hybridllm/layers/cpu_kernels.py.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include "vec_math.h"
@@ -57,6 +61,16 @@ inline void softmax_numerators(float* scores, int64_t rows, int64_t n, float* in
 }
 
 #if defined(__AVX512F__)
+// 16 consecutive cache values as fp32
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 is fp32's top half
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
 // One vector whose lane j is the sum of v[j]'s 16 lanes: a transpose-and-add tree (45 shuffles
 // and adds for 16 sums, where 16 separate horizontal sums take about three times as many).
 inline __m512 sum_lanes16(const __m512 v[16]) {
@@ -83,8 +97,8 @@ inline __m512 sum_lanes16(const __m512 v[16]) {
 // per row group and never written back. Same arithmetic as the generic loop below up to
 // summation order. Against one horizontal sum a score: 1.2-1.4x at batch 8-64 (Qwen3-30B-A3B's
 // 32 / 4 heads of 128, 192 keys), 1.0-1.4x at SmolLM2's 9 / 3 heads of 64.
-template <int kDim>
-void decode_item_avx512(const float* qb, const float* const* token_rows, int64_t value_offset,
+template <typename kv_t, int kDim>
+void decode_item_avx512(const float* qb, const kv_t* const* token_rows, int64_t value_offset,
                         int64_t head_stride, int64_t h0, int64_t heads, int64_t group, int64_t n,
                         float scale, float* scores, float* inv_sum, float* ob) {
   constexpr int kVec = kDim / 16;                      // zmm per head row
@@ -99,9 +113,9 @@ void decode_item_avx512(const float* qb, const float* const* token_rows, int64_t
       const int count = static_cast<int>(std::min<int64_t>(16, n - t0));
       if (hh == 0)
         for (int64_t t = t0 + kPrefetchTokens; t < std::min(t0 + 16 + kPrefetchTokens, n); ++t)
-          prefetch_kv_row(row_ptr(t) + h0 * head_stride, value_offset * sizeof(float),
-                          heads * kDim * sizeof(float));
-      const float* k[16];
+          prefetch_kv_row(row_ptr(t) + h0 * head_stride, value_offset * sizeof(kv_t),
+                          heads * kDim * sizeof(kv_t));
+      const kv_t* k[16];
       for (int j = 0; j < 16; ++j) k[j] = row_ptr(t0 + std::min(j, count - 1)) + head_off;
       for (int64_t g = 0; g < group; ++g) {
         const int64_t r = hh * group + g;
@@ -109,9 +123,9 @@ void decode_item_avx512(const float* qb, const float* const* token_rows, int64_t
         for (int i = 0; i < kVec; ++i)
           q[i] = _mm512_mul_ps(_mm512_loadu_ps(qb + r * kDim + 16 * i), _mm512_set1_ps(scale));
         for (int j = 0; j < 16; ++j) {  // keys past n repeat the last one; their lanes are dropped
-          s[j] = _mm512_mul_ps(q[0], _mm512_loadu_ps(k[j]));
+          s[j] = _mm512_mul_ps(q[0], load16(k[j]));
           for (int i = 1; i < kVec; ++i)
-            s[j] = _mm512_fmadd_ps(q[i], _mm512_loadu_ps(k[j] + 16 * i), s[j]);
+            s[j] = _mm512_fmadd_ps(q[i], load16(k[j] + 16 * i), s[j]);
         }
         _mm512_mask_storeu_ps(scores + r * n + t0, static_cast<__mmask16>((1u << count) - 1),
                               sum_lanes16(s));
@@ -129,9 +143,9 @@ void decode_item_avx512(const float* qb, const float* const* token_rows, int64_t
       for (int r = 0; r < kRows; ++r)
         for (int i = 0; i < kVec; ++i) acc[r][i] = _mm512_setzero_ps();
       for (int64_t t = 0; t < n; ++t) {
-        const float* v = row_ptr(t) + head_off;
+        const kv_t* v = row_ptr(t) + head_off;
         __m512 vr[kVec];
-        for (int i = 0; i < kVec; ++i) vr[i] = _mm512_loadu_ps(v + 16 * i);
+        for (int i = 0; i < kVec; ++i) vr[i] = load16(v + 16 * i);
         for (int r = 0; r < rows; ++r) {
           const __m512 p = _mm512_set1_ps(scores[(r0 + r) * n + t]);
           for (int i = 0; i < kVec; ++i) acc[r][i] = _mm512_fmadd_ps(p, vr[i], acc[r][i]);
@@ -170,7 +184,8 @@ void fill_token_rows(const scalar_t** rows, const scalar_t* kv, const int32_t* t
 // read as one contiguous stream; one head per item for small batches. The G query heads of a KV
 // head share every key and value read.
 // kHeadDim > 0 fixes head_dim at compile time (fully unrolled dot products); 0 reads it.
-template <typename scalar_t, int kHeadDim>
+// scalar_t: the query's and output's dtype; kv_t: the cache's (scalar_t, or 16-bit under fp32).
+template <typename scalar_t, typename kv_t, int kHeadDim>
 void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, float scale,
                    int64_t window) {
@@ -181,7 +196,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
   const int64_t value_offset = kv_cache.stride(0), block_stride = kv_cache.stride(1);
   const int64_t token_stride = kv_cache.stride(2), head_stride = kv_cache.stride(3);
   const int64_t table_stride = block_tables.stride(0);
-  const scalar_t* kv = kv_cache.data_ptr<scalar_t>();
+  const kv_t* kv = kv_cache.data_ptr<kv_t>();
   const scalar_t* q = query.data_ptr<scalar_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -200,7 +215,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
   const int64_t grain = total_keys * num_kv_heads < 512 ? items : 1;
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qf(rows * head_dim), acc(rows * head_dim), inv_sum(rows);
-    std::vector<const scalar_t*> token_rows;
+    std::vector<const kv_t*> token_rows;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / chunks, h0 = (item % chunks) * heads_per_item;
       const int64_t len = lens[b];
@@ -214,7 +229,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
       fill_token_rows(token_rows.data(), kv, table, block_size, block_stride, token_stride, start, n);
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<scalar_t, float> && kHeadDim > 0 && kHeadDim % 16 == 0) {
-        decode_item_avx512<kHeadDim>(qb, token_rows.data(), value_offset, head_stride, h0,
+        decode_item_avx512<kv_t, kHeadDim>(qb, token_rows.data(), value_offset, head_stride, h0,
                                      heads_per_item, group, n, scale, scores.data(),
                                      inv_sum.data(), o + (b * num_heads + h0 * group) * head_dim);
         continue;
@@ -227,12 +242,12 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
       // the key row (this item's heads side by side) of token t; + value_offset: V
       auto key_row = [&](int64_t t) { return token_rows[t] + h0 * head_stride; };
       for (int64_t t = 0; t < n; ++t) {
-        const scalar_t* k_row = key_row(t);
+        const kv_t* k_row = key_row(t);
         if (t + kPrefetchTokens < n)
-          prefetch_kv_row(key_row(t + kPrefetchTokens), value_offset * sizeof(scalar_t),
-                          heads_per_item * head_dim * sizeof(scalar_t));
+          prefetch_kv_row(key_row(t + kPrefetchTokens), value_offset * sizeof(kv_t),
+                          heads_per_item * head_dim * sizeof(kv_t));
         for (int64_t hh = 0; hh < heads_per_item; ++hh) {
-          const scalar_t* k = k_row + hh * head_stride;
+          const kv_t* k = k_row + hh * head_stride;
           for (int64_t g = 0; g < group; ++g) {
             const int64_t r = hh * group + g;
             const float* qr = qf.data() + r * head_dim;
@@ -247,9 +262,9 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
       // acc[r] = sum_t p[r, t] * v_t
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < n; ++t) {
-        const scalar_t* v_row = key_row(t) + value_offset;
+        const kv_t* v_row = key_row(t) + value_offset;
         for (int64_t hh = 0; hh < heads_per_item; ++hh) {
-          const scalar_t* v = v_row + hh * head_stride;
+          const kv_t* v = v_row + hh * head_stride;
           for (int64_t g = 0; g < group; ++g) {
             const int64_t r = hh * group + g;
             const float p = scores[r * n + t];
@@ -273,7 +288,12 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be a contiguous [B, H, D]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.stride(4) == 1,
               "kv_cache must be [2, num_blocks, block_size, kv_heads, head_dim], last dim dense");
-  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "query and kv_cache dtypes differ");
+  const bool widen = query.scalar_type() == at::kFloat &&
+                     (kv_cache.scalar_type() == at::kHalf || kv_cache.scalar_type() == at::kBFloat16);
+  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type() || widen, "query (",
+              query.scalar_type(), ") and kv_cache (", kv_cache.scalar_type(),
+              ") dtypes differ: the cache has the query's dtype, or is float16/bfloat16 under "
+              "a float32 query");
   TORCH_CHECK(kv_cache.size(4) == query.size(2), "query and kv_cache head_dim differ");
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "num_heads must be a multiple of kv_heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
@@ -283,14 +303,26 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_
                   seq_lens.size(0) >= query.size(0),
               "seq_lens must be a contiguous int32 [>= B]");
   at::Tensor out = at::empty_like(query);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
-    const float s = static_cast<float>(scale);
+  const float s = static_cast<float>(scale);
+  // head_dim 64 and 128 compiled in (fully unrolled dot products), others read at run time
+  auto run = [&](auto query_tag, auto kv_tag) {
+    using scalar_t = decltype(query_tag);
+    using kv_t = decltype(kv_tag);
     switch (query.size(2)) {
-      case 64: decode_kernel<scalar_t, 64>(out, query, kv_cache, block_tables, seq_lens, s, window); break;
-      case 128: decode_kernel<scalar_t, 128>(out, query, kv_cache, block_tables, seq_lens, s, window); break;
-      default: decode_kernel<scalar_t, 0>(out, query, kv_cache, block_tables, seq_lens, s, window);
+      case 64: decode_kernel<scalar_t, kv_t, 64>(out, query, kv_cache, block_tables, seq_lens, s, window); break;
+      case 128: decode_kernel<scalar_t, kv_t, 128>(out, query, kv_cache, block_tables, seq_lens, s, window); break;
+      default: decode_kernel<scalar_t, kv_t, 0>(out, query, kv_cache, block_tables, seq_lens, s, window);
     }
-  });
+  };
+  if (widen) {
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(kv_cache.scalar_type(), "paged_decode", [&] {
+      run(float{}, scalar_t{});
+    });
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
+      run(scalar_t{}, scalar_t{});
+    });
+  }
   return out;
 }
 

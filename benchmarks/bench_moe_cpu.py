@@ -14,9 +14,11 @@ With `--llamacpp-bin DIR` (built by ../shared/tools/build_llamacpp.sh), the same
 llama.cpp in the same run: `llama-bench -n OUT -p 0` for one stream's decode and
 `llama-batched-bench -npp IN -ntg OUT -npl N` for the batch, whose figure is computed the same
 way (B x OUT over its total time T). `--num-prompts 0` measures one stream only (quick enough for
-files of many layers).
+files of many layers). `--kv-cache-dtype auto float16` runs hybridllm once per KV cache dtype
+(llama.cpp's cache is f16).
 
     python benchmarks/bench_moe_cpu.py [--layers 4] [--num-prompts 64] [--llamacpp-bin D] [--json F]
+        [--kv-cache-dtype auto [float16 ...]]
 """
 
 from __future__ import annotations
@@ -150,25 +152,37 @@ def main() -> None:
     parser.add_argument("--llamacpp-bin", type=Path, default=None, help="llama.cpp's bin folder")
     parser.add_argument("--tmp-dir", default=None, help="where the GGUF is written")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        default=["auto"],
+        choices=("auto", "float16", "bfloat16"),
+        help="hybridllm's KV cache dtype(s), one run each",
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(dir=args.tmp_dir) as tmp:
         path = write_model(Path(tmp) / "qwen3moe-a3b-layers.gguf", args.layers)
         result = {"layers": args.layers, "num_prompts": args.num_prompts}
-        result["hybridllm"] = hybridllm(path, args)
-        print(json.dumps(result, indent=1), flush=True)
+        names = []
+        for kv_dtype in args.kv_cache_dtype:
+            name = "hybridllm" if kv_dtype == "auto" else f"hybridllm_kv_{kv_dtype}"
+            result[name] = hybridllm(path, args, kv_dtype)
+            names.append(name)
+            print(json.dumps(result, indent=1), flush=True)
         if args.llamacpp_bin:
-            result["llama.cpp"] = llamacpp(args.llamacpp_bin, path, args)
-            ours, theirs = result["hybridllm"], result["llama.cpp"]
-            result["ratio_batch1"] = round(
-                ours["batch1_decode_tokens_per_s"] / theirs["batch1_decode_tokens_per_s"], 2
-            )
-            if args.num_prompts:
-                result["ratio_throughput"] = round(
-                    ours["throughput_output_tokens_per_s"]
-                    / theirs["throughput_output_tokens_per_s"],
-                    2,
+            theirs = result["llama.cpp"] = llamacpp(args.llamacpp_bin, path, args)
+            for name in names:
+                ours, suffix = result[name], name.removeprefix("hybridllm")
+                result[f"ratio_batch1{suffix}"] = round(
+                    ours["batch1_decode_tokens_per_s"] / theirs["batch1_decode_tokens_per_s"], 2
                 )
+                if args.num_prompts:
+                    result[f"ratio_throughput{suffix}"] = round(
+                        ours["throughput_output_tokens_per_s"]
+                        / theirs["throughput_output_tokens_per_s"],
+                        2,
+                    )
     print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
@@ -181,7 +195,7 @@ def check(outputs: list, output_len: int) -> None:
             raise RuntimeError(f"request {out.request_id} ended early: {out.outputs[0]}")
 
 
-def hybridllm(path: Path, args: argparse.Namespace) -> dict:
+def hybridllm(path: Path, args: argparse.Namespace, kv_cache_dtype: str = "auto") -> dict:
     """One stream's time to first token and decode rate, then the batch's output tokens/s."""
     from hybridllm import LLM, SamplingParams
 
@@ -192,6 +206,7 @@ def hybridllm(path: Path, args: argparse.Namespace) -> dict:
         max_model_len=args.input_len + args.output_len + 8,
         max_num_seqs=max(args.num_prompts, 1),
         cpu_threads=args.cpu_threads,
+        kv_cache_dtype=kv_cache_dtype,
         use_tqdm=False,
     )
     try:

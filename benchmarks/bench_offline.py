@@ -5,13 +5,15 @@ Measures: cold load time (fresh processes), single-stream decode tokens/s and ti
 tokens each (transformers batched generate at batch 8), and the bandwidth floor. hybridllm runs
 twice: as it runs by default (the GGUF's Q4_1/Q8_0 linears computed from their blocks, fp32
 arithmetic) and with `quantization="none"` (every weight dequantized to fp32, as transformers
-holds them). Single-stream figures are the best of 3 rounds in which the engines alternate,
+holds them; --skip-fp32-weights leaves it out), and with --kv-cache-dtype also with a 16-bit KV
+cache. Single-stream figures are the best of 3 rounds in which the engines alternate,
 each round on a fresh prompt; throughput the best of 2 such rounds, each on its own 64 prompts.
 With --llamacpp-python, llama.cpp (llama-cpp-python's `Llama` on the same GGUF, as many threads)
 joins the rounds from a process of that Python (benchmarks/llamacpp_worker.py); it generates one
 sequence at a time, so its throughput is the 64 prompts one after another.
 
     python benchmarks/bench_offline.py [--skip-hf] [--llamacpp-python PY] [--json out.json]
+        [--kv-cache-dtype float16] [--skip-fp32-weights]
 """
 
 from __future__ import annotations
@@ -67,8 +69,10 @@ print(time.perf_counter() - t)
 
 
 def memory_bandwidth_gbs() -> float:
-    """Read bandwidth of a 1 GiB fp32 tensor with all threads (best of 5)."""
-    x = torch.ones(1 << 28)
+    """Read bandwidth of a 1 GiB fp32 tensor with all threads (best of 5). Random values: a
+    tensor of ones read 56 GB/s against 35 on this project's VM (identical pages, merged by
+    the host, apparently)."""
+    x = torch.rand(1 << 28)
     best = float("inf")
     for _ in range(5):
         t = time.perf_counter()
@@ -276,6 +280,14 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true", help="only measure hybridllm")
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--llamacpp-python", help="a Python with llama-cpp-python: add llama.cpp")
+    ap.add_argument(
+        "--kv-cache-dtype",
+        choices=("float16", "bfloat16"),
+        help="also run hybridllm (GGUF blocks) with this KV cache dtype",
+    )
+    ap.add_argument(
+        "--skip-fp32-weights", action="store_true", help="leave out the dequantized-weights run"
+    )
     args = ap.parse_args()
 
     # A fresh prompt each round: a repeated one would hit hybridllm's prefix cache, and its
@@ -284,10 +296,13 @@ def main() -> None:
     results = {"machine": machine()}
     cold_load_seconds(HYBRID_LOAD)  # first run may build the conversion cache
     results["hybridllm_cold_load_s"] = cold_load_seconds(HYBRID_LOAD)
-    runners: dict = {
-        "hybridllm": HybridRunner(single[0], "auto"),
-        "hybridllm_fp32_weights": HybridRunner(single[0], "none"),
-    }
+    runners: dict = {"hybridllm": HybridRunner(single[0], "auto")}
+    if args.kv_cache_dtype:
+        runners[f"hybridllm_kv_{args.kv_cache_dtype}"] = HybridRunner(
+            single[0], "auto", kv_cache_dtype=args.kv_cache_dtype
+        )
+    if not args.skip_fp32_weights:
+        runners["hybridllm_fp32_weights"] = HybridRunner(single[0], "none")
     if not args.skip_hf:
         results["transformers_cold_load_s"] = cold_load_seconds(HF_LOAD)
         runners["transformers"] = HFRunner(single[0])
@@ -301,7 +316,7 @@ def main() -> None:
     results.update(alternate(runners, single[1:], batches))
     bw = memory_bandwidth_gbs()
     results["memory_bandwidth_gbs"] = bw
-    for name in ("hybridllm", "hybridllm_fp32_weights"):
+    for name in [n for n in runners if n.startswith("hybridllm")]:
         results[name]["weight_bytes_per_token"] = runners[name].weight_bytes
         results[name]["bandwidth_floor_tok_s"] = bw * 1e9 / runners[name].weight_bytes
         runners[name].close()

@@ -14,11 +14,11 @@ With `--llamacpp-bin DIR` (built by ../shared/tools/build_llamacpp.sh), the same
 llama.cpp in the same run: `llama-bench -n OUT -p 0` for one stream's decode and
 `llama-batched-bench -npp IN -ntg OUT -npl N` for the batch, whose figure is computed the same
 way (B x OUT over its total time T). `--num-prompts 0` measures one stream only (quick enough for
-files of many layers). `--kv-cache-dtype auto float16` runs hybridllm once per KV cache dtype
-(llama.cpp's cache is f16).
+files of many layers). `--kv-cache-dtype auto float32` runs hybridllm once per KV cache dtype
+(auto is float16 here, as llama.cpp's f16 cache).
 
     python benchmarks/bench_moe_cpu.py [--layers 4] [--num-prompts 64] [--llamacpp-bin D] [--json F]
-        [--kv-cache-dtype auto [float16 ...]]
+        [--kv-cache-dtype auto [float32 ...]]
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def main() -> None:
         "--kv-cache-dtype",
         nargs="+",
         default=["auto"],
-        choices=("auto", "float16", "bfloat16"),
+        choices=("auto", "float32", "float16", "bfloat16"),
         help="hybridllm's KV cache dtype(s), one run each",
     )
     args = parser.parse_args()

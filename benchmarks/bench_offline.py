@@ -5,15 +5,15 @@ Measures: cold load time (fresh processes), single-stream decode tokens/s and ti
 tokens each (transformers batched generate at batch 8), and the bandwidth floor. hybridllm runs
 twice: as it runs by default (the GGUF's Q4_1/Q8_0 linears computed from their blocks, fp32
 arithmetic) and with `quantization="none"` (every weight dequantized to fp32, as transformers
-holds them; --skip-fp32-weights leaves it out), and with --kv-cache-dtype also with a 16-bit KV
-cache. Single-stream figures are the best of 3 rounds in which the engines alternate,
+holds them; --skip-fp32-weights leaves it out), and with --kv-cache-dtype also with that KV
+cache dtype (the default run's is float16). Single-stream figures are the best of 3 rounds in which the engines alternate,
 each round on a fresh prompt; throughput the best of 2 such rounds, each on its own 64 prompts.
 With --llamacpp-python, llama.cpp (llama-cpp-python's `Llama` on the same GGUF, as many threads)
 joins the rounds from a process of that Python (benchmarks/llamacpp_worker.py); it generates one
 sequence at a time, so its throughput is the 64 prompts one after another.
 
     python benchmarks/bench_offline.py [--skip-hf] [--llamacpp-python PY] [--json out.json]
-        [--kv-cache-dtype float16] [--skip-fp32-weights]
+        [--kv-cache-dtype float32] [--skip-fp32-weights]
 """
 
 from __future__ import annotations
@@ -282,8 +282,8 @@ def main() -> None:
     ap.add_argument("--llamacpp-python", help="a Python with llama-cpp-python: add llama.cpp")
     ap.add_argument(
         "--kv-cache-dtype",
-        choices=("float16", "bfloat16"),
-        help="also run hybridllm (GGUF blocks) with this KV cache dtype",
+        choices=("float32", "float16", "bfloat16"),
+        help="also run hybridllm (GGUF blocks) with this KV cache dtype (its default: float16)",
     )
     ap.add_argument(
         "--skip-fp32-weights", action="store_true", help="leave out the dequantized-weights run"

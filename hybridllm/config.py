@@ -8,8 +8,9 @@ from typing import Any
 from hybridllm.plan.plan import Plan
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
-# auto: the compute dtype; float16/bfloat16 under float32 compute: CPU workers store keys and
-# values in 16 bits (half the bytes a decode step reads); GPU workers keep the compute dtype
+# auto: float16 on CPU workers that compute fp32 from GGUF blocks with int8 activations, else the
+# compute dtype; float16/bfloat16 under float32 compute: CPU workers store keys and values in 16
+# bits (half the bytes a decode step reads); GPU workers keep the compute dtype
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUPPORTED_DEVICES = ("auto", "cpu", "cuda", "heterogeneous")
 SUPPORTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")

@@ -37,7 +37,8 @@ class EngineArgs:
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: str | int | None = None  # CPU KV budget, e.g. "2GiB"
-    # CPU workers' KV cache: auto = the compute dtype; float16/bfloat16 under fp32 compute
+    # CPU workers' KV cache: auto = float16 beside int8 activations over GGUF blocks, else the
+    # compute dtype; float16/bfloat16 under fp32 compute
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -279,9 +280,10 @@ class EngineArgs:
             "--kv-cache-dtype",
             choices=SUPPORTED_KV_CACHE_DTYPES,
             default="auto",
-            help="CPU workers' KV cache dtype: auto = the compute dtype; float16 or bfloat16 "
-            "under float32 compute halves the cache's memory and the bytes decode reads "
-            "(GPU workers keep the compute dtype)",
+            help="CPU workers' KV cache dtype: auto = float16 where they compute GGUF blocks "
+            "with int8 activations (GGUF files, on-load quantization), else the compute dtype; "
+            "float16 or bfloat16 under float32 compute halves the cache's memory and the bytes "
+            "decode reads (GPU workers keep the compute dtype)",
         )
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
         g.add_argument(

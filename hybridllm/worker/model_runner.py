@@ -20,6 +20,7 @@ from hybridllm.engine.scheduler_output import (
 )
 from hybridllm.layers.attention_metadata import AttentionMetadata
 from hybridllm.layers.cpu_kernels import load_cpu_kernels
+from hybridllm.layers.gguf_linear import INT8_ACTIVATIONS, default_activations
 from hybridllm.plan.memory_budget import host_expert_bytes, worker_weight_bytes
 from hybridllm.plan.model_size import model_size
 from hybridllm.plan.plan import StagePlan
@@ -73,11 +74,7 @@ class ModelRunner:
         self.is_last_stage = stage.has_lm_head
         self.tp_group = tp_group  # None without tensor parallelism
         self.dtype = _DTYPES[config.model_config.dtype]
-        kv_dtype = config.cache_config.kv_cache_dtype
-        # GPU workers keep their (16-bit) compute dtype; CPU ones may store fp32 K/V in 16 bits
-        self.kv_cache_dtype = (
-            self.dtype if kv_dtype == "auto" or self.device.type != "cpu" else _DTYPES[kv_dtype]
-        )
+        self.kv_cache_dtype = _kv_cache_dtype(config, self.dtype, self.device)
         self.block_size = config.cache_config.block_size
         self.show_progress = show_progress
         self.model: torch.nn.Module | None = None
@@ -538,6 +535,22 @@ class ModelRunner:
                 vec = torch.nn.functional.normalize(vec, dim=0)
             results.append(vec.tolist())
         return results
+
+
+def _kv_cache_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """What this worker's KV cache holds. GPU workers: their (16-bit) compute dtype. CPU workers:
+    `kv_cache_dtype`, where "auto" is float16 when they compute fp32 from GGUF blocks with int8
+    activations (llama.cpp's arrangement: an f16 cache beside approximate dot products; half the
+    bytes decode reads, logprobs within ~3e-3), else the compute dtype (the exact paths)."""
+    kv_dtype = config.cache_config.kv_cache_dtype
+    if device.type != "cpu":
+        return dtype
+    if kv_dtype != "auto":
+        return _DTYPES[kv_dtype]
+    blocks = config.model_config.cpu_blocks is not None and load_cpu_kernels()
+    if dtype == torch.float32 and blocks and default_activations() == INT8_ACTIVATIONS:
+        return torch.float16
+    return dtype
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -94,3 +94,15 @@ def test_k_quant_prompt_logprobs_in_int8_chunks(tmp_path, run_with, base):
     deltas = [abs(a - b) for a, b in zip(fp32, int8)]
     assert len(deltas) == 63 and 0 < max(deltas) < TOLERANCE
     assert sum(deltas) / len(deltas) < MEAN_TOLERANCE
+
+
+def test_auto_kv_cache_dtype_follows_the_activations(run_with):
+    # kv_cache_dtype="auto" on a CPU worker: float16 beside the int8 path over GGUF blocks (the
+    # default), the compute dtype beside the exact paths (fp32 activations, dequantized weights)
+    def kv_dtype(llm):
+        return llm.llm_engine.executor.workers[0].model_runner.kv_cache_dtype
+
+    assert run_with("int8", kv_dtype) == torch.float16
+    assert run_with("fp32", kv_dtype) == torch.float32
+    assert run_with("int8", kv_dtype, quantization="none") == torch.float32
+    assert run_with("int8", kv_dtype, kv_cache_dtype="float32") == torch.float32

@@ -188,6 +188,7 @@ class EngineArgs:
         cpu_auto_dtype: str = "float32",
     ) -> Plan:
         """Place the model: the planner reads the flags, the hardware and (with a GPU) measured rates."""
+        from hybridllm.layers.gguf_linear import int8_activations_in_use
         from hybridllm.plan.cost_model import CostModel
         from hybridllm.plan.hardware_profile import load_or_measure_profile
         from hybridllm.plan.placement_args import PlacementArgs
@@ -209,6 +210,8 @@ class EngineArgs:
             max_num_batched_tokens=max_num_batched_tokens,
             dtype=self.dtype,
             cpu_auto_dtype=cpu_auto_dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
+            int8_blocks=int8_activations_in_use(),
             stream_threshold=self.stream_threshold,
             stream_device=self.stream_device,
             cpu_moe=self.cpu_moe,

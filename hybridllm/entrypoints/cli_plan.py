@@ -100,6 +100,13 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="weights dtype; auto: bf16 when a GPU runs layers, fp32 on the CPU only",
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=PLACEMENT_DTYPES,
+        default="auto",
+        help="CPU workers' KV cache, as the engine's flag: auto = float16 beside int8 "
+        "activations over GGUF blocks, else the compute dtype",
+    )
     parser.add_argument("--cpu-threads", type=int, default=None, help="threads per CPU worker")
     parser.add_argument(
         "--kv-reserve-tokens",
@@ -152,19 +159,20 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from hybridllm.layers.gguf_linear import cpu_block_sizes
+    from hybridllm.layers.gguf_linear import cpu_block_sizes, int8_activations_in_use
     from hybridllm.loader import default_model_path, open_model_source
     from hybridllm.plan.cost_model import CostModel
     from hybridllm.plan.cpu_dtype import auto_dtype_for
     from hybridllm.plan.describe import describe_hardware, describe_plan
     from hybridllm.plan.hardware_profile import load_or_measure_profile
     from hybridllm.plan.memory_budget import memory_budgets
-    from hybridllm.plan.model_size import model_size
-    from hybridllm.plan.planner import build_plan, resolve_plan_dtype
+    from hybridllm.plan.planner import build_plan, plan_model_size
     from hybridllm.platforms.discovery import discover_hardware
 
     configure_logging(args.log_level, default="warning")
-    placement = placement_args_from_cli(args)
+    placement = dataclasses.replace(
+        placement_args_from_cli(args), int8_blocks=int8_activations_in_use()
+    )
     path = args.model or default_model_path()
     source = open_model_source(path)
     hf_config = source.hf_config
@@ -186,7 +194,7 @@ def run_plan(args: argparse.Namespace) -> int:
         placement = dataclasses.replace(placement, cpu_auto_dtype=auto)
     cost = CostModel(profile, context_len=args.context_len)
     plan = build_plan(hf_config, placement, hw, cost, cpu_blocks)
-    size = model_size(hf_config, resolve_plan_dtype(placement, hw), cpu_blocks)
+    size = plan_model_size(hf_config, placement, hw, cpu_blocks)
     names = None
     if nodes is not None:
         from hybridllm.plan.cluster import assign_nodes
@@ -215,6 +223,7 @@ def placement_args_from_cli(args: argparse.Namespace) -> PlacementArgs:
         kv_reserve_tokens=args.kv_reserve_tokens,
         max_num_batched_tokens=args.max_num_batched_tokens,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         stream_threshold=args.stream_threshold,
         stream_device=args.stream_device,
         cpu_moe=args.cpu_moe,

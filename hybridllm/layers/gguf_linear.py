@@ -142,6 +142,12 @@ def default_activations() -> int:
     return INT8_ACTIVATIONS if value == "int8" else FP32_ACTIVATIONS
 
 
+def int8_activations_in_use() -> bool:
+    """Whether GGUF linears on CPU workers compute with int8 activations here (the kernels are
+    built and HYBRIDLLM_GGUF_ACTIVATIONS is not fp32)."""
+    return load_cpu_kernels() and default_activations() == INT8_ACTIVATIONS
+
+
 def gguf_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,

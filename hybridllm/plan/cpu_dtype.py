@@ -1,5 +1,6 @@
-"""What `dtype="auto"` computes in on CPU workers: a bf16 checkpoint's own bf16 where this CPU
-has bf16 dot products and its measured bf16 GEMM beats fp32, else fp32."""
+"""What `dtype="auto"` computes in on CPU workers (a bf16 checkpoint's own bf16 where this CPU
+has bf16 dot products and its measured bf16 GEMM beats fp32, else fp32), and what
+`kv_cache_dtype="auto"` stores there."""
 
 from __future__ import annotations
 
@@ -60,3 +61,13 @@ def auto_dtype_for(
     keeps GGUF blocks (`cpu_blocks`) or `quantization` quantizes them at load."""
     float_weights = cpu_blocks is None and quantization in ("auto", "none")
     return cpu_auto_dtype(checkpoint_dtype(hf_config), float_weights, cpu_flags(), gemm_rates)
+
+
+def cpu_kv_cache_dtype(kv_cache_dtype: str, compute_dtype: str, int8_blocks: bool) -> str:
+    """What a CPU worker's KV cache holds: `kv_cache_dtype`, where "auto" is float16 when the
+    worker computes fp32 from GGUF blocks with int8 activations (`int8_blocks`: llama.cpp's
+    arrangement, an f16 cache beside approximate dot products; half the bytes decode reads,
+    logprobs within ~3e-3 on the embedded model), else the compute dtype (the exact paths)."""
+    if kv_cache_dtype != "auto":
+        return kv_cache_dtype
+    return "float16" if compute_dtype == "float32" and int8_blocks else compute_dtype

@@ -131,8 +131,8 @@ def host_expert_bytes(size: ModelSize, stage: StagePlan) -> int:
 
 
 def worker_kv_bytes_per_token(size: ModelSize, stage: StagePlan, tp_rank: int) -> int:
-    """KV bytes one token costs this worker: its layers x its KV heads."""
-    per_head = size.kv_bytes_per_token_per_layer // size.num_kv_heads
+    """KV bytes one token costs this worker: its layers x its KV heads (in its cache's dtype)."""
+    per_head = size.for_worker(stage, tp_rank).kv_bytes_per_token_per_layer // size.num_kv_heads
     return stage.num_layers * worker_shard(size, stage, tp_rank).kv_heads * per_head
 
 

@@ -46,6 +46,9 @@ class ModelSize:
     # `GGUFBlockSizes`); None: every worker holds dtype-sized weights.
     cpu_blocks: GGUFBlockSizes | None = None
     matmul_bytes_per_param: float | None = None  # set on the CPU view only; else dtype bytes
+    # kv_bytes_per_token_per_layer on CPU workers where their cache dtype differs (a 16-bit
+    # cache under fp32 compute: plan/cpu_dtype.py); None: the same
+    cpu_kv_bytes_per_token_per_layer: int | None = None
     # Mixtures of experts: layers differ (sparse or dense), `layer_bytes` and
     # `matmul_params_per_layer` are the largest layer's; use the `layer_*` methods below.
     moe: MoeSize | None = None
@@ -61,8 +64,13 @@ class ModelSize:
         return self.cpu_view()
 
     def cpu_view(self) -> ModelSize:
-        """The sizes a CPU worker holds (GGUF blocks where it keeps them; else unchanged)."""
-        blocks = self.cpu_blocks
+        """The sizes a CPU worker holds (GGUF blocks where it keeps them, its KV cache's dtype;
+        else unchanged)."""
+        blocks, kv = self.cpu_blocks, self.cpu_kv_bytes_per_token_per_layer
+        if kv is not None:
+            return dataclasses.replace(
+                self, kv_bytes_per_token_per_layer=kv, cpu_kv_bytes_per_token_per_layer=None
+            ).cpu_view()
         if blocks is None:
             return self
         bytes_per_param = blocks.matmul_bytes_per_param(self.dtype_bytes)
@@ -183,20 +191,29 @@ class GGUFBlockSizes:
         return (self.kept_bytes + dequantized * dtype_bytes) / max(1, self.total_params)
 
 
-def model_size(hf_config: Any, dtype: str, cpu_blocks: GGUFBlockSizes | None = None) -> ModelSize:
+def model_size(
+    hf_config: Any,
+    dtype: str,
+    cpu_blocks: GGUFBlockSizes | None = None,
+    cpu_kv_dtype: str | None = None,
+) -> ModelSize:
     """Sizes of a Llama-family (Llama, Mistral, Qwen2/2.5, Qwen3, SmolLM2), MoE (Mixtral, Qwen2-MoE,
-    Qwen3-MoE, OLMoE) or OPT model."""
+    Qwen3-MoE, OLMoE) or OPT model; `cpu_kv_dtype`: what CPU workers' KV caches hold (None: dtype)."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}; got {dtype!r}")
     model_type = getattr(hf_config, "model_type", "") or ""
     if model_type == "opt":
-        return dataclasses.replace(_opt_size(hf_config, dtype), cpu_blocks=cpu_blocks)
-    if model_type in _LLAMA_LIKE + _MOE or hasattr(hf_config, "intermediate_size"):
+        size = _opt_size(hf_config, dtype)
+    elif model_type in _LLAMA_LIKE + _MOE or hasattr(hf_config, "intermediate_size"):
         size = _llama_size(hf_config, dtype, model_type or "llama")
-        return dataclasses.replace(size, cpu_blocks=cpu_blocks)
-    raise ValueError(
-        f"cannot size model_type {model_type!r}: supported are {', '.join(_LLAMA_LIKE)} and opt"
-    )
+    else:
+        raise ValueError(
+            f"cannot size model_type {model_type!r}: supported are {', '.join(_LLAMA_LIKE)} and opt"
+        )
+    kv = None
+    if cpu_kv_dtype not in (None, dtype):
+        kv = size.kv_bytes_per_token_per_layer * DTYPE_BYTES[cpu_kv_dtype] // DTYPE_BYTES[dtype]
+    return dataclasses.replace(size, cpu_blocks=cpu_blocks, cpu_kv_bytes_per_token_per_layer=kv)
 
 
 def _llama_size(c: Any, dtype: str, model_type: str) -> ModelSize:

@@ -53,6 +53,10 @@ class PlacementArgs:
     dtype: str = "auto"
     # what "auto" means when no GPU runs layers (plan/cpu_dtype.py): "float32" or "bfloat16"
     cpu_auto_dtype: str = "float32"
+    # CPU workers' KV cache (plan/cpu_dtype.py's cpu_kv_cache_dtype): the user's kv_cache_dtype,
+    # and whether they compute GGUF blocks with int8 activations (where "auto" stores float16)
+    kv_cache_dtype: str = "auto"
+    int8_blocks: bool = False
     # CPU stages beside a GPU stream their weights to it for steps of at least this many
     # tokens: None = the cost model's crossover, -1 = never, 0 = always
     stream_threshold: int | None = None
@@ -69,6 +73,10 @@ class PlacementArgs:
             raise ValueError(f"device must be one of {PLACEMENT_DEVICES}, got {self.device!r}")
         if self.dtype not in PLACEMENT_DTYPES:
             raise ValueError(f"dtype must be one of {PLACEMENT_DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in PLACEMENT_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {PLACEMENT_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if self.cpu_auto_dtype not in ("float32", "bfloat16"):
             raise ValueError(
                 f"cpu_auto_dtype must be 'float32' or 'bfloat16', got {self.cpu_auto_dtype!r}"

@@ -32,6 +32,7 @@ import logging
 from typing import Any
 
 from hybridllm.plan.cost_model import CostModel
+from hybridllm.plan.cpu_dtype import cpu_kv_cache_dtype
 from hybridllm.plan.memory_budget import (
     MemoryBudgets,
     check_fits,
@@ -75,8 +76,18 @@ def build_plan(
 
     `cpu_blocks`: the GGUF blocks a CPU worker keeps (smaller, faster to read).
     """
-    size = model_size(hf_config, resolve_plan_dtype(args, hw), cpu_blocks)
+    size = plan_model_size(hf_config, args, hw, cpu_blocks)
     return _Planner(size, args, hw, cost, memory_budgets(hw, args)).build()
+
+
+def plan_model_size(
+    hf_config: Any, args: PlacementArgs, hw: HardwareInfo, cpu_blocks: GGUFBlockSizes | None
+) -> ModelSize:
+    """The model's sizes at the plan's dtype, CPU workers' KV caches in the dtype they store."""
+    dtype = resolve_plan_dtype(args, hw)
+    int8_blocks = cpu_blocks is not None and args.int8_blocks
+    kv_dtype = cpu_kv_cache_dtype(args.kv_cache_dtype, dtype, int8_blocks)
+    return model_size(hf_config, dtype, cpu_blocks, kv_dtype)
 
 
 @dataclasses.dataclass(frozen=True)

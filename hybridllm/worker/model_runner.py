@@ -20,7 +20,8 @@ from hybridllm.engine.scheduler_output import (
 )
 from hybridllm.layers.attention_metadata import AttentionMetadata
 from hybridllm.layers.cpu_kernels import load_cpu_kernels
-from hybridllm.layers.gguf_linear import INT8_ACTIVATIONS, default_activations
+from hybridllm.layers.gguf_linear import int8_activations_in_use
+from hybridllm.plan.cpu_dtype import cpu_kv_cache_dtype
 from hybridllm.plan.memory_budget import host_expert_bytes, worker_weight_bytes
 from hybridllm.plan.model_size import model_size
 from hybridllm.plan.plan import StagePlan
@@ -538,19 +539,13 @@ class ModelRunner:
 
 
 def _kv_cache_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """What this worker's KV cache holds. GPU workers: their (16-bit) compute dtype. CPU workers:
-    `kv_cache_dtype`, where "auto" is float16 when they compute fp32 from GGUF blocks with int8
-    activations (llama.cpp's arrangement: an f16 cache beside approximate dot products; half the
-    bytes decode reads, logprobs within ~3e-3), else the compute dtype (the exact paths)."""
-    kv_dtype = config.cache_config.kv_cache_dtype
+    """What this worker's KV cache holds: GPU workers their (16-bit) compute dtype, CPU workers
+    `cpu_kv_cache_dtype` (plan/cpu_dtype.py)."""
     if device.type != "cpu":
         return dtype
-    if kv_dtype != "auto":
-        return _DTYPES[kv_dtype]
-    blocks = config.model_config.cpu_blocks is not None and load_cpu_kernels()
-    if dtype == torch.float32 and blocks and default_activations() == INT8_ACTIVATIONS:
-        return torch.float16
-    return dtype
+    mc = config.model_config
+    int8_blocks = mc.cpu_blocks is not None and int8_activations_in_use()
+    return _DTYPES[cpu_kv_cache_dtype(config.cache_config.kv_cache_dtype, mc.dtype, int8_blocks)]
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -80,3 +80,17 @@ def test_engine_config_resolves_auto_on_cpu(bf16_folder, monkeypatch, bf16_flops
     assert explicit.create_engine_config().model_config.dtype == "float32"
     quantized = EngineArgs(model=bf16_folder, device="cpu", quantization="q8_0")
     assert quantized.create_engine_config().model_config.dtype == "float32"
+
+
+@pytest.mark.parametrize(
+    "kv_cache_dtype, compute, int8_blocks, expected",
+    [
+        ("auto", "float32", True, "float16"),  # GGUF blocks, int8 activations: llama.cpp's f16
+        ("auto", "float32", False, "float32"),  # the exact paths keep the compute dtype
+        ("auto", "bfloat16", True, "bfloat16"),  # 16-bit compute: its own dtype
+        ("float32", "float32", True, "float32"),  # an explicit choice wins
+        ("bfloat16", "float32", False, "bfloat16"),
+    ],
+)
+def test_cpu_kv_cache_dtype(kv_cache_dtype, compute, int8_blocks, expected):
+    assert cpu_dtype.cpu_kv_cache_dtype(kv_cache_dtype, compute, int8_blocks) == expected

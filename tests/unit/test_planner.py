@@ -22,7 +22,7 @@ from hybridllm.plan.memory_budget import (
 from hybridllm.plan.model_size import GGUFBlockSizes, model_size
 from hybridllm.plan.placement_args import PlacementArgs, parse_memory_size
 from hybridllm.plan.plan import Plan, partition
-from hybridllm.plan.planner import build_plan, resolve_plan_dtype
+from hybridllm.plan.planner import build_plan, plan_model_size, resolve_plan_dtype
 from hybridllm.platforms.discovery import GpuInfo, HardwareInfo, NumaNode
 
 GiB = 1 << 30
@@ -407,3 +407,33 @@ def test_cpu_blocks_are_multiplied_at_the_measured_block_gemm_rate():
     assert prefill[None] == prefill[1e12]
     assert prefill[3e12] > 2 * prefill[1e12]
     assert len({c.prefill_tokens_per_s(plan, plain) for c in cost.values()}) == 1
+
+
+def test_cpu_kv_caches_are_sized_in_the_dtype_they_store():
+    # a GGUF model on CPU workers beside int8 activations stores a float16 cache ("auto"):
+    # half the KV bytes a token (and twice the capacity) of an fp32 one; GPU workers of a
+    # heterogeneous plan keep their compute dtype's
+    blocks = GGUFBlockSizes(kept_params=1, kept_bytes=1, total_params=1, lm_head_bytes=None)
+    hw = machine((), ram_gib=64)
+
+    def cpu_memory(**kwargs):
+        args = PlacementArgs(device="cpu", **kwargs)
+        plan = build_plan(config("llama3-8b"), args, hw, None, blocks)
+        size = plan_model_size(config("llama3-8b"), args, hw, blocks)
+        (mem,) = device_memory(plan.stages, size, memory_budgets(hw, args))
+        return mem
+
+    fp32 = cpu_memory()
+    fp16 = cpu_memory(int8_blocks=True)
+    assert fp32.kv_bytes_per_token == 32 * 2 * 8 * 128 * 4  # layers x K,V x kv heads x dim
+    assert fp16.kv_bytes_per_token * 2 == fp32.kv_bytes_per_token
+    assert cpu_memory(int8_blocks=True, kv_cache_dtype="float32") == fp32
+    assert cpu_memory(kv_cache_dtype="bfloat16").kv_bytes_per_token == fp16.kv_bytes_per_token
+    # without blocks (dense weights) auto stays the compute dtype, int8 or not
+    args = PlacementArgs(device="cpu", int8_blocks=True)
+    dense = plan_model_size(config("llama3-8b"), args, hw, None)
+    assert dense.cpu_view().kv_bytes_per_token_per_layer == fp32.kv_bytes_per_token // 32
+    # a GPU worker's view keeps bf16 whatever the CPU workers store
+    gpu_args = PlacementArgs(int8_blocks=True, kv_cache_dtype="float16")
+    size = plan_model_size(config("llama3-8b"), gpu_args, machine((80,)), blocks)
+    assert size.kv_bytes_per_token_per_layer == 2 * 8 * 128 * 2

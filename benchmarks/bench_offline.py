@@ -3,11 +3,12 @@
 Measures: cold load time (fresh processes), single-stream decode tokens/s and time to first token
 (128-token prompt, 128 new tokens), offline throughput of 64 prompts x 128 tokens with 128 new
 tokens each (transformers batched generate at batch 8), and the bandwidth floor. hybridllm runs
-twice: as it runs by default (the GGUF's Q4_1/Q8_0 linears computed from their blocks, fp32
-arithmetic) and with `quantization="none"` (every weight dequantized to fp32, as transformers
-holds them; --skip-fp32-weights leaves it out), and with --kv-cache-dtype also with that KV
-cache dtype (the default run's is float16). Single-stream figures are the best of 3 rounds in which the engines alternate,
-each round on a fresh prompt; throughput the best of 2 such rounds, each on its own 64 prompts.
+as it does by default (the GGUF's Q4_1/Q8_0 linears computed from their blocks with int8
+activations, a float16 KV cache), with `quantization="none"` (every weight dequantized to fp32,
+as transformers holds them; --skip-fp32-weights leaves it out), and with --kv-cache-dtype once
+more with that KV cache dtype. Single-stream figures are the best of 3 rounds in which the
+engines alternate, each round on a fresh prompt; throughput the best of 2 such rounds, each on
+its own 64 prompts.
 With --llamacpp-python, llama.cpp (llama-cpp-python's `Llama` on the same GGUF, as many threads)
 joins the rounds from a process of that Python (benchmarks/llamacpp_worker.py); it generates one
 sequence at a time, so its throughput is the 64 prompts one after another.

@@ -149,6 +149,9 @@ class LlamaDecoderLayer(nn.Module):
         # the `activations` of the native whole-layer decode (use_native_decode); None: off
         self.native_decode_activations: int | None = None
         self.native_decode_mlp = False  # whether the native call computes the MLP too
+        # the native call's arguments that do not change from step to step: (those before the
+        # rotary angles, those after the attention inputs); set with native_decode_activations
+        self._native_decode_args: tuple[tuple, tuple] = ((), ())
         self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
         self.self_attn = self.attention_class(
             hf_config, layer_idx, head_dim, qkv_bias, o_bias, qk_norm, dtype, device, tp_group
@@ -203,6 +206,36 @@ class LlamaDecoderLayer(nn.Module):
             and getattr(attn.attn.backend, "native_ops", False)
         ):
             self.native_decode_activations = activations
+            # looked up once: ~20 module attribute reads a layer cost as much as its attention
+            # at batch 1 (nn.Module.__getattr__ is slow)
+            gate_up, down = (
+                (mlp.gate_up_proj, mlp.down_proj) if self.native_decode_mlp else (None,) * 2
+            )
+            self._native_decode_args = (
+                (
+                    self.input_layernorm.weight,
+                    self.post_attention_layernorm.weight,
+                    self.input_layernorm.eps,
+                    attn.qkv_proj.qweight,
+                    attn.qkv_proj.ggml_type,
+                    attn.qkv_proj.bias,
+                    None if attn.q_norm is None else attn.q_norm.weight,
+                    None if attn.k_norm is None else attn.k_norm.weight,
+                    attn.o_proj.qweight,
+                    attn.o_proj.ggml_type,
+                    None if gate_up is None else gate_up.qweight,
+                    -1 if gate_up is None else gate_up.ggml_type,
+                    None if down is None else down.qweight,
+                    -1 if down is None else down.ggml_type,
+                ),
+                (
+                    attn.attn.scale,
+                    attn.attn.sliding_window or 0,
+                    attn.num_heads,
+                    attn.num_kv_heads,
+                    activations,
+                ),
+            )
 
     def decode_native(
         self,
@@ -214,40 +247,20 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` for a step of decode rows only, fp32: the native op, then the MLP block
         when the op did not take it."""
-        attn, mlp = self.self_attn, self.mlp
-        qkv, o = attn.qkv_proj, attn.o_proj
-        dense = self.native_decode_mlp
-        q_norm, k_norm = attn.q_norm, attn.k_norm
-        out, residual = torch.ops.hybridllm.decode_layer(
+        weights, attention = self._native_decode_args
+        out, residual = torch.ops.hybridllm.decode_layer.default(
             hidden_states,
             residual,
-            self.input_layernorm.weight,
-            self.post_attention_layernorm.weight,
-            self.input_layernorm.eps,
-            qkv.qweight,
-            qkv.ggml_type,
-            qkv.bias,
-            None if q_norm is None else q_norm.weight,
-            None if k_norm is None else k_norm.weight,
-            o.qweight,
-            o.ggml_type,
-            mlp.gate_up_proj.qweight if dense else None,
-            mlp.gate_up_proj.ggml_type if dense else -1,
-            mlp.down_proj.qweight if dense else None,
-            mlp.down_proj.ggml_type if dense else -1,
+            *weights,
             rotary.cos,
             rotary.sin_signed,
             kv_cache,
             prep.slot_mapping,
             prep.decode_block_tables,
             prep.decode_seq_lens,
-            attn.attn.scale,
-            attn.attn.sliding_window or 0,
-            attn.num_heads,
-            attn.num_kv_heads,
-            self.native_decode_activations,
+            *attention,
         )
-        return (out, residual) if dense else (mlp(out), residual)
+        return (out, residual) if self.native_decode_mlp else (self.mlp(out), residual)
 
     def forward(
         self,

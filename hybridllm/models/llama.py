@@ -126,6 +126,14 @@ class LlamaAttention(nn.Module):
         return loaders
 
 
+def _block_shards(linear: Linear) -> tuple[list[torch.Tensor], list[int]]:
+    """A GGUF-block linear's weights as the native decode layer takes them: its one tensor of
+    blocks, or a tensor a shard ([rows, bytes] each, side by side in the output)."""
+    if linear.qweight is not None:
+        return [linear.qweight], [linear.ggml_type]
+    return [q for q, _, _ in linear.shard_blocks], [t for _, t, _ in linear.shard_blocks]
+
+
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP. Subclasses swap the attention class or the MLP (`build_mlp`,
     `mlp_weight_loaders`); an MoE layer builds an expert block in place of the dense MLP."""
@@ -200,7 +208,10 @@ class LlamaDecoderLayer(nn.Module):
         if self.native_decode_mlp:
             linears += [mlp.gate_up_proj, mlp.down_proj]
         if (
-            all(type(linear) is Linear and linear.qweight is not None for linear in linears)
+            all(type(linear) is Linear for linear in linears)
+            and all(linear.qweight is not None for linear in linears[1::2])
+            # qkv and gate/up: one tensor of blocks, or one a shard of differing block types
+            and all(linear.qweight is not None or linear.shard_blocks for linear in linears[::2])
             and all(linear.bias is None for linear in linears[1:])
             and all(norm.native and norm.eps == norms[0].eps for norm in norms)
             and getattr(attn.attn.backend, "native_ops", False)
@@ -208,23 +219,25 @@ class LlamaDecoderLayer(nn.Module):
             self.native_decode_activations = activations
             # looked up once: ~20 module attribute reads a layer cost as much as its attention
             # at batch 1 (nn.Module.__getattr__ is slow)
-            gate_up, down = (
-                (mlp.gate_up_proj, mlp.down_proj) if self.native_decode_mlp else (None,) * 2
+            down = mlp.down_proj if self.native_decode_mlp else None
+            qkv_weights, qkv_types = _block_shards(attn.qkv_proj)
+            gate_up_weights, gate_up_types = (
+                _block_shards(mlp.gate_up_proj) if self.native_decode_mlp else ([], [])
             )
             self._native_decode_args = (
                 (
                     self.input_layernorm.weight,
                     self.post_attention_layernorm.weight,
                     self.input_layernorm.eps,
-                    attn.qkv_proj.qweight,
-                    attn.qkv_proj.ggml_type,
+                    qkv_weights,
+                    qkv_types,
                     attn.qkv_proj.bias,
                     None if attn.q_norm is None else attn.q_norm.weight,
                     None if attn.k_norm is None else attn.k_norm.weight,
                     attn.o_proj.qweight,
                     attn.o_proj.ggml_type,
-                    None if gate_up is None else gate_up.qweight,
-                    -1 if gate_up is None else gate_up.ggml_type,
+                    gate_up_weights,
+                    gate_up_types,
                     None if down is None else down.qweight,
                     -1 if down is None else down.ggml_type,
                 ),

@@ -33,23 +33,48 @@ def _kernels():
     require_cpu_kernels()
 
 
-@pytest.fixture(scope="module")
-def llama_gguf(tmp_path_factory):
+# q, k and v (and gate and up) in different block types, as Q4_K_M files often have v: the
+# fused projections hold a tensor of blocks a shard
+MIXED_TYPES = {
+    **LINEAR_TYPES,
+    "self_attn.v_proj.weight": Q.Q8_0,
+    "mlp.gate_proj.weight": Q.Q4_0,
+}
+
+
+def llama_gguf_file(directory, linear_types: dict) -> str:
     model = tiny_hf_model("llama", seed=5)
     quantize = {
         f"model.layers.{i}.{name}": qtype
         for i in range(model.config.num_hidden_layers)
-        for name, qtype in LINEAR_TYPES.items()
+        for name, qtype in linear_types.items()
     }
-    return str(write_gguf(tmp_path_factory.mktemp("g") / "m.gguf", model, quantize=quantize))
+    return str(write_gguf(directory / "m.gguf", model, quantize=quantize))
 
 
-def run(path: str, native: bool, monkeypatch, **engine_kwargs) -> tuple[list, list[bool]]:
+@pytest.fixture(scope="module")
+def llama_gguf(tmp_path_factory):
+    return llama_gguf_file(tmp_path_factory.mktemp("g"), LINEAR_TYPES)
+
+
+def run(
+    path: str, native: bool, monkeypatch, sharded: list | None = None, **engine_kwargs
+) -> tuple[list, list[bool]]:
+    """(tokens and logprobs of each output, whether each layer took the native op); `sharded`
+    gets, a layer, whether its qkv and gate/up hold a tensor of blocks a shard."""
     monkeypatch.setenv(NATIVE_DECODE_ENV, "1" if native else "0")
     llm = LLM(path, skip_tokenizer_init=True, use_tqdm=False, **engine_kwargs)
     try:
         model = llm.llm_engine.executor.workers[0].model_runner.model
         used = [layer.native_decode_activations is not None for layer in model.layers]
+        if sharded is not None:
+            sharded += [
+                (
+                    bool(layer.self_attn.qkv_proj.shard_blocks),
+                    bool(layer.mlp.gate_up_proj.shard_blocks),
+                )
+                for layer in model.layers
+            ]
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
         single = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params)
@@ -71,6 +96,16 @@ def test_gguf_llama_native_equals_per_op(llama_gguf, monkeypatch):
     assert all(used) and not any(unused)
     assert native == per_op
     assert all(len(tokens) == 16 for tokens, _ in native)
+
+
+def test_mixed_block_types_native_equals_per_op(tmp_path, monkeypatch):
+    path = llama_gguf_file(tmp_path, MIXED_TYPES)
+    sharded: list = []
+    native, used = run(path, True, monkeypatch, sharded)
+    per_op, _ = run(path, False, monkeypatch)
+    assert sharded == [(True, True)] * len(used)
+    assert all(used)
+    assert native == per_op
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "mistral", "qwen3"])

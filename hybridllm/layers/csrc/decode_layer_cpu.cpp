@@ -1,5 +1,7 @@
 // One Llama-family decoder layer of a decode step in one native call: input RMSNorm (with the
-// residual add), qkv from GGUF blocks (+ bias, + Qwen3's per-head q/k RMSNorm), rotary, KV cache
+// residual add), qkv from GGUF blocks (one tensor, or a tensor a shard where q, k and v have
+// different block types, as Q4_K_M files' v often has) (+ bias, + Qwen3's per-head q/k
+// RMSNorm), rotary, KV cache
 // write, paged decode attention, o-proj, post-attention RMSNorm, and, for a dense layer, gate/up,
 // SiLU gate and down (an MoE layer returns the normed input of its expert block instead).
 // Each piece is this library's own op
@@ -8,11 +10,13 @@
 // layer, measured at ~90 us a layer on a 2-core EPYC, as long as SmolLM2's linears take.
 // Registered as hybridllm::decode_layer; built on first use by hybridllm/layers/cpu_kernels.py.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "library_ops.h"
 
@@ -37,13 +41,32 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return op.call(x, residual, weight, eps);
 }
 
+// x times the rows of each shard's blocks, side by side: [n, sum of the shards' rows]
+at::Tensor sharded_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef types,
+                          int64_t activations, const char* what) {
+  TORCH_CHECK(!weights.empty() && weights.size() == types.size(), "decode_layer: ", what, " has ",
+              weights.size(), " weight shards and ", types.size(), " block types");
+  if (weights.size() == 1) return gguf_linear(x, weights[0], types[0], activations);
+  std::vector<at::Tensor> parts;
+  parts.reserve(weights.size());
+  for (size_t i = 0; i < weights.size(); ++i)
+    parts.push_back(gguf_linear(x, weights[i], types[i], activations));
+  return at::cat(parts, 1);
+}
+
+int64_t total_rows(at::TensorList weights) {
+  int64_t rows = 0;
+  for (const at::Tensor& w : weights) rows += w.size(0);
+  return rows;
+}
+
 std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& hidden, const std::optional<at::Tensor>& residual,
     const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
-    const at::Tensor& qkv_weight, int64_t qkv_type, const std::optional<at::Tensor>& qkv_bias,
+    at::TensorList qkv_weights, at::IntArrayRef qkv_types, const std::optional<at::Tensor>& qkv_bias,
     const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
-    const at::Tensor& o_weight, int64_t o_type, const std::optional<at::Tensor>& gate_up_weight,
-    int64_t gate_up_type, const std::optional<at::Tensor>& down_weight, int64_t down_type,
+    const at::Tensor& o_weight, int64_t o_type, at::TensorList gate_up_weights,
+    at::IntArrayRef gate_up_types, const std::optional<at::Tensor>& down_weight, int64_t down_type,
     const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kv_cache,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
     double scale, int64_t window, int64_t num_heads, int64_t num_kv_heads, int64_t activations) {
@@ -66,8 +89,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   const int64_t n = hidden.size(0);
   const int64_t head_dim = kv_cache.size(-1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  TORCH_CHECK(qkv_weight.size(0) == q_size + 2 * kv_size, "decode_layer: qkv has ",
-              qkv_weight.size(0), " rows, expected ", q_size + 2 * kv_size);
+  TORCH_CHECK(total_rows(qkv_weights) == q_size + 2 * kv_size, "decode_layer: qkv has ",
+              total_rows(qkv_weights), " rows, expected ", q_size + 2 * kv_size);
 
   at::Tensor normed, res;
   if (residual.has_value()) {
@@ -76,7 +99,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     res = hidden;
     normed = rms_norm(hidden, input_norm, eps);
   }
-  at::Tensor qkv = gguf_linear(normed, qkv_weight, qkv_type, activations);  // [n, q + 2 kv]
+  at::Tensor qkv =
+      sharded_linear(normed, qkv_weights, qkv_types, activations, "qkv");  // [n, q + 2 kv]
   if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({n, num_heads, head_dim});
   at::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads, head_dim});
@@ -99,10 +123,11 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
       attention.call(q.contiguous(), kv_cache, block_tables, seq_lens, scale, window);
   const at::Tensor o = gguf_linear(attn.view({n, q_size}), o_weight, o_type, activations);
   std::tie(normed, res) = add_rms_norm(o, res, post_norm, eps);
-  TORCH_CHECK(gate_up_weight.has_value() == down_weight.has_value(),
-              "decode_layer: gate_up_weight and down_weight come together");
-  if (!gate_up_weight.has_value()) return {normed, res};  // the caller's expert block next
-  const at::Tensor gate_up = gguf_linear(normed, *gate_up_weight, gate_up_type, activations);
+  TORCH_CHECK(gate_up_weights.empty() != down_weight.has_value(),
+              "decode_layer: gate_up_weights and down_weight come together");
+  if (!down_weight.has_value()) return {normed, res};  // the caller's expert block next
+  const at::Tensor gate_up =
+      sharded_linear(normed, gate_up_weights, gate_up_types, activations, "gate_up");
   const at::Tensor out = gguf_linear(silu_and_mul(gate_up), *down_weight, down_type, activations);
   return {out, res};
 }
@@ -112,8 +137,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 TORCH_LIBRARY_FRAGMENT(hybridllm, m) {
   m.def(
       "decode_layer(Tensor hidden, Tensor? residual, Tensor input_norm, Tensor post_norm, "
-      "float eps, Tensor qkv_weight, int qkv_type, Tensor? qkv_bias, Tensor? q_norm, "
-      "Tensor? k_norm, Tensor o_weight, int o_type, Tensor? gate_up_weight, int gate_up_type, "
+      "float eps, Tensor[] qkv_weights, int[] qkv_types, Tensor? qkv_bias, Tensor? q_norm, "
+      "Tensor? k_norm, Tensor o_weight, int o_type, Tensor[] gate_up_weights, int[] gate_up_types, "
       "Tensor? down_weight, int down_type, "
       "Tensor cos, Tensor sin, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, "
       "Tensor seq_lens, float scale, int window, int num_heads, int num_kv_heads, "

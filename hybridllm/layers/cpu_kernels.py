@@ -40,6 +40,7 @@ SOURCES = [
         "kv_cache_write_cpu.cpp",
         "fused_moe_cpu.cpp",
         "decode_layer_cpu.cpp",
+        "decode_stack_cpu.cpp",
     )
 ]
 # Headers the sources include: part of the build's identity, like the sources.

@@ -347,6 +347,9 @@ class LlamaForCausalLM(CausalLMBase):
             self.make_layer(i, dtype, device, tp_group)
             for i in range(self.start_layer, self.end_layer)
         )
+        # torch.classes.hybridllm.DecodeStack of every layer, when all decode natively
+        # (process_weights_after_loading)
+        self.decode_stack = None
         self.norm = None
         if self.is_last_stage:
             self.norm = RMSNorm(hidden, hf_config.rms_norm_eps, dtype, device)
@@ -367,6 +370,15 @@ class LlamaForCausalLM(CausalLMBase):
         activations = default_activations()
         for layer in self.layers:
             layer.use_native_decode(activations)
+        if len(self.layers) > 0 and all(
+            layer.native_decode_activations is not None and layer.native_decode_mlp
+            for layer in self.layers
+        ):
+            # every layer native with its MLP: one call from Python runs them all
+            self.decode_stack = torch.classes.hybridllm.DecodeStack()
+            for layer in self.layers:
+                weights, attention = layer._native_decode_args
+                self.decode_stack.add_layer(*weights, *attention)
 
     def make_layer(
         self,
@@ -418,20 +430,32 @@ class LlamaForCausalLM(CausalLMBase):
             if self.embed_tokens is None:
                 raise ValueError("a stage without the embedding needs hidden_states")
             hidden_states = self.embed_tokens(input_ids)  # [n, hidden]
+        # a CPU step of decode rows only: eligible layers in one native call each
+        native = (
+            rotary.native
+            and bool(kv_caches)
+            and prep.num_decodes == hidden_states.shape[0] > 0
+            and hidden_states.dtype == torch.float32
+        )
         streamer = self.weight_streamer
         if streamer is not None and streamer.wants(attn_metadata, kv_caches):
             # Many tokens: the layers' weights go to the accelerator and compute there.
             hidden_states, residual = streamer.run(
                 self.layers, kv_caches, hidden_states, residual, positions, attn_metadata
             )
-        else:
-            # a CPU step of decode rows only: eligible layers in one native call each
-            native = (
-                rotary.native
-                and bool(kv_caches)
-                and prep.num_decodes == hidden_states.shape[0] > 0
-                and hidden_states.dtype == torch.float32
+        elif native and self.decode_stack is not None:
+            # every layer native with its MLP: all of them in one call
+            hidden_states, residual = self.decode_stack.forward(
+                hidden_states,
+                residual,
+                rotary.cos,
+                rotary.sin_signed,
+                kv_caches,
+                prep.slot_mapping,
+                prep.decode_block_tables,
+                prep.decode_seq_lens,
             )
+        else:
             for i, layer in enumerate(self.layers):
                 kv_cache = kv_caches[i] if kv_caches else None
                 if native and layer.native_decode_activations is not None:

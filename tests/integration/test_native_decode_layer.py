@@ -1,6 +1,7 @@
 """The native whole-layer decode (`hybridllm::decode_layer`) equals the per-op path bit for bit.
 
-Both run the same kernels in the same order; the native op only removes Python between them, so
+Both run the same kernels in the same order; the native op (and DecodeStack, which runs every
+layer's op in one call from Python) only removes Python between them, so
 greedy tokens and every logprob must be identical, for single streams and batches, with qkv
 biases (Qwen2), sliding windows (Mistral), Qwen3's q/k norms, MoE layers (attention native, the
 expert block after it) and layers it does not take (OLMoE's attention).
@@ -59,9 +60,10 @@ def llama_gguf(tmp_path_factory):
 
 def run(
     path: str, native: bool, monkeypatch, sharded: list | None = None, **engine_kwargs
-) -> tuple[list, list[bool]]:
-    """(tokens and logprobs of each output, whether each layer took the native op); `sharded`
-    gets, a layer, whether its qkv and gate/up hold a tensor of blocks a shard."""
+) -> tuple[list, list[bool], bool]:
+    """(tokens and logprobs of each output, whether each layer took the native op, and whether
+    one DecodeStack call ran them all); `sharded` gets, a layer, whether its qkv and gate/up
+    hold a tensor of blocks a shard."""
     monkeypatch.setenv(NATIVE_DECODE_ENV, "1" if native else "0")
     llm = LLM(path, skip_tokenizer_init=True, use_tqdm=False, **engine_kwargs)
     try:
@@ -85,15 +87,16 @@ def run(
             )
             for o in outs + single
         ]
-        return results, used
+        return results, used, model.decode_stack is not None
     finally:
         llm.shutdown()
 
 
 def test_gguf_llama_native_equals_per_op(llama_gguf, monkeypatch):
-    native, used = run(llama_gguf, True, monkeypatch)
-    per_op, unused = run(llama_gguf, False, monkeypatch)
+    native, used, stacked = run(llama_gguf, True, monkeypatch)
+    per_op, unused, unstacked = run(llama_gguf, False, monkeypatch)
     assert all(used) and not any(unused)
+    assert stacked and not unstacked
     assert native == per_op
     assert all(len(tokens) == 16 for tokens, _ in native)
 
@@ -101,10 +104,10 @@ def test_gguf_llama_native_equals_per_op(llama_gguf, monkeypatch):
 def test_mixed_block_types_native_equals_per_op(tmp_path, monkeypatch):
     path = llama_gguf_file(tmp_path, MIXED_TYPES)
     sharded: list = []
-    native, used = run(path, True, monkeypatch, sharded)
-    per_op, _ = run(path, False, monkeypatch)
+    native, used, stacked = run(path, True, monkeypatch, sharded)
+    per_op, _, _ = run(path, False, monkeypatch)
     assert sharded == [(True, True)] * len(used)
-    assert all(used)
+    assert all(used) and stacked
     assert native == per_op
 
 
@@ -116,10 +119,11 @@ def test_fp32_folders_native_equals_per_op(arch, tmp_path, monkeypatch):
     from tests.model_helpers import make_tiny_model
 
     path = str(make_tiny_model(arch, tmp_path / arch))  # mistral: a window of 12
-    native, used = run(path, True, monkeypatch)
-    per_op, _ = run(path, False, monkeypatch)
+    native, used, stacked = run(path, True, monkeypatch)
+    per_op, _, _ = run(path, False, monkeypatch)
     assert native == per_op
     assert all(u == own_f32_gemm_preferred() for u in used)
+    assert stacked == own_f32_gemm_preferred()
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "olmoe"])
@@ -130,10 +134,23 @@ def test_moe_layers_native_attention_equals_per_op(arch, tmp_path, monkeypatch):
     from tests.moe_helpers import make_tiny_moe_model
 
     path = str(make_tiny_moe_model(arch, tmp_path / arch))
-    native, used = run(path, True, monkeypatch)
-    per_op, _ = run(path, False, monkeypatch)
+    native, used, stacked = run(path, True, monkeypatch)
+    per_op, _, _ = run(path, False, monkeypatch)
     assert native == per_op
+    assert not stacked  # the expert blocks run between layers: one native call a layer
     expected = [own_f32_gemm_preferred() and arch != "olmoe"] * len(used)
     if arch == "qwen2_moe":
         expected[1] = False  # its dense MLP is 72 wide: down_proj's rows are not whole blocks
     assert used == expected
+
+
+def test_decode_stack_checks_its_inputs():
+    import torch
+
+    stack = torch.classes.hybridllm.DecodeStack()
+    h = torch.zeros(1, 8)
+    with pytest.raises(RuntimeError, match="0 layers but 1 KV caches"):
+        stack.forward(h, None, h, h, [h], h, h, h)
+    with pytest.raises(RuntimeError, match="no layers"):
+        stack.forward(h, None, h, h, [], h, h, h)
+    assert stack.size() == 0

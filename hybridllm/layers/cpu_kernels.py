@@ -41,6 +41,7 @@ SOURCES = [
         "fused_moe_cpu.cpp",
         "decode_layer_cpu.cpp",
         "decode_stack_cpu.cpp",
+        "prefill_attention_cpu.cpp",
     )
 ]
 # Headers the sources include: part of the build's identity, like the sources.

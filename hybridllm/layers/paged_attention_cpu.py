@@ -5,7 +5,8 @@ in the compute dtype or, under fp32 compute, a 16-bit `kv_cache_dtype` (halves t
 reads): keys and values are rounded to it when written and widened back when read.
 Decode rows gather their blocks into one padded batch and run a single SDPA call in which
 the query heads of one KV head act as that head's "query length" (GQA without repeating K/V).
-Prefill rows run SDPA per sequence over their context, causal with the prefix offset.
+Prefill rows run SDPA per sequence over their context, causal with the prefix offset; with
+`native_ops` (CPU, fp32) the compiled `hybridllm::prefill_attention` instead.
 """
 
 from __future__ import annotations
@@ -139,6 +140,14 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         """Attention of one sequence's chunk over its context -> [query_len, H, D]."""
         rows = slice(seq.query_start, seq.query_end)
+        if self.native_ops and query.dtype == torch.float32:
+            # the chunk's own keys and values (strided views), or its whole context's
+            k, v = (
+                (key[rows], value[rows]) if seq.block_ids is None else self.context(kv_cache, seq)
+            )
+            return torch.ops.hybridllm.prefill_attention(
+                query[rows], k, v, scale, sliding_window or 0
+            )
         q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
         if seq.block_ids is None:
             k = key[rows].transpose(0, 1).unsqueeze(0)  # [1, kvh, q_len, D]
@@ -150,15 +159,21 @@ class TorchPagedAttention:
         return out[0].transpose(0, 1)
 
     @staticmethod
-    def gather_context(
-        kv_cache: torch.Tensor, seq: PrefillSequence
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sequence's keys and values from the cache, each [1, kvh, context_len, D], in the
+    def context(kv_cache: torch.Tensor, seq: PrefillSequence) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sequence's keys and values from the cache, each [context_len, kvh, D], in the
         cache's dtype."""
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         gathered = kv_cache.index_select(1, seq.block_ids)  # [2, nb, bs, kvh, D]
         kv = gathered.view(2, -1, num_kv_heads, head_dim)[:, : seq.context_len]
-        return kv[0].transpose(0, 1).unsqueeze(0), kv[1].transpose(0, 1).unsqueeze(0)
+        return kv[0], kv[1]
+
+    @classmethod
+    def gather_context(
+        cls, kv_cache: torch.Tensor, seq: PrefillSequence
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`context`, each as [1, kvh, context_len, D]."""
+        key, value = cls.context(kv_cache, seq)
+        return key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0)
 
     @staticmethod
     def sdpa(

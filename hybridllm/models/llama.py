@@ -159,7 +159,7 @@ class LlamaDecoderLayer(nn.Module):
         self.native_decode_mlp = False  # whether the native call computes the MLP too
         # the native call's arguments that do not change from step to step: (those before the
         # rotary angles, those after the attention inputs); set with native_decode_activations
-        self._native_decode_args: tuple[tuple, tuple] = ((), ())
+        self.native_decode_args: tuple[tuple, tuple] = ((), ())
         self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
         self.self_attn = self.attention_class(
             hf_config, layer_idx, head_dim, qkv_bias, o_bias, qk_norm, dtype, device, tp_group
@@ -217,14 +217,14 @@ class LlamaDecoderLayer(nn.Module):
             and getattr(attn.attn.backend, "native_ops", False)
         ):
             self.native_decode_activations = activations
-            # looked up once: ~20 module attribute reads a layer cost as much as its attention
-            # at batch 1 (nn.Module.__getattr__ is slow)
+            # looked up once: read through nn.Module attributes every step they cost ~10 us a
+            # layer at batch 1 (SmolLM2), as much as its attention
             down = mlp.down_proj if self.native_decode_mlp else None
             qkv_weights, qkv_types = _block_shards(attn.qkv_proj)
             gate_up_weights, gate_up_types = (
                 _block_shards(mlp.gate_up_proj) if self.native_decode_mlp else ([], [])
             )
-            self._native_decode_args = (
+            self.native_decode_args = (
                 (
                     self.input_layernorm.weight,
                     self.post_attention_layernorm.weight,
@@ -260,7 +260,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` for a step of decode rows only, fp32: the native op, then the MLP block
         when the op did not take it."""
-        weights, attention = self._native_decode_args
+        weights, attention = self.native_decode_args
         out, residual = torch.ops.hybridllm.decode_layer.default(
             hidden_states,
             residual,
@@ -377,7 +377,7 @@ class LlamaForCausalLM(CausalLMBase):
             # every layer native with its MLP: one call from Python runs them all
             self.decode_stack = torch.classes.hybridllm.DecodeStack()
             for layer in self.layers:
-                weights, attention = layer._native_decode_args
+                weights, attention = layer.native_decode_args
                 self.decode_stack.add_layer(*weights, *attention)
 
     def make_layer(

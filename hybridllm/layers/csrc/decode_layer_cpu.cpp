@@ -1,9 +1,9 @@
 // One Llama-family decoder layer of a decode step in one native call: input RMSNorm (with the
-// residual add), qkv from GGUF blocks (one tensor, or a tensor a shard where q, k and v have
-// different block types, as Q4_K_M files' v often has) (+ bias, + Qwen3's per-head q/k
-// RMSNorm), rotary, KV cache
+// residual add), qkv from GGUF blocks (+ bias, + Qwen3's per-head q/k RMSNorm), rotary, KV cache
 // write, paged decode attention, o-proj, post-attention RMSNorm, and, for a dense layer, gate/up,
-// SiLU gate and down (an MoE layer returns the normed input of its expert block instead).
+// SiLU gate and down (an MoE layer returns the normed input of its expert block instead). qkv
+// and gate/up come as one tensor of blocks, or one a shard where their block types differ (as
+// the v of Q4_K_M files often does).
 // Each piece is this library's own op
 // (called through the dispatcher, so every check and kernel is the per-op path's: the result is
 // bit for bit the same); what goes away is Python: ~12 module calls and ~10 op dispatches a

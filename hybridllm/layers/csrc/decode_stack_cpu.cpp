@@ -2,8 +2,8 @@
 // DecodeStack holds each layer's step-invariant arguments of hybridllm::decode_layer (weights,
 // block types, norms, attention sizes), given once with add_layer; forward runs the layers one
 // after the other through that op, so the result is bit for bit the per-layer calls'. What goes
-// away is Python between layers: at batch 1 on SmolLM2 a layer's call cost ~4 us of argument
-// passing (27 arguments) and ~3 us of loop and method frames, beside ~80 us of work.
+// away is Python between layers (a loop, a method frame and 27 arguments parsed a layer): SmolLM2
+// at batch 1 decoded 229.7-234.9 tok/s with one call against 206.8-225.8 with a call a layer.
 // Built on first use by hybridllm/layers/cpu_kernels.py.
 #include <ATen/core/Tensor.h>
 #include <torch/custom_class.h>

@@ -30,8 +30,8 @@ namespace {
 
 using hybridllm_math::exp_nonpositive;
 
-constexpr int kRows = 4;             // rows a register block
-constexpr int kKeys = 16;            // keys a score tile (one 16-float vector)
+constexpr int kRows = 4;   // rows a register block
+constexpr int kKeys = 16;  // keys a score tile (one 16-float vector)
 
 // Strided views of the inputs: element (token t, head h, dim d) at base[t * token + h * head + d].
 template <typename T>

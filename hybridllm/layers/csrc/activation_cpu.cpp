@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "vec_math.h"
 
@@ -23,10 +24,17 @@ void silu_and_mul_rows(const scalar_t* x, scalar_t* out, int64_t begin, int64_t 
     const scalar_t* gate = x + r * 2 * width;
     const scalar_t* up = gate + width;
     scalar_t* orow = out + r * width;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<scalar_t, float>)  // 16 at a time (vec_math.h: 4x GCC's loop)
+      for (; i + 16 <= width; i += 16)
+        _mm512_storeu_ps(orow + i, _mm512_mul_ps(hybridllm_math::silu16(_mm512_loadu_ps(gate + i)),
+                                                 _mm512_loadu_ps(up + i)));
+#endif
 #pragma omp simd
-    for (int64_t i = 0; i < width; ++i)
-      orow[i] = static_cast<scalar_t>(hybridllm_math::silu(static_cast<float>(gate[i])) *
-                                      static_cast<float>(up[i]));
+    for (int64_t j = i; j < width; ++j)
+      orow[j] = static_cast<scalar_t>(hybridllm_math::silu(static_cast<float>(gate[j])) *
+                                      static_cast<float>(up[j]));
   }
 }
 

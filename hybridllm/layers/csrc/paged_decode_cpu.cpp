@@ -26,7 +26,7 @@
 
 namespace {
 
-using hybridllm_math::exp_nonpositive;
+using hybridllm_math::exp_minus_max;
 
 // How many tokens ahead the first pass over an item's keys asks for the key and value rows it
 // will need. Blocks are scattered, so the hardware prefetcher stops at every block's end; with
@@ -50,17 +50,7 @@ inline void prefetch_kv_row(const void* key_row, int64_t value_offset_bytes, int
 // Softmax numerators in place for `rows` rows of n scores (scores[r * n + t]), and each row's
 // 1 / sum in inv_sum[r]: the division waits until the weighted sum of values is done.
 inline void softmax_numerators(float* scores, int64_t rows, int64_t n, float* inv_sum) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float* sr = scores + r * n;
-    float mx = sr[0];
-    for (int64_t t = 1; t < n; ++t) mx = std::max(mx, sr[t]);
-#pragma omp simd
-    for (int64_t t = 0; t < n; ++t) sr[t] = exp_nonpositive(sr[t] - mx);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) sum += sr[t];
-    inv_sum[r] = 1.f / sum;
-  }
+  for (int64_t r = 0; r < rows; ++r) inv_sum[r] = 1.f / exp_minus_max(scores + r * n, n);
 }
 
 #if defined(__AVX512F__)

@@ -28,7 +28,7 @@
 
 namespace {
 
-using hybridllm_math::exp_nonpositive;
+using hybridllm_math::exp_minus_max;
 
 constexpr int kRows = 4;   // rows a register block
 constexpr int kKeys = 16;  // keys a score tile (one 16-float vector)
@@ -132,18 +132,9 @@ void prefill_item(const Rows<float>& query, const Rows<kv_t>& key, const Rows<kv
     const int64_t lo = (window > 0 ? std::max(first, pos - window + 1) : first) - first;
     const int64_t hi = pos + 1 - first;
     float* sr = s.scores.data() + r * n;
-    float mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-    for (int64_t j = lo; j < hi; ++j) mx = std::max(mx, sr[j]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = lo; j < hi; ++j) {
-      sr[j] = exp_nonpositive(sr[j] - mx);
-      sum += sr[j];
-    }
+    s.inv_sum[r] = 1.f / exp_minus_max(sr + lo, hi - lo);
     std::fill(sr, sr + lo, 0.f);
     std::fill(sr + hi, sr + n, 0.f);
-    s.inv_sum[r] = 1.f / sum;
   }
   // pass 2: out[r] = sum_j p[r, j] v_j / sum_r, 4 rows a step over the keys any of them sees
   for (int64_t r0 = 0; r0 < rows; r0 += kRows) {

@@ -111,6 +111,15 @@ class Linear(nn.Module):
             return packed_linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
+    def block_shards(self) -> tuple[list[torch.Tensor], list[int]] | None:
+        """The weight's blocks as the native decode layer takes them: its one tensor of blocks,
+        or one a shard ([rows, bytes] each, side by side in the output); None without blocks."""
+        if self.qweight is not None:
+            return [self.qweight], [self.ggml_type]
+        if self.shard_blocks:
+            return [q for q, _, _ in self.shard_blocks], [t for _, t, _ in self.shard_blocks]
+        return None
+
     def dense_weight(self) -> torch.Tensor:
         """The weight as floats [out, in], whichever form this layer holds it in (after
         `finish_loading`): GGUF blocks are decoded, a plain weight is returned as is."""

@@ -126,14 +126,6 @@ class LlamaAttention(nn.Module):
         return loaders
 
 
-def _block_shards(linear: Linear) -> tuple[list[torch.Tensor], list[int]]:
-    """A GGUF-block linear's weights as the native decode layer takes them: its one tensor of
-    blocks, or a tensor a shard ([rows, bytes] each, side by side in the output)."""
-    if linear.qweight is not None:
-        return [linear.qweight], [linear.ggml_type]
-    return [q for q, _, _ in linear.shard_blocks], [t for _, t, _ in linear.shard_blocks]
-
-
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP. Subclasses swap the attention class or the MLP (`build_mlp`,
     `mlp_weight_loaders`); an MoE layer builds an expert block in place of the dense MLP."""
@@ -200,19 +192,20 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         if type(attn) is not LlamaAttention:  # subclasses (OLMoE's) change the projections
             return
-        linears = [attn.qkv_proj, attn.o_proj]
+        fused = [attn.qkv_proj]  # blocks in one tensor, or one a shard of differing types
+        plain = [attn.o_proj]  # blocks in one tensor
         norms = [self.input_layernorm, self.post_attention_layernorm]
         if attn.q_norm is not None:
             norms += [attn.q_norm, attn.k_norm]
         self.native_decode_mlp = type(mlp) is GatedMLP and mlp.native
         if self.native_decode_mlp:
-            linears += [mlp.gate_up_proj, mlp.down_proj]
+            fused.append(mlp.gate_up_proj)
+            plain.append(mlp.down_proj)
         if (
-            all(type(linear) is Linear for linear in linears)
-            and all(linear.qweight is not None for linear in linears[1::2])
-            # qkv and gate/up: one tensor of blocks, or one a shard of differing block types
-            and all(linear.qweight is not None or linear.shard_blocks for linear in linears[::2])
-            and all(linear.bias is None for linear in linears[1:])
+            all(type(linear) is Linear for linear in fused + plain)
+            and all(linear.block_shards() is not None for linear in fused)
+            and all(linear.qweight is not None for linear in plain)
+            and all(linear.bias is None for linear in fused[1:] + plain)  # only qkv may (Qwen2)
             and all(norm.native and norm.eps == norms[0].eps for norm in norms)
             and getattr(attn.attn.backend, "native_ops", False)
         ):
@@ -220,9 +213,9 @@ class LlamaDecoderLayer(nn.Module):
             # looked up once: read through nn.Module attributes every step they cost ~10 us a
             # layer at batch 1 (SmolLM2), as much as its attention
             down = mlp.down_proj if self.native_decode_mlp else None
-            qkv_weights, qkv_types = _block_shards(attn.qkv_proj)
+            qkv_weights, qkv_types = attn.qkv_proj.block_shards()
             gate_up_weights, gate_up_types = (
-                _block_shards(mlp.gate_up_proj) if self.native_decode_mlp else ([], [])
+                mlp.gate_up_proj.block_shards() if self.native_decode_mlp else ([], [])
             )
             self.native_decode_args = (
                 (

@@ -9,7 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridllm.layers.gguf_linear import GGML_F32, gguf_linear
+from hybridllm.layers.gguf_linear import (
+    GGML_F32,
+    GGML_Q4_K,
+    GGML_Q4_K_X8,
+    gguf_linear,
+    repack_q4_k_x8,
+)
 from hybridllm.layers.linear import f32_kernel_applies
 from hybridllm.loader.quantized_tensor import QuantizedTensor
 
@@ -110,6 +116,11 @@ class StackedExpertWeight(nn.Module):
         if self.qweight is None and f32_kernel_applies(self.weight[0], None):
             self.qweight = self.weight.detach().view(torch.uint8)  # [E, rows, cols * 4], shared
             self.ggml_type = GGML_F32
+
+    def repack_for_cpu(self) -> None:
+        """Q4_K blocks into the int8 kernels' x8 layout (each expert's rows in groups of 8)."""
+        if self.qweight is not None and self.ggml_type == GGML_Q4_K and self.rows % 8 == 0:
+            self.qweight, self.ggml_type = repack_q4_k_x8(self.qweight), GGML_Q4_K_X8
 
     def matmul(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """`x @ W[expert].T`: x [m, cols] -> [m, rows], reading only this expert's weights."""

@@ -9,6 +9,8 @@ from gguf import GGMLQuantizationType as Q
 
 from hybridllm import LLM, SamplingParams
 from hybridllm.layers import gguf_linear as gguf_linear_module
+from hybridllm.layers.gguf_linear import GGML_Q4_K_X8
+from hybridllm.layers.linear import Linear
 from tests.gguf_helpers import tokenizer_vocab, write_k_m_like_gguf
 from tests.kernel_helpers import require_cpu_kernels
 
@@ -86,11 +88,19 @@ def test_k_quant_prompt_logprobs_in_int8_chunks(tmp_path, run_with, base):
         out = llm.generate([{"prompt_token_ids": prompt.tolist()}], params)[0]
         return [lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
 
+    def block_types(llm):
+        model = llm.llm_engine.executor.workers[0].model_runner.model
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        return {m.ggml_type for m in linears} | {t for m in linears for _, t, _ in m.shard_blocks}
+
     kwargs = dict(model=str(path), max_num_batched_tokens=16, enable_prefix_caching=False)
-    fp32, int8 = (
+    fp32, (int8, types) = (
         run_with("fp32", prompt_logprobs, **kwargs),
-        run_with("int8", prompt_logprobs, **kwargs),
+        run_with("int8", lambda llm: (prompt_logprobs(llm), block_types(llm)), **kwargs),
     )
+    # Q4_K linears compute from the x8 layout on the int8 path (the prompt's chunks: the GEMM)
+    x8 = base == Q.Q4_K and torch.ops.hybridllm.q4_k_x8_supported()
+    assert (GGML_Q4_K_X8 in types) == x8 and (int(base) in types) != x8
     deltas = [abs(a - b) for a, b in zip(fp32, int8)]
     assert len(deltas) == 63 and 0 < max(deltas) < TOLERANCE
     assert sum(deltas) / len(deltas) < MEAN_TOLERANCE

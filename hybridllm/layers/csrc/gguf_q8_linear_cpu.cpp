@@ -11,6 +11,7 @@
 
 #include "gguf_blocks.h"
 #include "gguf_prefetch.h"
+#include "gguf_q4k_x8.h"
 #include "gguf_q8_dot.h"
 #include "gguf_q8_linear.h"
 #include "gguf_q8_quantize.h"
@@ -202,6 +203,14 @@ int64_t checked_path(int64_t path) {
   return path;
 }
 
+// Q4_K x8 weights: their own kernels, which only the AVX512-VNNI path has
+void x8_only(int64_t path, const float* x, const int64_t* starts, int64_t groups, int64_t K,
+             const uint8_t* const* weights, int64_t N, float* y) {
+  TORCH_CHECK(path == q8_paths().front() && x8_linear_grouped(x, starts, groups, K, weights, N, y),
+              "gguf_linear: Q4_K x8 weights (ggml_type ", kQ4_KX8,
+              ") have kernels on the AVX512-VNNI int8 path only, not path ", path);
+}
+
 // what q8_linear and q8_linear_grouped do for a type without int8 kernels
 void no_int8_path(int64_t type) {
   TORCH_CHECK(false, "gguf_linear: no int8 path for ggml_type ", type);
@@ -211,6 +220,11 @@ void no_int8_path(int64_t type) {
 void q8_linear(int64_t type, int64_t path, const float* x, int64_t M, int64_t K, const uint8_t* qw,
                int64_t N, float* y) {
   path = checked_path(path);
+  if (type == kQ4_KX8) {
+    const int64_t starts[2] = {0, M};
+    x8_only(path, x, starts, 1, K, &qw, N, y);
+    return;
+  }
   for_int8_type(
       type, [&](auto t) { q8_linear_typed<decltype(t)::value>(path, x, M, K, qw, N, y); },
       [&] { no_int8_path(type); });
@@ -220,6 +234,10 @@ void q8_linear_grouped(int64_t type, int64_t path, const float* x, const int64_t
                        int64_t groups, int64_t K, const uint8_t* const* weights, int64_t N,
                        float* y) {
   path = checked_path(path);
+  if (type == kQ4_KX8) {
+    x8_only(path, x, starts, groups, K, weights, N, y);
+    return;
+  }
   for_int8_type(
       type,
       [&](auto t) {

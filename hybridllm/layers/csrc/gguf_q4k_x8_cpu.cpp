@@ -1,0 +1,347 @@
+// Q4_K rows repacked in groups of 8 (gguf_q4k_x8.h): the repacking ops, registered as
+// hybridllm::repack_q4_k_x8 / unpack_q4_k_x8, and the int8 kernels for few rows of x that
+// gguf_linear and fused_moe run on such weights. One vpdpbusd multiplies 4 codes of each of the
+// 8 rows, twice over (lanes 0-7 and 8-15 take consecutive quads of weights), with x's values
+// broadcast to match, so a super-block's sub-block scales are one vector multiply for 8 rows.
+// Streaming a 1 GB Q4_K matrix from DRAM at one row of x (2 threads, the 2-core AMD EPYC of
+// docs/benchmarks.md) this read 42-45 GB/s against 35-38 for the row-at-a-time Q4_K kernel, and
+// 129 against 62 GB/s from cache.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "gguf_blocks.h"
+#include "gguf_prefetch.h"
+#include "gguf_q4k_x8.h"
+#include "gguf_q8_quantize.h"
+#include "gguf_q8_simd.h"
+
+namespace hybridllm_gguf {
+namespace {
+
+// Q4_K's 6-bit scale and min of sub-block j from its 12 packed bytes q (ggml's layout).
+void scale_min(const uint8_t* q, int j, uint8_t* sc, uint8_t* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// The inverse: the 12 bytes of 8 scales and 8 mins of 6 bits.
+void pack_scale_min(const uint8_t* sc, const uint8_t* m, uint8_t* q) {
+  for (int j = 0; j < 4; ++j) {
+    q[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
+    q[j + 4] = m[j] | ((m[j + 4] >> 4) << 6);
+    q[j + 8] = (sc[j + 4] & 15) | ((m[j + 4] & 15) << 4);
+  }
+}
+
+// The weight of its sub-block (0-31) whose code is the low nibble of byte 4 (8 h + r) + b of
+// chunk c; the high nibble holds that of the weight 8 later.
+inline int chunk_weight(int c, int h, int b) { return 16 * c + 4 * h + b; }
+
+void repack_group(const uint8_t* rows, int64_t nsb, uint8_t* out) {
+  for (int64_t s = 0; s < nsb; ++s) {
+    uint8_t* o = out + s * kX8GroupSuperBytes;
+    for (int r = 0; r < 8; ++r) {
+      const uint8_t* q = rows + r * nsb * kSuperBytes + s * kSuperBytes;
+      std::memcpy(o + 2 * r, q, 2);
+      std::memcpy(o + 16 + 2 * r, q + 2, 2);
+      for (int j = 0; j < 8; ++j) scale_min(q + 4, j, o + 32 + 8 * j + r, o + 96 + 16 * (j / 2) + 2 * r + j % 2);
+      // Q4_K: weight v of sub-block j is nibble (j % 2) of byte 32 (j / 2) + v of the codes
+      const auto code = [&](int j, int v) {
+        const uint8_t byte = q[16 + 32 * (j / 2) + v];
+        return j % 2 ? byte >> 4 : byte & 15;
+      };
+      for (int j = 0; j < 8; ++j)
+        for (int c = 0; c < 2; ++c)
+          for (int h = 0; h < 2; ++h)
+            for (int b = 0; b < 4; ++b) {
+              const int v = chunk_weight(c, h, b);
+              o[160 + 64 * (2 * j + c) + 4 * (8 * h + r) + b] =
+                  static_cast<uint8_t>(code(j, v) | (code(j, v + 8) << 4));
+            }
+    }
+  }
+}
+
+void unpack_group(const uint8_t* group, int64_t nsb, uint8_t* rows) {
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* o = group + s * kX8GroupSuperBytes;
+    for (int r = 0; r < 8; ++r) {
+      uint8_t* q = rows + r * nsb * kSuperBytes + s * kSuperBytes;
+      std::memcpy(q, o + 2 * r, 2);
+      std::memcpy(q + 2, o + 16 + 2 * r, 2);
+      uint8_t sc[8], m[8];
+      for (int j = 0; j < 8; ++j) {
+        sc[j] = o[32 + 8 * j + r];
+        m[j] = o[96 + 16 * (j / 2) + 2 * r + j % 2];
+      }
+      pack_scale_min(sc, m, q + 4);
+      for (int j = 0; j < 8; ++j)
+        for (int c = 0; c < 2; ++c)
+          for (int h = 0; h < 2; ++h)
+            for (int b = 0; b < 4; ++b) {
+              const uint8_t byte = o[160 + 64 * (2 * j + c) + 4 * (8 * h + r) + b];
+              for (int half = 0; half < 2; ++half) {
+                const int v = chunk_weight(c, h, b) + 8 * half;
+                const uint8_t nibble = half ? byte >> 4 : byte & 15;
+                uint8_t& dst = q[16 + 32 * (j / 2) + v];
+                dst = j % 2 ? static_cast<uint8_t>((dst & 15) | (nibble << 4))
+                            : static_cast<uint8_t>((dst & 0xF0) | nibble);
+              }
+            }
+    }
+  }
+}
+
+// Checks `blocks` ([..., rows, bytes] uint8, dense, rows % 8 == 0, `bytes` a whole number of
+// `super_bytes` super-blocks) and returns (groups, super-blocks a row).
+std::pair<int64_t, int64_t> group_shape(const at::Tensor& blocks, int64_t super_bytes,
+                                        const char* op) {
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() >= 2 &&
+                  blocks.is_contiguous(),
+              op, ": expected contiguous uint8 CPU blocks [..., rows, bytes], got ",
+              blocks.scalar_type(), " ", blocks.sizes(), " on ", blocks.device());
+  const int64_t bytes = blocks.size(-1), rows = blocks.numel() / std::max<int64_t>(bytes, 1);
+  TORCH_CHECK(bytes > 0 && bytes % super_bytes == 0, op, ": a row of ", bytes,
+              " bytes is not a whole number of ", super_bytes, "-byte super-blocks");
+  TORCH_CHECK(blocks.size(-2) % kX8GroupRows == 0, op, ": ", blocks.size(-2),
+              " rows a matrix is not a multiple of ", kX8GroupRows);
+  return {rows / kX8GroupRows, bytes / super_bytes};
+}
+
+at::Tensor repack_q4_k_x8(const at::Tensor& blocks) {
+  const auto [groups, nsb] = group_shape(blocks, kSuperBytes, "repack_q4_k_x8");
+  std::vector<int64_t> shape(blocks.sizes().begin(), blocks.sizes().end());
+  shape.back() = nsb * kX8SuperBytes;
+  at::Tensor out = at::empty(shape, blocks.options());
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      repack_group(src + g * 8 * nsb * kSuperBytes, nsb, dst + g * nsb * kX8GroupSuperBytes);
+  });
+  return out;
+}
+
+at::Tensor unpack_q4_k_x8(const at::Tensor& blocks) {
+  const auto [groups, nsb] = group_shape(blocks, kX8SuperBytes, "unpack_q4_k_x8");
+  std::vector<int64_t> shape(blocks.sizes().begin(), blocks.sizes().end());
+  shape.back() = nsb * kSuperBytes;
+  at::Tensor out = at::empty(shape, blocks.options());
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      unpack_group(src + g * nsb * kX8GroupSuperBytes, nsb, dst + g * 8 * nsb * kSuperBytes);
+  });
+  return out;
+}
+
+#if defined(HYBRIDLLM_Q8_AVX512)
+// Rows of x as the kernel reads them, from q8's Q4_K quantization (groups of 256):
+//   xe[r][i]  64 bytes: lanes 0-7 x's 4 int8 values 8 i .. 8 i + 3, lanes 8-15 8 i + 4 .. 8 i + 7
+//   d[r][s]   super-block s's scale
+//   mins[r][p] int16 pair (B 2p, B 2p+1), B j the sum of q over sub-block j's 32 values
+struct X8Rows {
+  const int32_t* xe;
+  const float* d;
+  const int32_t* mins;
+  int64_t xe_stride, d_stride, mins_stride;  // in elements, a row
+};
+
+X8Rows prepare_rows(const float* x, int64_t M, int64_t K) {
+  thread_local std::vector<uint8_t> quantized;
+  thread_local std::vector<int32_t> buffer;
+  const Q8Rows q8 = quantize_rows<256>(x, M, K, quantized);
+  const int64_t xe_stride = K / 8 * 16, mins_stride = K / 64;
+  buffer.resize(M * (xe_stride + mins_stride) + 16);
+  int32_t* xe = reinterpret_cast<int32_t*>(align64(reinterpret_cast<float*>(buffer.data())));
+  int32_t* mins = xe + M * xe_stride;
+  for (int64_t r = 0; r < M; ++r) {
+    const Q8Rows row = q8.row(r);
+    const __m512i quads = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (int64_t i = 0; i < K / 8; ++i) {
+      const __m512i two = _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row.q + 8 * i)));
+      _mm512_store_si512(xe + r * xe_stride + 16 * i, _mm512_permutexvar_epi32(quads, two));
+    }
+    for (int64_t p = 0; p < K / 64; ++p) {
+      const int16_t* b = row.bsums + 4 * p;  // sub-block 2p: bsums 4p, 4p + 1; 2p + 1: the next two
+      const uint32_t lo = static_cast<uint16_t>(b[0] + b[1]), hi = static_cast<uint16_t>(b[2] + b[3]);
+      mins[r * mins_stride + p] = static_cast<int32_t>(lo | (hi << 16));
+    }
+  }
+  return {xe, q8.d, mins, xe_stride, q8.g_stride, mins_stride};
+}
+
+// y[r * ldy + 8 g + i] = dot(x row r, weight row 8 g + i) for the groups [g0, g1) of `w` (the
+// weight's first group) and every row of x.
+void x8_groups(const X8Rows& x, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t ldy,
+               int64_t g0, int64_t g1, const PrefetchWindow& prefetch) {
+  const int64_t nsb = K / 256, group_bytes = nsb * kX8GroupSuperBytes;
+  const __m512i low4 = _mm512_set1_epi8(15);
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = w + g * group_bytes;
+    for (int64_t r = 0; r < M; ++r) {
+      const int32_t* xe = x.xe + r * x.xe_stride;
+      const float* xd = x.d + r * x.d_stride;
+      const int32_t* xm = x.mins + r * x.mins_stride;
+      __m512 acc = _mm512_setzero_ps();   // lanes i and 8 + i: row i's two halves
+      __m256 minacc = _mm256_setzero_ps();  // row i's dmin * sum_j m_j B_j, in x's units
+      for (int64_t s = 0; s < nsb; ++s) {
+        const uint8_t* o = wg + s * kX8GroupSuperBytes;
+        if (r == 0) {  // the weights come from memory once, for the first row of x
+          const char* ahead = reinterpret_cast<const char*>(o) + prefetch.distance;
+          if (ahead < prefetch.stop)
+            for (int64_t b = 0; b < kX8GroupSuperBytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+        }
+        const int32_t* xs = xe + s * 32 * 16;
+        __m512i sums = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          const __m512i c0 = _mm512_loadu_si512(o + 160 + 128 * j);
+          const __m512i c1 = _mm512_loadu_si512(o + 224 + 128 * j);
+          __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(c0, low4),
+                                           _mm512_load_si512(xs + 64 * j));
+          __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                           _mm512_and_si512(_mm512_srli_epi16(c0, 4), low4),
+                                           _mm512_load_si512(xs + 64 * j + 16));
+          s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(c1, low4), _mm512_load_si512(xs + 64 * j + 32));
+          s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(c1, 4), low4),
+                                   _mm512_load_si512(xs + 64 * j + 48));
+          uint64_t sc;
+          std::memcpy(&sc, o + 32 + 8 * j, 8);
+          const __m512i scale = _mm512_cvtepu8_epi32(_mm_set1_epi64x(static_cast<int64_t>(sc)));
+          sums = _mm512_add_epi32(sums, _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), scale));
+        }
+        __m256i mins = _mm256_setzero_si256();
+        for (int p = 0; p < 4; ++p) {
+          const __m256i m = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 96 + 16 * p)));
+          mins = _mm256_add_epi32(mins, _mm256_madd_epi16(m, _mm256_set1_epi32(xm[4 * s + p])));
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o))));
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16)));
+        const float dx = xd[s];
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc);
+        minacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, _mm256_set1_ps(dx)), minacc);
+      }
+      const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(acc),
+                                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
+      _mm256_storeu_ps(y + r * ldy + 8 * g, _mm256_sub_ps(halves, minacc));
+    }
+  }
+}
+
+// Below this many (256-weight super-block x row of x) products one thread does it all.
+constexpr int64_t kSerialSuperBlocks = 256;
+#endif
+
+}  // namespace
+
+bool x8_kernels_built() {
+#if defined(HYBRIDLLM_Q8_AVX512)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool x8_linear(const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N, float* y) {
+  const int64_t starts[2] = {0, M};
+  const uint8_t* weights[1] = {qw};
+  return x8_linear_grouped(x, starts, 1, K, weights, N, y);
+}
+
+bool x8_linear_grouped(const float* x, const int64_t* starts, int64_t groups, int64_t K,
+                       const uint8_t* const* weights, int64_t N, float* y) {
+#if defined(HYBRIDLLM_Q8_AVX512)
+  const int64_t M = starts[groups];
+  const X8Rows xr = prepare_rows(x, M, K);
+  const int64_t row_groups = N / kX8GroupRows, total = groups * row_groups;
+  const int64_t group_bytes = K / 256 * kX8GroupSuperBytes;
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain =
+      K / 256 * M * N < kSerialSuperBlocks ? total : (total + threads - 1) / threads;
+  // every product's row groups one after the other, split among the threads in contiguous runs
+  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin / row_groups; p < groups && p * row_groups < end; ++p) {
+      const int64_t g0 = std::max(begin, p * row_groups) - p * row_groups;
+      const int64_t g1 = std::min(end, (p + 1) * row_groups) - p * row_groups;
+      const int64_t r0 = starts[p], m = starts[p + 1] - r0;
+      if (m == 0) continue;
+      const X8Rows rows{xr.xe + r0 * xr.xe_stride, xr.d + r0 * xr.d_stride,
+                        xr.mins + r0 * xr.mins_stride, xr.xe_stride, xr.d_stride, xr.mins_stride};
+      x8_groups(rows, m, K, weights[p], y + r0 * N, N, g0, g1,
+                start_prefetch(weights[p] + g0 * group_bytes, (g1 - g0) * group_bytes));
+    }
+  });
+  return true;
+#else
+  return false;
+#endif
+}
+
+void x8_unpack_group(const uint8_t* group, int64_t K, uint8_t* codes, int64_t code_stride,
+                     float* scales, float* mins, int64_t unit_stride) {
+#if defined(HYBRIDLLM_Q8_AVX512)
+  const __m512i low4 = _mm512_set1_epi8(15);
+  // output dword 4 i + k: row i's codes 4k .. 4k + 3 of a 16-weight chunk (rows 0-3; +4: 4-7)
+  const __m512i rows03 = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
+  const __m512i rows47 = _mm512_add_epi32(rows03, _mm512_set1_epi32(4));
+  for (int64_t s = 0; s < K / 256; ++s) {
+    const uint8_t* o = group + s * kX8GroupSuperBytes;
+    for (int q = 0; q < 16; ++q) {  // chunk q = 2 j + c: weights 16 q .. 16 q + 15
+      const __m512i c = _mm512_loadu_si512(o + 160 + 64 * q);
+      const __m512i low = _mm512_and_si512(c, low4);
+      const __m512i high = _mm512_and_si512(_mm512_srli_epi16(c, 4), low4);
+      const __m512i a = _mm512_permutex2var_epi32(low, rows03, high);
+      const __m512i b = _mm512_permutex2var_epi32(low, rows47, high);
+      uint8_t* dst = codes + s * 256 + 16 * q;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_castsi512_si128(a));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + code_stride), _mm512_extracti32x4_epi32(a, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * code_stride), _mm512_extracti32x4_epi32(a, 2));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 3 * code_stride), _mm512_extracti32x4_epi32(a, 3));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 4 * code_stride), _mm512_castsi512_si128(b));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 5 * code_stride), _mm512_extracti32x4_epi32(b, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 6 * code_stride), _mm512_extracti32x4_epi32(b, 2));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 7 * code_stride), _mm512_extracti32x4_epi32(b, 3));
+    }
+    for (int r = 0; r < 8; ++r) {
+      const float d = half_to_float(load_u16(o + 2 * r)), dmin = half_to_float(load_u16(o + 16 + 2 * r));
+      for (int j = 0; j < 8; ++j) {
+        scales[r * unit_stride + 8 * s + j] = d * static_cast<float>(o[32 + 8 * j + r]);
+        mins[r * unit_stride + 8 * s + j] = -dmin * static_cast<float>(o[96 + 16 * (j / 2) + 2 * r + j % 2]);
+      }
+    }
+  }
+#else
+  (void)group, (void)K, (void)codes, (void)code_stride, (void)scales, (void)mins, (void)unit_stride;
+  TORCH_CHECK(false, "Q4_K x8 weights need a build with AVX512-VNNI kernels");
+#endif
+}
+
+}  // namespace hybridllm_gguf
+
+TORCH_LIBRARY_FRAGMENT(hybridllm, m) {
+  // Q4_K blocks [..., rows, K / 256 * 144] (rows % 8 == 0) -> the x8 layout [..., rows,
+  // K / 256 * 148] that gguf_linear and fused_moe take as ggml_type 112; unpack is its inverse.
+  m.def("repack_q4_k_x8(Tensor blocks) -> Tensor");
+  m.def("unpack_q4_k_x8(Tensor blocks) -> Tensor");
+  // Whether this build computes x8 weights (AVX512-VNNI); where not, nothing is repacked.
+  m.def("q4_k_x8_supported() -> bool", [] { return hybridllm_gguf::x8_kernels_built(); });
+}
+
+TORCH_LIBRARY_IMPL(hybridllm, CPU, m) {
+  m.impl("repack_q4_k_x8", &hybridllm_gguf::repack_q4_k_x8);
+  m.impl("unpack_q4_k_x8", &hybridllm_gguf::unpack_q4_k_x8);
+}

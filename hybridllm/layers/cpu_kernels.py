@@ -33,7 +33,7 @@ SOURCES = [
         "gguf_linear_cpu.cpp",
         "gguf_q8_linear_cpu.cpp",
         "gguf_q8_gemm_cpu.cpp",
-        "gguf_q4k_x8_cpu.cpp",
+        "gguf_x8_cpu.cpp",
         "rms_norm_cpu.cpp",
         "activation_cpu.cpp",
         "argmax_cpu.cpp",

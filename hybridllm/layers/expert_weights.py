@@ -11,10 +11,9 @@ from torch import nn
 
 from hybridllm.layers.gguf_linear import (
     GGML_F32,
-    GGML_Q4_K,
-    GGML_Q4_K_X8,
+    X8_TYPES,
     gguf_linear,
-    repack_q4_k_x8,
+    repack_x8,
 )
 from hybridllm.layers.linear import f32_kernel_applies
 from hybridllm.loader.quantized_tensor import QuantizedTensor
@@ -118,9 +117,10 @@ class StackedExpertWeight(nn.Module):
             self.ggml_type = GGML_F32
 
     def repack_for_cpu(self) -> None:
-        """Q4_K blocks into the int8 kernels' x8 layout (each expert's rows in groups of 8)."""
-        if self.qweight is not None and self.ggml_type == GGML_Q4_K and self.rows % 8 == 0:
-            self.qweight, self.ggml_type = repack_q4_k_x8(self.qweight), GGML_Q4_K_X8
+        """Q4_K / Q5_K blocks into the int8 kernels' x8 layout (each expert's rows in groups of
+        8)."""
+        if self.qweight is not None and self.ggml_type in X8_TYPES and self.rows % 8 == 0:
+            self.qweight, self.ggml_type = repack_x8(self.qweight, self.ggml_type)
 
     def matmul(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """`x @ W[expert].T`: x [m, cols] -> [m, rows], reading only this expert's weights."""

@@ -148,26 +148,31 @@ def int8_activations_in_use() -> bool:
     return load_cpu_kernels() and default_activations() == INT8_ACTIVATIONS
 
 
-# Not a GGML type: Q4_K rows repacked in groups of 8 for the int8 kernels (csrc/gguf_q4k_x8.h),
-# which read them 15-20% faster from DRAM at one row of x than Q4_K's own layout.
-GGML_Q4_K = int(GGMLQuantizationType.Q4_K)
-GGML_Q4_K_X8 = 112
+# Not GGML types: Q4_K / Q5_K rows repacked in groups of 8 for the int8 kernels (csrc/gguf_x8.h),
+# which read them 15-20% faster from DRAM at one row of x than the types' own layouts.
+GGML_Q4_K_X8, GGML_Q5_K_X8 = 112, 113
+X8_TYPES = {
+    int(GGMLQuantizationType.Q4_K): GGML_Q4_K_X8,
+    int(GGMLQuantizationType.Q5_K): GGML_Q5_K_X8,
+}
+X8_SOURCE_TYPES = {x8: source for source, x8 in X8_TYPES.items()}
 
 
-def q4_k_x8_in_use() -> bool:
-    """Whether CPU workers repack Q4_K weights into x8 groups when they load: int8 activations
-    and a build with the kernels (AVX512-VNNI)."""
-    return int8_activations_in_use() and torch.ops.hybridllm.q4_k_x8_supported()
+def x8_in_use() -> bool:
+    """Whether CPU workers repack Q4_K / Q5_K weights into x8 groups when they load: int8
+    activations and a build with the kernels (AVX512-VNNI)."""
+    return int8_activations_in_use() and torch.ops.hybridllm.x8_supported()
 
 
-def repack_q4_k_x8(blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_K blocks [..., rows, K / 256 * 144] (rows % 8 == 0) -> x8 [..., rows, K / 256 * 148]."""
-    return torch.ops.hybridllm.repack_q4_k_x8(blocks.contiguous())
+def repack_x8(blocks: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, int]:
+    """Q4_K / Q5_K blocks [..., rows, K / 256 * bytes] (rows % 8 == 0) -> (x8 blocks, x8 type)."""
+    return torch.ops.hybridllm.repack_x8(blocks.contiguous(), ggml_type), X8_TYPES[ggml_type]
 
 
-def unpack_q4_k_x8(blocks: torch.Tensor) -> torch.Tensor:
-    """The inverse of `repack_q4_k_x8`: the Q4_K blocks, byte for byte."""
-    return torch.ops.hybridllm.unpack_q4_k_x8(blocks.contiguous())
+def unpack_x8(blocks: torch.Tensor, x8_type: int) -> tuple[torch.Tensor, int]:
+    """The inverse of `repack_x8`: (the source blocks, byte for byte, their type)."""
+    source = X8_SOURCE_TYPES[x8_type]
+    return torch.ops.hybridllm.unpack_x8(blocks.contiguous(), source), source
 
 
 def gguf_linear(

@@ -12,11 +12,11 @@ from torch import nn
 
 from hybridllm.layers.gguf_linear import (
     GGML_F32,
-    GGML_Q4_K,
-    GGML_Q4_K_X8,
+    X8_SOURCE_TYPES,
+    X8_TYPES,
     gguf_linear,
-    repack_q4_k_x8,
-    unpack_q4_k_x8,
+    repack_x8,
+    unpack_x8,
 )
 from hybridllm.loader.gguf_dequant import dequantize
 from hybridllm.loader.quantized_tensor import QuantizedTensor
@@ -147,14 +147,12 @@ class Linear(nn.Module):
             self.ggml_type = GGML_F32
 
     def repack_for_cpu(self) -> None:
-        """Q4_K blocks (of rows in whole groups of 8) into the int8 kernels' x8 layout (after
-        loading, on a CPU worker computing with int8 activations; see `q4_k_x8_in_use`)."""
-        if self.qweight is not None and self.ggml_type == GGML_Q4_K and self.out_features % 8 == 0:
-            self.qweight, self.ggml_type = repack_q4_k_x8(self.qweight), GGML_Q4_K_X8
+        """Q4_K / Q5_K blocks (of rows in whole groups of 8) into the int8 kernels' x8 layout
+        (after loading, on a CPU worker computing with int8 activations; see `x8_in_use`)."""
+        if self.qweight is not None and self.ggml_type in X8_TYPES and self.out_features % 8 == 0:
+            self.qweight, self.ggml_type = repack_x8(self.qweight, self.ggml_type)
         self.shard_blocks = [
-            (repack_q4_k_x8(q), GGML_Q4_K_X8, rows)
-            if t == GGML_Q4_K and rows % 8 == 0
-            else (q, t, rows)
+            (*repack_x8(q, t), rows) if t in X8_TYPES and rows % 8 == 0 else (q, t, rows)
             for q, t, rows in self.shard_blocks
         ]
 
@@ -222,6 +220,6 @@ class Linear(nn.Module):
 
 def _decode_blocks(blocks: torch.Tensor, ggml_type: int, rows: int, cols: int) -> torch.Tensor:
     """GGUF blocks [rows, bytes_per_row] uint8 -> float weights [rows, cols]."""
-    if ggml_type == GGML_Q4_K_X8:
-        blocks, ggml_type = unpack_q4_k_x8(blocks.cpu()), GGML_Q4_K
+    if ggml_type in X8_SOURCE_TYPES:
+        blocks, ggml_type = unpack_x8(blocks.cpu(), ggml_type)
     return dequantize(blocks.cpu().numpy(), GGMLQuantizationType(ggml_type), (rows, cols))

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from hybridllm.layers.cpu_kernels import load_cpu_kernels
-from hybridllm.layers.gguf_linear import own_f32_gemm_preferred, q4_k_x8_in_use
+from hybridllm.layers.gguf_linear import own_f32_gemm_preferred, x8_in_use
 from hybridllm.layers.linear import Linear, cpu_bf16_packing_supported
 from hybridllm.layers.mlp import GatedMLP
 from hybridllm.layers.norm import RMSNorm
@@ -254,7 +254,7 @@ class CausalLMBase(nn.Module):
             for module in self.modules():
                 if isinstance(module, (Linear, LMHead)):
                     module.use_f32_kernel()
-        if native_ops and q4_k_x8_in_use():
+        if native_ops and x8_in_use():
             for module in self.modules():
                 if isinstance(module, Linear):
                     module.repack_for_cpu()

@@ -21,7 +21,7 @@ from torch import nn
 
 from hybridllm.layers.cpu_kernels import load_cpu_kernels
 from hybridllm.layers.fused_moe import FusedMoE
-from hybridllm.layers.gguf_linear import own_f32_gemm_preferred, q4_k_x8_in_use
+from hybridllm.layers.gguf_linear import own_f32_gemm_preferred, x8_in_use
 from hybridllm.layers.linear import Linear
 from hybridllm.layers.mlp import GatedMLP
 from hybridllm.loader.quantized_tensor import QuantizedTensor
@@ -295,7 +295,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         host = [m for m in experts if m.w13.weight.device.type == "cpu"]  # also a GPU stage's
         if not host or not load_cpu_kernels():
             return
-        repack = q4_k_x8_in_use()
+        repack = x8_in_use()
         for module in host:
             module.use_native_op()
             if own_f32_gemm_preferred():

@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as Q
 
 from hybridllm import LLM, SamplingParams
 from hybridllm.layers import gguf_linear as gguf_linear_module
-from hybridllm.layers.gguf_linear import GGML_Q4_K_X8
+from hybridllm.layers.gguf_linear import X8_TYPES
 from hybridllm.layers.linear import Linear
 from tests.gguf_helpers import tokenizer_vocab, write_k_m_like_gguf
 from tests.kernel_helpers import require_cpu_kernels
@@ -98,9 +98,10 @@ def test_k_quant_prompt_logprobs_in_int8_chunks(tmp_path, run_with, base):
         run_with("fp32", prompt_logprobs, **kwargs),
         run_with("int8", lambda llm: (prompt_logprobs(llm), block_types(llm)), **kwargs),
     )
-    # Q4_K linears compute from the x8 layout on the int8 path (the prompt's chunks: the GEMM)
-    x8 = base == Q.Q4_K and torch.ops.hybridllm.q4_k_x8_supported()
-    assert (GGML_Q4_K_X8 in types) == x8 and (int(base) in types) != x8
+    # the Q4_K / Q5_K linears compute from the x8 layout on the int8 path (the prompt's chunks:
+    # the GEMM unpacking it)
+    x8 = torch.ops.hybridllm.x8_supported()
+    assert (X8_TYPES[int(base)] in types) == x8 and (int(base) in types) != x8
     deltas = [abs(a - b) for a, b in zip(fp32, int8)]
     assert len(deltas) == 63 and 0 < max(deltas) < TOLERANCE
     assert sum(deltas) / len(deltas) < MEAN_TOLERANCE

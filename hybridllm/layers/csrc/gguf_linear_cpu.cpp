@@ -19,7 +19,7 @@
 #include "gguf_blocks.h"
 #include "gguf_panel_gemm.h"
 #include "gguf_prefetch.h"
-#include "gguf_q4k_x8.h"
+#include "gguf_x8.h"
 #include "gguf_q8_linear.h"
 
 namespace {
@@ -363,7 +363,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
   TORCH_CHECK(qweight.scalar_type() == at::kByte, "gguf_linear: qweight must be uint8, got ",
               qweight.scalar_type());
   TORCH_CHECK(supported_type(ggml_type), "gguf_linear: unsupported ggml_type ", ggml_type,
-              " (supported: F32=0, Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14, Q4_K x8=112)");
+              " (supported: F32=0, Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14, Q4_K x8=112, Q5_K x8=113)");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   TORCH_CHECK(K % row_granule(ggml_type) == 0, "gguf_linear: in_features K=", K,
               " is not a multiple of the block size ", row_granule(ggml_type));
@@ -379,11 +379,11 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
               "gguf_linear: activations must be 0 (fp32) to ", int64_t{kQ8Scalar}, ", got ",
               activations);
 
-  if (ggml_type == kQ4_KX8) {
-    TORCH_CHECK(N % kX8GroupRows == 0, "gguf_linear: Q4_K x8 weights come in groups of ",
-                kX8GroupRows, " rows, got out_features=", N);
+  if (is_x8_type(ggml_type)) {
+    TORCH_CHECK(N % kX8GroupRows == 0, "gguf_linear: x8 weights come in groups of ", kX8GroupRows,
+                " rows, got out_features=", N);
     TORCH_CHECK(activations == kQ8Best || activations == kQ8Avx512Vnni,
-                "gguf_linear: Q4_K x8 weights (ggml_type ", kQ4_KX8,
+                "gguf_linear: x8 weights (ggml_type ", ggml_type,
                 ") need int8 activations on the AVX512-VNNI path (activations 1 or 2), got ",
                 activations);
   }
@@ -392,11 +392,11 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
   at::Tensor y = at::empty({M, N}, xc.options());
   if (M == 0 || N == 0) return y;
   const uint8_t* qw = qweight.data_ptr<uint8_t>();
-  if (ggml_type == kQ4_KX8) {
+  if (is_x8_type(ggml_type)) {
     const bool done = M < kQ8GemmMinRows
-                          ? x8_linear(xc.data_ptr<float>(), M, K, qw, N, y.data_ptr<float>())
+                          ? x8_linear(ggml_type, xc.data_ptr<float>(), M, K, qw, N, y.data_ptr<float>())
                           : q8_gemm(ggml_type, xc.data_ptr<float>(), M, K, qw, N, y.data_ptr<float>());
-    TORCH_CHECK(done, "gguf_linear: this build has no kernels for Q4_K x8 weights (AVX512-VNNI)");
+    TORCH_CHECK(done, "gguf_linear: this build has no kernels for x8 weights (AVX512-VNNI)");
     return y;
   }
   // int8 activations where asked for (fp32 weights stay fp32): the few-rows kernels below

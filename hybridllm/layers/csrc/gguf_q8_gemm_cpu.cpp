@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
-#include "gguf_q4k_x8.h"
+#include "gguf_x8.h"
 #include "gguf_q8_dot.h"
 #include "gguf_q8_linear.h"
 #include "gguf_q8_quantize.h"
@@ -228,7 +228,7 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
     for (int h = 0; h < kH; ++h) _mm512_store_ps(out + c * kTileRows + 16 * h, acc[c][h]);
 }
 
-// kX8: the weight is Q4_K in x8 groups (kType kQ4_K), unpacked 8 rows at a time.
+// kX8: the weight is kType (Q4_K, Q5_K) in x8 groups, unpacked 8 rows at a time.
 template <int64_t kType, int kH, bool kX8 = false>
 void q8_gemm_typed(const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N, float* y) {
   using T = GemmType<kType>;
@@ -237,7 +237,8 @@ void q8_gemm_typed(const float* x, int64_t M, int64_t K, const uint8_t* qw, int6
   thread_local std::vector<uint8_t> quantized, packed;  // kept from call to call
   const Q8Rows rows = quantize_rows<T::kGroup>(x, M, K, quantized);
   const PackedX px = pack_x<kType, kH>(rows, M, K, packed);
-  const int64_t row_bytes = row_bytes_of(kX8 ? kQ4_KX8 : kType, K), units = K / T::kUnit;
+  constexpr int64_t kWeightType = kX8 ? x8_type_of(kType) : kType;
+  const int64_t row_bytes = row_bytes_of(kWeightType, K), units = K / T::kUnit;
   // rows a panel: a multiple of kCols (and of an x8 group), at least one micro-kernel's
   constexpr int64_t kStep = kX8 ? kX8GroupRows : kCols;
   const int64_t panel_rows = std::clamp<int64_t>(kPanelCodeBytes / K / kStep * kStep, kStep,
@@ -258,8 +259,8 @@ void q8_gemm_typed(const float* x, int64_t M, int64_t K, const uint8_t* qw, int6
       const int64_t n0 = p * panel_rows, count = std::min(panel_rows, N - n0);
       if constexpr (kX8) {  // count is a whole number of groups (N % 8 == 0)
         for (int64_t j = 0; j < count; j += kX8GroupRows)
-          x8_unpack_group(qw + (n0 + j) * row_bytes, K, w.codes + j * K, K, w.scales + j * w.units,
-                          w.mins + j * w.units, w.units);
+          x8_unpack_group(kWeightType, qw + (n0 + j) * row_bytes, K, w.codes + j * K, K,
+                          w.scales + j * w.units, w.mins + j * w.units, w.units);
       }
       for (int64_t j = kX8 ? count : 0; j < (count + kCols - 1) / kCols * kCols; ++j) {
         if (j < count) {
@@ -297,13 +298,16 @@ bool q8_gemm(int64_t type, const float* x, int64_t M, int64_t K, const uint8_t* 
       q8_gemm_typed<kType, 2>(x, M, K, qw, N, y);
     return true;
   };
-  if (type == kQ4_KX8) {
+  const auto run_x8 = [&](auto type_constant) {
+    constexpr int64_t kType = decltype(type_constant)::value;
     if (M <= kTileRows<1>)
-      q8_gemm_typed<kQ4_K, 1, true>(x, M, K, qw, N, y);
+      q8_gemm_typed<kType, 1, true>(x, M, K, qw, N, y);
     else
-      q8_gemm_typed<kQ4_K, 2, true>(x, M, K, qw, N, y);
+      q8_gemm_typed<kType, 2, true>(x, M, K, qw, N, y);
     return true;
-  }
+  };
+  if (type == kQ4_KX8) return run_x8(std::integral_constant<int64_t, kQ4_K>{});
+  if (type == kQ5_KX8) return run_x8(std::integral_constant<int64_t, kQ5_K>{});
   return for_int8_type(type, run, [] { return false; });
 }
 #else

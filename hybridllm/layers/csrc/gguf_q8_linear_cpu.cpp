@@ -11,7 +11,7 @@
 
 #include "gguf_blocks.h"
 #include "gguf_prefetch.h"
-#include "gguf_q4k_x8.h"
+#include "gguf_x8.h"
 #include "gguf_q8_dot.h"
 #include "gguf_q8_linear.h"
 #include "gguf_q8_quantize.h"
@@ -203,11 +203,12 @@ int64_t checked_path(int64_t path) {
   return path;
 }
 
-// Q4_K x8 weights: their own kernels, which only the AVX512-VNNI path has
-void x8_only(int64_t path, const float* x, const int64_t* starts, int64_t groups, int64_t K,
-             const uint8_t* const* weights, int64_t N, float* y) {
-  TORCH_CHECK(path == q8_paths().front() && x8_linear_grouped(x, starts, groups, K, weights, N, y),
-              "gguf_linear: Q4_K x8 weights (ggml_type ", kQ4_KX8,
+// x8 weights: their own kernels, which only the AVX512-VNNI path has
+void x8_only(int64_t type, int64_t path, const float* x, const int64_t* starts, int64_t groups,
+             int64_t K, const uint8_t* const* weights, int64_t N, float* y) {
+  TORCH_CHECK(path == kQ8Avx512Vnni &&
+                  x8_linear_grouped(type, x, starts, groups, K, weights, N, y),
+              "gguf_linear: x8 weights (ggml_type ", type,
               ") have kernels on the AVX512-VNNI int8 path only, not path ", path);
 }
 
@@ -220,9 +221,9 @@ void no_int8_path(int64_t type) {
 void q8_linear(int64_t type, int64_t path, const float* x, int64_t M, int64_t K, const uint8_t* qw,
                int64_t N, float* y) {
   path = checked_path(path);
-  if (type == kQ4_KX8) {
+  if (is_x8_type(type)) {
     const int64_t starts[2] = {0, M};
-    x8_only(path, x, starts, 1, K, &qw, N, y);
+    x8_only(type, path, x, starts, 1, K, &qw, N, y);
     return;
   }
   for_int8_type(
@@ -234,8 +235,8 @@ void q8_linear_grouped(int64_t type, int64_t path, const float* x, const int64_t
                        int64_t groups, int64_t K, const uint8_t* const* weights, int64_t N,
                        float* y) {
   path = checked_path(path);
-  if (type == kQ4_KX8) {
-    x8_only(path, x, starts, groups, K, weights, N, y);
+  if (is_x8_type(type)) {
+    x8_only(type, path, x, starts, groups, K, weights, N, y);
     return;
   }
   for_int8_type(

@@ -1,6 +1,6 @@
-"""Q4_K weights repacked in groups of 8 rows (ggml_type 112, csrc/gguf_q4k_x8.h): the repacking
-round trip, gguf_linear and fused_moe on them against Q4_K's own int8 path and the dequantized
-weights, Linear's and the expert stacks' repacking, and the errors."""
+"""Q4_K / Q5_K weights repacked in groups of 8 rows (ggml_types 112 / 113, csrc/gguf_x8.h): the
+repacking round trip, gguf_linear and fused_moe on them against the source type's own int8 path
+and the dequantized weights, Linear's and the expert stacks' repacking, and the errors."""
 
 from __future__ import annotations
 
@@ -10,12 +10,7 @@ from gguf import GGMLQuantizationType as Q
 
 from hybridllm.layers import gguf_linear as gguf_linear_module
 from hybridllm.layers.expert_weights import StackedExpertWeight
-from hybridllm.layers.gguf_linear import (
-    GGML_Q4_K_X8,
-    INT8_ACTIVATIONS,
-    repack_q4_k_x8,
-    unpack_q4_k_x8,
-)
+from hybridllm.layers.gguf_linear import INT8_ACTIVATIONS, X8_TYPES, repack_x8, unpack_x8
 from hybridllm.layers.linear import Linear
 from hybridllm.loader.quantized_tensor import QuantizedTensor
 from tests.kernel_helpers import require_cpu_kernels
@@ -26,8 +21,12 @@ from tests.unit.test_gguf_linear_kernel import random_blocks
 @pytest.fixture(scope="module", autouse=True)
 def _kernels():
     require_cpu_kernels()
-    if not torch.ops.hybridllm.q4_k_x8_supported():
-        pytest.skip("this build has no Q4_K x8 kernels (AVX512-VNNI)")
+    if not torch.ops.hybridllm.x8_supported():
+        pytest.skip("this build has no x8 kernels (AVX512-VNNI)")
+
+
+K_QUANTS = pytest.mark.parametrize("fmt", [Q.Q4_K, Q.Q5_K], ids=lambda f: f.name)
+ROW_BYTES = {Q.Q4_K: 148, Q.Q5_K: 180}  # a row's x8 bytes per 256 weights
 
 
 @pytest.fixture
@@ -40,28 +39,32 @@ def int8_mode(monkeypatch):
     gguf_linear_module.default_activations.cache_clear()
 
 
-def test_repack_round_trip_is_byte_exact():
-    # random bytes: every nibble and 6-bit scale/min pattern; 3-D: an expert stack
+@K_QUANTS
+def test_repack_round_trip_is_byte_exact(fmt):
+    # random bytes: every nibble, fifth bit and 6-bit scale/min pattern; 3-D: an expert stack
     for shape in [(8, 256), (40, 2048), (3, 16, 768)]:
         rows = shape[0] if len(shape) == 2 else shape[0] * shape[1]
-        blocks, _ = random_blocks(Q.Q4_K, rows, shape[-1], seed=rows)
+        blocks, _ = random_blocks(fmt, rows, shape[-1], seed=rows)
         blocks = blocks.reshape(*shape[:-1], -1)
-        x8 = repack_q4_k_x8(blocks)
-        assert x8.shape == (*shape[:-1], shape[-1] // 256 * 148)
+        x8, x8_type = repack_x8(blocks, int(fmt))
+        assert x8_type == X8_TYPES[int(fmt)]
+        assert x8.shape == (*shape[:-1], shape[-1] // 256 * ROW_BYTES[fmt])
         assert not torch.equal(x8[..., : blocks.shape[-1]], blocks)  # really rearranged
-        assert torch.equal(unpack_q4_k_x8(x8), blocks)
+        back, source = unpack_x8(x8, x8_type)
+        assert source == int(fmt) and torch.equal(back, blocks)
 
 
+@K_QUANTS
 @pytest.mark.parametrize("n,k", [(8, 256), (64, 512), (200, 2560)])
-def test_gguf_linear_equals_q4_k(n, k):
+def test_gguf_linear_equals_the_source_type(fmt, n, k):
     op = torch.ops.hybridllm.gguf_linear
-    blocks, weight = random_blocks(Q.Q4_K, n, k, seed=n)
-    x8 = repack_q4_k_x8(blocks)
+    blocks, weight = random_blocks(fmt, n, k, seed=n)
+    x8, x8_type = repack_x8(blocks, int(fmt))
     # 1-7 rows: the x8 kernels; from 8 the int8 GEMM unpacking x8 groups (70: three tiles)
     for m in [1, 2, 5, 7, 8, 17, 70]:
         x = torch.randn(m, k)
-        ref = check_int8(op, x, blocks, weight, Q.Q4_K, INT8_ACTIVATIONS)
-        y = op(x, x8, GGML_Q4_K_X8, n, INT8_ACTIVATIONS)
+        ref = check_int8(op, x, blocks, weight, fmt, INT8_ACTIVATIONS)
+        y = op(x, x8, x8_type, n, INT8_ACTIVATIONS)
         # the same integer sums as Q4_K's int8 path (checked against the weights): fp32
         # rounding apart
         bound = 1e-5 * (x.abs() @ weight.abs().T) + 1e-30
@@ -71,32 +74,37 @@ def test_gguf_linear_equals_q4_k(n, k):
 def test_bad_arguments_name_the_problem():
     op = torch.ops.hybridllm.gguf_linear
     blocks, _ = random_blocks(Q.Q4_K, 16, 256)
-    x8 = repack_q4_k_x8(blocks)
+    x8, x8_type = repack_x8(blocks, int(Q.Q4_K))
     with pytest.raises(RuntimeError, match="not a multiple of 8"):
-        repack_q4_k_x8(blocks[:12])
+        repack_x8(blocks[:12], int(Q.Q4_K))
     with pytest.raises(RuntimeError, match="whole number of 144-byte"):
-        repack_q4_k_x8(blocks[:, :100])
+        repack_x8(blocks[:, :100], int(Q.Q4_K))
+    with pytest.raises(RuntimeError, match="whole number of 176-byte"):
+        repack_x8(blocks, int(Q.Q5_K))  # Q4_K's 144-byte rows are no Q5_K rows
+    with pytest.raises(RuntimeError, match="must be Q4_K"):
+        torch.ops.hybridllm.repack_x8(blocks, int(Q.Q6_K))
     with pytest.raises(RuntimeError, match="need int8 activations"):
-        op(torch.randn(1, 256), x8, GGML_Q4_K_X8, 16, 0)
+        op(torch.randn(1, 256), x8, x8_type, 16, 0)
     with pytest.raises(RuntimeError, match="groups of 8 rows"):
-        op(torch.randn(1, 256), x8[:12], GGML_Q4_K_X8, 12, 1)
+        op(torch.randn(1, 256), x8[:12], x8_type, 12, 1)
     with pytest.raises(RuntimeError, match="expected"):
-        op(torch.randn(1, 512), x8, GGML_Q4_K_X8, 16, 1)
+        op(torch.randn(1, 512), x8, x8_type, 16, 1)
 
 
-def test_fused_moe_equals_q4_k():
+@K_QUANTS
+def test_fused_moe_equals_the_source_type(fmt):
     experts, hidden, width = 6, 512, 256
-    w13, _ = random_blocks(Q.Q4_K, experts * 2 * width, hidden, seed=1)
-    w2, _ = random_blocks(Q.Q4_K, experts * hidden, width, seed=2)
+    w13, _ = random_blocks(fmt, experts * 2 * width, hidden, seed=1)
+    w2, _ = random_blocks(fmt, experts * hidden, width, seed=2)
     w13, w2 = w13.view(experts, 2 * width, -1), w2.view(experts, hidden, -1)
-    x13, x2 = repack_q4_k_x8(w13), repack_q4_k_x8(w2)
+    (x13, x8_type), (x2, _) = repack_x8(w13, int(fmt)), repack_x8(w2, int(fmt))
     # 3 tokens: few rows an expert (the grouped kernels); 40: some experts past the GEMM's 8 rows
     for n in (1, 3, 40):
         x = torch.randn(n, hidden)
         ids = torch.stack([torch.randperm(experts)[:2] for _ in range(n)])
         weights = torch.rand(n, 2)
-        ref = torch.ops.hybridllm.fused_moe(x, weights, ids, w13, int(Q.Q4_K), w2, int(Q.Q4_K), 1)
-        got = torch.ops.hybridllm.fused_moe(x, weights, ids, x13, GGML_Q4_K_X8, x2, GGML_Q4_K_X8, 1)
+        ref = torch.ops.hybridllm.fused_moe(x, weights, ids, w13, int(fmt), w2, int(fmt), 1)
+        got = torch.ops.hybridllm.fused_moe(x, weights, ids, x13, x8_type, x2, x8_type, 1)
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
@@ -104,12 +112,12 @@ def _quantized(blocks: torch.Tensor, fmt: Q, rows: int, cols: int) -> QuantizedT
     return QuantizedTensor(blocks.numpy(), fmt, (rows, cols))
 
 
-def test_linear_repacks_its_q4_k_blocks_only(int8_mode):
-    # q, k (Q4_K) and v (Q6_K) of differing types: each shard its own blocks
+def test_linear_repacks_its_k_quant_blocks_only(int8_mode):
+    # q (Q4_K), k (Q5_K) and v (Q6_K) of differing types: each shard its own blocks
     sizes, k = (32, 16, 16), 256
     layer = Linear(k, sizes, False, torch.float32, torch.device("cpu"))
     parts = []
-    for shard, (rows, fmt) in enumerate(zip(sizes, (Q.Q4_K, Q.Q4_K, Q.Q6_K))):
+    for shard, (rows, fmt) in enumerate(zip(sizes, (Q.Q4_K, Q.Q5_K, Q.Q6_K))):
         blocks, weight = random_blocks(fmt, rows, k, seed=shard)
         layer.load_shard("weight", shard, _quantized(blocks, fmt, rows, k))
         parts.append(weight)
@@ -117,7 +125,7 @@ def test_linear_repacks_its_q4_k_blocks_only(int8_mode):
     x = torch.randn(3, k)
     before = layer.local_linear(x, None)
     layer.repack_for_cpu()
-    assert [t for _, t, _ in layer.shard_blocks] == [GGML_Q4_K_X8, GGML_Q4_K_X8, int(Q.Q6_K)]
+    assert [t for _, t, _ in layer.shard_blocks] == [112, 113, int(Q.Q6_K)]
     torch.testing.assert_close(layer.dense_weight(), torch.cat(parts))
     torch.testing.assert_close(layer.local_linear(x, None), before, rtol=1e-5, atol=1e-5)
 
@@ -138,6 +146,6 @@ def test_expert_stack_repacks(int8_mode):
     x = torch.randn(2, k)
     before = stack.matmul(1, x)
     stack.repack_for_cpu()
-    assert stack.ggml_type == GGML_Q4_K_X8 and stack.qweight.shape == (experts, rows, 148)
+    assert stack.ggml_type == 112 and stack.qweight.shape == (experts, rows, 148)
     torch.testing.assert_close(stack.matmul(1, x), before, rtol=1e-5, atol=1e-5)
-    assert torch.equal(unpack_q4_k_x8(stack.qweight).reshape(experts * rows, -1), blocks)
+    assert torch.equal(unpack_x8(stack.qweight, 112)[0].reshape(experts * rows, -1), blocks)

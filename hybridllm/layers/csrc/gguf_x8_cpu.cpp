@@ -1,10 +1,10 @@
-// Q4_K rows repacked in groups of 8 (gguf_q4k_x8.h): the repacking ops, registered as
-// hybridllm::repack_q4_k_x8 / unpack_q4_k_x8, and the int8 kernels for few rows of x that
-// gguf_linear and fused_moe run on such weights. One vpdpbusd multiplies 4 codes of each of the
+// Q4_K / Q5_K rows repacked in groups of 8 (gguf_x8.h): the repacking ops, registered as
+// hybridllm::repack_x8 / unpack_x8, and the int8 kernels for few rows of x that gguf_linear
+// and fused_moe run on such weights. One vpdpbusd multiplies 4 codes of each of the
 // 8 rows, twice over (lanes 0-7 and 8-15 take consecutive quads of weights), with x's values
 // broadcast to match, so a super-block's sub-block scales are one vector multiply for 8 rows.
 // Streaming a 1 GB Q4_K matrix from DRAM at one row of x (2 threads, the 2-core AMD EPYC of
-// docs/benchmarks.md) this read 42-45 GB/s against 35-38 for the row-at-a-time Q4_K kernel, and
+// docs/benchmarks.md) this read 39-44 GB/s against 36-37 for the row-at-a-time Q4_K kernel, and
 // 129 against 62 GB/s from cache.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -18,7 +18,7 @@
 
 #include "gguf_blocks.h"
 #include "gguf_prefetch.h"
-#include "gguf_q4k_x8.h"
+#include "gguf_x8.h"
 #include "gguf_q8_quantize.h"
 #include "gguf_q8_simd.h"
 
@@ -49,36 +49,56 @@ void pack_scale_min(const uint8_t* sc, const uint8_t* m, uint8_t* q) {
 // chunk c; the high nibble holds that of the weight 8 later.
 inline int chunk_weight(int c, int h, int b) { return 16 * c + 4 * h + b; }
 
+// A source super-block's bytes, and where its 4-bit codes start (Q5_K: its 32 high-bit bytes
+// first, bit j of byte v weight v's of sub-block j).
+template <int64_t kType>
+constexpr int64_t kSourceBytes = kType == kQ4_K ? kSuperBytes : kQ5SuperBytes;
+template <int64_t kType>
+constexpr int64_t kSourceNibbles = kType == kQ4_K ? 16 : 48;
+// A group super-block's bytes.
+template <int64_t kType>
+constexpr int64_t kGroupBytes = kType == kQ4_K ? 1184 : 1440;
+constexpr int64_t kHighBits = 1184;  // Q5_K's fifth bits in a group super-block
+
+template <int64_t kType>
 void repack_group(const uint8_t* rows, int64_t nsb, uint8_t* out) {
+  constexpr int64_t kSource = kSourceBytes<kType>, kNibbles = kSourceNibbles<kType>;
+  std::memset(out, 0, nsb * kGroupBytes<kType>);  // the fifth bits are or-ed in
   for (int64_t s = 0; s < nsb; ++s) {
-    uint8_t* o = out + s * kX8GroupSuperBytes;
+    uint8_t* o = out + s * kGroupBytes<kType>;
     for (int r = 0; r < 8; ++r) {
-      const uint8_t* q = rows + r * nsb * kSuperBytes + s * kSuperBytes;
+      const uint8_t* q = rows + r * nsb * kSource + s * kSource;
       std::memcpy(o + 2 * r, q, 2);
       std::memcpy(o + 16 + 2 * r, q + 2, 2);
       for (int j = 0; j < 8; ++j) scale_min(q + 4, j, o + 32 + 8 * j + r, o + 96 + 16 * (j / 2) + 2 * r + j % 2);
-      // Q4_K: weight v of sub-block j is nibble (j % 2) of byte 32 (j / 2) + v of the codes
+      // weight v of sub-block j is nibble (j % 2) of byte 32 (j / 2) + v of the codes
       const auto code = [&](int j, int v) {
-        const uint8_t byte = q[16 + 32 * (j / 2) + v];
+        const uint8_t byte = q[kNibbles + 32 * (j / 2) + v];
         return j % 2 ? byte >> 4 : byte & 15;
       };
       for (int j = 0; j < 8; ++j)
         for (int c = 0; c < 2; ++c)
           for (int h = 0; h < 2; ++h)
             for (int b = 0; b < 4; ++b) {
-              const int v = chunk_weight(c, h, b);
-              o[160 + 64 * (2 * j + c) + 4 * (8 * h + r) + b] =
-                  static_cast<uint8_t>(code(j, v) | (code(j, v + 8) << 4));
+              const int v = chunk_weight(c, h, b), i = 4 * (8 * h + r) + b, chunk = 2 * j + c;
+              o[160 + 64 * chunk + i] = static_cast<uint8_t>(code(j, v) | (code(j, v + 8) << 4));
+              if constexpr (kType == kQ5_K)
+                for (int half = 0; half < 2; ++half)
+                  if (q[16 + v + 8 * half] >> j & 1)
+                    o[kHighBits + 16 * chunk + 8 * half + i / 8] |= static_cast<uint8_t>(1 << (i % 8));
             }
     }
   }
 }
 
+template <int64_t kType>
 void unpack_group(const uint8_t* group, int64_t nsb, uint8_t* rows) {
+  constexpr int64_t kSource = kSourceBytes<kType>, kNibbles = kSourceNibbles<kType>;
   for (int64_t s = 0; s < nsb; ++s) {
-    const uint8_t* o = group + s * kX8GroupSuperBytes;
+    const uint8_t* o = group + s * kGroupBytes<kType>;
     for (int r = 0; r < 8; ++r) {
-      uint8_t* q = rows + r * nsb * kSuperBytes + s * kSuperBytes;
+      uint8_t* q = rows + r * nsb * kSource + s * kSource;
+      if constexpr (kType == kQ5_K) std::memset(q + 16, 0, 32);  // the fifth bits are or-ed in
       std::memcpy(q, o + 2 * r, 2);
       std::memcpy(q + 2, o + 16 + 2 * r, 2);
       uint8_t sc[8], m[8];
@@ -91,13 +111,17 @@ void unpack_group(const uint8_t* group, int64_t nsb, uint8_t* rows) {
         for (int c = 0; c < 2; ++c)
           for (int h = 0; h < 2; ++h)
             for (int b = 0; b < 4; ++b) {
-              const uint8_t byte = o[160 + 64 * (2 * j + c) + 4 * (8 * h + r) + b];
+              const int i = 4 * (8 * h + r) + b, chunk = 2 * j + c;
+              const uint8_t byte = o[160 + 64 * chunk + i];
               for (int half = 0; half < 2; ++half) {
                 const int v = chunk_weight(c, h, b) + 8 * half;
                 const uint8_t nibble = half ? byte >> 4 : byte & 15;
-                uint8_t& dst = q[16 + 32 * (j / 2) + v];
+                uint8_t& dst = q[kNibbles + 32 * (j / 2) + v];
                 dst = j % 2 ? static_cast<uint8_t>((dst & 15) | (nibble << 4))
                             : static_cast<uint8_t>((dst & 0xF0) | nibble);
+                if constexpr (kType == kQ5_K)
+                  if (o[kHighBits + 16 * chunk + 8 * half + i / 8] >> (i % 8) & 1)
+                    q[16 + v] |= static_cast<uint8_t>(1 << j);
               }
             }
     }
@@ -120,33 +144,33 @@ std::pair<int64_t, int64_t> group_shape(const at::Tensor& blocks, int64_t super_
   return {rows / kX8GroupRows, bytes / super_bytes};
 }
 
-at::Tensor repack_q4_k_x8(const at::Tensor& blocks) {
-  const auto [groups, nsb] = group_shape(blocks, kSuperBytes, "repack_q4_k_x8");
+// `blocks` of ggml_type `type` (Q4_K, Q5_K) into x8 groups (repack) or back (unpack).
+at::Tensor convert(const at::Tensor& blocks, int64_t type, bool repack) {
+  const char* op = repack ? "repack_x8" : "unpack_x8";
+  TORCH_CHECK(type == kQ4_K || type == kQ5_K, op, ": ggml_type must be Q4_K (12) or Q5_K (13), got ",
+              type);
+  const int64_t source = type == kQ4_K ? kSuperBytes : kQ5SuperBytes;
+  const int64_t group = type == kQ4_K ? kGroupBytes<kQ4_K> : kGroupBytes<kQ5_K>;
+  const auto [groups, nsb] = group_shape(blocks, repack ? source : group / 8, op);
   std::vector<int64_t> shape(blocks.sizes().begin(), blocks.sizes().end());
-  shape.back() = nsb * kX8SuperBytes;
+  shape.back() = nsb * (repack ? group / 8 : source);
   at::Tensor out = at::empty(shape, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
-      repack_group(src + g * 8 * nsb * kSuperBytes, nsb, dst + g * nsb * kX8GroupSuperBytes);
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t rows = g * 8 * nsb * source, x8 = g * nsb * group;  // byte offsets
+      if (repack && type == kQ4_K) repack_group<kQ4_K>(src + rows, nsb, dst + x8);
+      if (repack && type == kQ5_K) repack_group<kQ5_K>(src + rows, nsb, dst + x8);
+      if (!repack && type == kQ4_K) unpack_group<kQ4_K>(src + x8, nsb, dst + rows);
+      if (!repack && type == kQ5_K) unpack_group<kQ5_K>(src + x8, nsb, dst + rows);
+    }
   });
   return out;
 }
 
-at::Tensor unpack_q4_k_x8(const at::Tensor& blocks) {
-  const auto [groups, nsb] = group_shape(blocks, kX8SuperBytes, "unpack_q4_k_x8");
-  std::vector<int64_t> shape(blocks.sizes().begin(), blocks.sizes().end());
-  shape.back() = nsb * kSuperBytes;
-  at::Tensor out = at::empty(shape, blocks.options());
-  const uint8_t* src = blocks.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
-      unpack_group(src + g * nsb * kX8GroupSuperBytes, nsb, dst + g * 8 * nsb * kSuperBytes);
-  });
-  return out;
-}
+at::Tensor repack_x8(const at::Tensor& blocks, int64_t type) { return convert(blocks, type, true); }
+at::Tensor unpack_x8(const at::Tensor& blocks, int64_t type) { return convert(blocks, type, false); }
 
 #if defined(HYBRIDLLM_Q8_AVX512)
 // Rows of x as the kernel reads them, from q8's Q4_K quantization (groups of 256):
@@ -186,57 +210,72 @@ X8Rows prepare_rows(const float* x, int64_t M, int64_t K) {
 
 // y[r * ldy + 8 g + i] = dot(x row r, weight row 8 g + i) for the groups [g0, g1) of `w` (the
 // weight's first group) and every row of x.
+template <int64_t kType>
 void x8_groups(const X8Rows& x, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t ldy,
                int64_t g0, int64_t g1, const PrefetchWindow& prefetch) {
-  const int64_t nsb = K / 256, group_bytes = nsb * kX8GroupSuperBytes;
-  const __m512i low4 = _mm512_set1_epi8(15);
+  constexpr int64_t kBytes = kGroupBytes<kType>;
+  const int64_t nsb = K / 256, group_bytes = nsb * kBytes;
+  const __m512i low4 = _mm512_set1_epi8(15), fifth = _mm512_set1_epi8(16);
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* wg = w + g * group_bytes;
     for (int64_t r = 0; r < M; ++r) {
       const int32_t* xe = x.xe + r * x.xe_stride;
       const float* xd = x.d + r * x.d_stride;
       const int32_t* xm = x.mins + r * x.mins_stride;
-      __m512 acc = _mm512_setzero_ps();   // lanes i and 8 + i: row i's two halves
+      __m512 acc = _mm512_setzero_ps();     // lanes i and 8 + i: row i's two halves
       __m256 minacc = _mm256_setzero_ps();  // row i's dmin * sum_j m_j B_j, in x's units
       for (int64_t s = 0; s < nsb; ++s) {
-        const uint8_t* o = wg + s * kX8GroupSuperBytes;
+        const uint8_t* o = wg + s * kBytes;
         if (r == 0) {  // the weights come from memory once, for the first row of x
           const char* ahead = reinterpret_cast<const char*>(o) + prefetch.distance;
           if (ahead < prefetch.stop)
-            for (int64_t b = 0; b < kX8GroupSuperBytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+            for (int64_t b = 0; b < kBytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
         }
         const int32_t* xs = xe + s * 32 * 16;
+        // chunk q's codes: low nibbles (weights 16 q .. + 7 of each row), high (+ 8 .. + 15)
+        const auto codes = [&](int q, int half) {
+          const __m512i c = _mm512_loadu_si512(o + 160 + 64 * q);
+          __m512i v = _mm512_and_si512(half ? _mm512_srli_epi16(c, 4) : c, low4);
+          if constexpr (kType == kQ5_K) {
+            uint64_t bits;
+            std::memcpy(&bits, o + kHighBits + 16 * q + 8 * half, 8);
+            v = _mm512_mask_add_epi8(v, _cvtu64_mask64(bits), v, fifth);
+          }
+          return v;
+        };
         __m512i sums = _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int j = 0; j < 8; ++j) {
-          const __m512i c0 = _mm512_loadu_si512(o + 160 + 128 * j);
-          const __m512i c1 = _mm512_loadu_si512(o + 224 + 128 * j);
-          __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(c0, low4),
+          __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes(2 * j, 0),
                                            _mm512_load_si512(xs + 64 * j));
-          __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(),
-                                           _mm512_and_si512(_mm512_srli_epi16(c0, 4), low4),
+          __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes(2 * j, 1),
                                            _mm512_load_si512(xs + 64 * j + 16));
-          s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(c1, low4), _mm512_load_si512(xs + 64 * j + 32));
-          s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(c1, 4), low4),
-                                   _mm512_load_si512(xs + 64 * j + 48));
+          s0 = _mm512_dpbusd_epi32(s0, codes(2 * j + 1, 0), _mm512_load_si512(xs + 64 * j + 32));
+          s1 = _mm512_dpbusd_epi32(s1, codes(2 * j + 1, 1), _mm512_load_si512(xs + 64 * j + 48));
           uint64_t sc;
           std::memcpy(&sc, o + 32 + 8 * j, 8);
           const __m512i scale = _mm512_cvtepu8_epi32(_mm_set1_epi64x(static_cast<int64_t>(sc)));
+          // |sum| <= 32 * 31 * 127 * 63 * 8: int32
           sums = _mm512_add_epi32(sums, _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), scale));
         }
         __m256i mins = _mm256_setzero_si256();
         for (int p = 0; p < 4; ++p) {
-          const __m256i m = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 96 + 16 * p)));
+          const __m256i m = _mm256_cvtepu8_epi16(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 96 + 16 * p)));
           mins = _mm256_add_epi32(mins, _mm256_madd_epi16(m, _mm256_set1_epi32(xm[4 * s + p])));
         }
-        const __m512 d = _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o))));
-        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16)));
+        const __m512 d = _mm512_cvtph_ps(
+            _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o))));
+        const __m256 dmin =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16)));
         const float dx = xd[s];
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc);
-        minacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, _mm256_set1_ps(dx)), minacc);
+        minacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, _mm256_set1_ps(dx)),
+                                 minacc);
       }
-      const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(acc),
-                                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
+      const __m256 halves = _mm256_add_ps(
+          _mm512_castps512_ps256(acc),
+          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
       _mm256_storeu_ps(y + r * ldy + 8 * g, _mm256_sub_ps(halves, minacc));
     }
   }
@@ -244,31 +283,14 @@ void x8_groups(const X8Rows& x, int64_t M, int64_t K, const uint8_t* w, float* y
 
 // Below this many (256-weight super-block x row of x) products one thread does it all.
 constexpr int64_t kSerialSuperBlocks = 256;
-#endif
 
-}  // namespace
-
-bool x8_kernels_built() {
-#if defined(HYBRIDLLM_Q8_AVX512)
-  return true;
-#else
-  return false;
-#endif
-}
-
-bool x8_linear(const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N, float* y) {
-  const int64_t starts[2] = {0, M};
-  const uint8_t* weights[1] = {qw};
-  return x8_linear_grouped(x, starts, 1, K, weights, N, y);
-}
-
-bool x8_linear_grouped(const float* x, const int64_t* starts, int64_t groups, int64_t K,
-                       const uint8_t* const* weights, int64_t N, float* y) {
-#if defined(HYBRIDLLM_Q8_AVX512)
+template <int64_t kType>
+void x8_grouped_typed(const float* x, const int64_t* starts, int64_t groups, int64_t K,
+                      const uint8_t* const* weights, int64_t N, float* y) {
   const int64_t M = starts[groups];
   const X8Rows xr = prepare_rows(x, M, K);
   const int64_t row_groups = N / kX8GroupRows, total = groups * row_groups;
-  const int64_t group_bytes = K / 256 * kX8GroupSuperBytes;
+  const int64_t group_bytes = K / 256 * kGroupBytes<kType>;
   const int64_t threads = at::get_num_threads();
   const int64_t grain =
       K / 256 * M * N < kSerialSuperBlocks ? total : (total + threads - 1) / threads;
@@ -281,67 +303,115 @@ bool x8_linear_grouped(const float* x, const int64_t* starts, int64_t groups, in
       if (m == 0) continue;
       const X8Rows rows{xr.xe + r0 * xr.xe_stride, xr.d + r0 * xr.d_stride,
                         xr.mins + r0 * xr.mins_stride, xr.xe_stride, xr.d_stride, xr.mins_stride};
-      x8_groups(rows, m, K, weights[p], y + r0 * N, N, g0, g1,
-                start_prefetch(weights[p] + g0 * group_bytes, (g1 - g0) * group_bytes));
+      x8_groups<kType>(rows, m, K, weights[p], y + r0 * N, N, g0, g1,
+                       start_prefetch(weights[p] + g0 * group_bytes, (g1 - g0) * group_bytes));
     }
   });
+}
+
+template <int64_t kType>
+void x8_unpack_typed(const uint8_t* group, int64_t K, uint8_t* codes, int64_t code_stride,
+                     float* scales, float* mins, int64_t unit_stride) {
+  const __m512i low4 = _mm512_set1_epi8(15), fifth = _mm512_set1_epi8(16);
+  // output dword 4 i + k: row i's codes 4k .. 4k + 3 of a 16-weight chunk (rows 0-3; +4: 4-7)
+  const __m512i rows03 =
+      _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
+  const __m512i rows47 = _mm512_add_epi32(rows03, _mm512_set1_epi32(4));
+  for (int64_t s = 0; s < K / 256; ++s) {
+    const uint8_t* o = group + s * kGroupBytes<kType>;
+    for (int q = 0; q < 16; ++q) {  // chunk q = 2 j + c: weights 16 q .. 16 q + 15
+      const __m512i c = _mm512_loadu_si512(o + 160 + 64 * q);
+      __m512i low = _mm512_and_si512(c, low4);
+      __m512i high = _mm512_and_si512(_mm512_srli_epi16(c, 4), low4);
+      if constexpr (kType == kQ5_K) {
+        uint64_t bits[2];
+        std::memcpy(bits, o + kHighBits + 16 * q, 16);
+        low = _mm512_mask_add_epi8(low, _cvtu64_mask64(bits[0]), low, fifth);
+        high = _mm512_mask_add_epi8(high, _cvtu64_mask64(bits[1]), high, fifth);
+      }
+      const __m512i a = _mm512_permutex2var_epi32(low, rows03, high);
+      const __m512i b = _mm512_permutex2var_epi32(low, rows47, high);
+      uint8_t* dst = codes + s * 256 + 16 * q;
+      const __m128i parts[8] = {_mm512_castsi512_si128(a),    _mm512_extracti32x4_epi32(a, 1),
+                                _mm512_extracti32x4_epi32(a, 2), _mm512_extracti32x4_epi32(a, 3),
+                                _mm512_castsi512_si128(b),    _mm512_extracti32x4_epi32(b, 1),
+                                _mm512_extracti32x4_epi32(b, 2), _mm512_extracti32x4_epi32(b, 3)};
+      for (int r = 0; r < 8; ++r)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + r * code_stride), parts[r]);
+    }
+    for (int r = 0; r < 8; ++r) {
+      const float d = half_to_float(load_u16(o + 2 * r));
+      const float dmin = half_to_float(load_u16(o + 16 + 2 * r));
+      for (int j = 0; j < 8; ++j) {
+        scales[r * unit_stride + 8 * s + j] = d * static_cast<float>(o[32 + 8 * j + r]);
+        mins[r * unit_stride + 8 * s + j] =
+            -dmin * static_cast<float>(o[96 + 16 * (j / 2) + 2 * r + j % 2]);
+      }
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+bool x8_kernels_built() {
+#if defined(HYBRIDLLM_Q8_AVX512)
   return true;
 #else
   return false;
 #endif
 }
 
-void x8_unpack_group(const uint8_t* group, int64_t K, uint8_t* codes, int64_t code_stride,
-                     float* scales, float* mins, int64_t unit_stride) {
+bool x8_linear(int64_t type, const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N,
+               float* y) {
+  const int64_t starts[2] = {0, M};
+  return x8_linear_grouped(type, x, starts, 1, K, &qw, N, y);
+}
+
+bool x8_linear_grouped(int64_t type, const float* x, const int64_t* starts, int64_t groups,
+                       int64_t K, const uint8_t* const* weights, int64_t N, float* y) {
 #if defined(HYBRIDLLM_Q8_AVX512)
-  const __m512i low4 = _mm512_set1_epi8(15);
-  // output dword 4 i + k: row i's codes 4k .. 4k + 3 of a 16-weight chunk (rows 0-3; +4: 4-7)
-  const __m512i rows03 = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
-  const __m512i rows47 = _mm512_add_epi32(rows03, _mm512_set1_epi32(4));
-  for (int64_t s = 0; s < K / 256; ++s) {
-    const uint8_t* o = group + s * kX8GroupSuperBytes;
-    for (int q = 0; q < 16; ++q) {  // chunk q = 2 j + c: weights 16 q .. 16 q + 15
-      const __m512i c = _mm512_loadu_si512(o + 160 + 64 * q);
-      const __m512i low = _mm512_and_si512(c, low4);
-      const __m512i high = _mm512_and_si512(_mm512_srli_epi16(c, 4), low4);
-      const __m512i a = _mm512_permutex2var_epi32(low, rows03, high);
-      const __m512i b = _mm512_permutex2var_epi32(low, rows47, high);
-      uint8_t* dst = codes + s * 256 + 16 * q;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_castsi512_si128(a));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + code_stride), _mm512_extracti32x4_epi32(a, 1));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * code_stride), _mm512_extracti32x4_epi32(a, 2));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 3 * code_stride), _mm512_extracti32x4_epi32(a, 3));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 4 * code_stride), _mm512_castsi512_si128(b));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 5 * code_stride), _mm512_extracti32x4_epi32(b, 1));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 6 * code_stride), _mm512_extracti32x4_epi32(b, 2));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 7 * code_stride), _mm512_extracti32x4_epi32(b, 3));
-    }
-    for (int r = 0; r < 8; ++r) {
-      const float d = half_to_float(load_u16(o + 2 * r)), dmin = half_to_float(load_u16(o + 16 + 2 * r));
-      for (int j = 0; j < 8; ++j) {
-        scales[r * unit_stride + 8 * s + j] = d * static_cast<float>(o[32 + 8 * j + r]);
-        mins[r * unit_stride + 8 * s + j] = -dmin * static_cast<float>(o[96 + 16 * (j / 2) + 2 * r + j % 2]);
-      }
-    }
+  if (type == kQ4_KX8) {
+    x8_grouped_typed<kQ4_K>(x, starts, groups, K, weights, N, y);
+    return true;
+  }
+  if (type == kQ5_KX8) {
+    x8_grouped_typed<kQ5_K>(x, starts, groups, K, weights, N, y);
+    return true;
   }
 #else
-  (void)group, (void)K, (void)codes, (void)code_stride, (void)scales, (void)mins, (void)unit_stride;
-  TORCH_CHECK(false, "Q4_K x8 weights need a build with AVX512-VNNI kernels");
+  (void)type, (void)x, (void)starts, (void)groups, (void)K, (void)weights, (void)N, (void)y;
 #endif
+  return false;
+}
+
+void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* codes,
+                     int64_t code_stride, float* scales, float* mins, int64_t unit_stride) {
+#if defined(HYBRIDLLM_Q8_AVX512)
+  if (type == kQ4_KX8)
+    return x8_unpack_typed<kQ4_K>(group, K, codes, code_stride, scales, mins, unit_stride);
+  if (type == kQ5_KX8)
+    return x8_unpack_typed<kQ5_K>(group, K, codes, code_stride, scales, mins, unit_stride);
+#else
+  (void)group, (void)K, (void)codes, (void)code_stride, (void)scales, (void)mins;
+  (void)unit_stride;
+#endif
+  TORCH_CHECK(false, "x8 weights of type ", type, " have no unpacking in this build");
 }
 
 }  // namespace hybridllm_gguf
 
 TORCH_LIBRARY_FRAGMENT(hybridllm, m) {
-  // Q4_K blocks [..., rows, K / 256 * 144] (rows % 8 == 0) -> the x8 layout [..., rows,
-  // K / 256 * 148] that gguf_linear and fused_moe take as ggml_type 112; unpack is its inverse.
-  m.def("repack_q4_k_x8(Tensor blocks) -> Tensor");
-  m.def("unpack_q4_k_x8(Tensor blocks) -> Tensor");
+  // Q4_K / Q5_K blocks (ggml_type 12 / 13) [..., rows, K / 256 * 144 or 176] (rows % 8 == 0) ->
+  // the x8 layout [..., rows, K / 256 * 148 or 180] that gguf_linear and fused_moe take as
+  // ggml_type 112 / 113; unpack_x8 is its inverse (ggml_type: the source type).
+  m.def("repack_x8(Tensor blocks, int ggml_type) -> Tensor");
+  m.def("unpack_x8(Tensor blocks, int ggml_type) -> Tensor");
   // Whether this build computes x8 weights (AVX512-VNNI); where not, nothing is repacked.
-  m.def("q4_k_x8_supported() -> bool", [] { return hybridllm_gguf::x8_kernels_built(); });
+  m.def("x8_supported() -> bool", [] { return hybridllm_gguf::x8_kernels_built(); });
 }
 
 TORCH_LIBRARY_IMPL(hybridllm, CPU, m) {
-  m.impl("repack_q4_k_x8", &hybridllm_gguf::repack_q4_k_x8);
-  m.impl("unpack_q4_k_x8", &hybridllm_gguf::unpack_q4_k_x8);
+  m.impl("repack_x8", &hybridllm_gguf::repack_x8);
+  m.impl("unpack_x8", &hybridllm_gguf::unpack_x8);
 }

@@ -1,0 +1,54 @@
+// Q4_K and Q5_K weights repacked for the int8 kernels in groups of 8 rows (ggml_types kQ4_KX8
+// and kQ5_KX8, not ggml types): the integer dot products then run with the 8 rows in the vector
+// lanes, so a super-block's scale and min arithmetic is done once for 8 rows instead of once a
+// row, and no horizontal sums are needed. The bytes are the type's plus 4 a row per 256 weights
+// (the 6-bit scales and mins stored as bytes).
+//
+// Group g (rows 8g .. 8g + 7), super-block s (weights 256 s ..) takes x8_group_bytes(type) bytes
+// at (g * K / 256 + s) times that in the weight, which is [N, K / 256 * (that / 8)] uint8 like
+// any rows:
+//   [0, 16)      d of rows 0-7, fp16
+//   [16, 32)     dmin of rows 0-7, fp16
+//   [32, 96)     scale sc of sub-block j, row r at 32 + 8 j + r (6-bit values as bytes)
+//   [96, 160)    min m of sub-block j, row r at 96 + 16 (j / 2) + 2 r + j % 2
+//   [160, 1184)  low 4 bits of the codes: chunk q = 2 j + c (c = 0, 1) of sub-block j at
+//                160 + 64 q; its byte 4 L + b (lane L = 8 h + r) holds in its low nibble row r's
+//                code of weight 32 j + 16 c + 4 h + b and in its high nibble that of weight
+//                32 j + 16 c + 8 + 4 h + b
+//   [1184, 1440) Q5_K only, the fifth bits: chunk q's at 1184 + 16 q, bit i of its first 8 bytes
+//                for the low nibble of byte i, of its last 8 for the high nibble.
+// Weight = d * sc * code - dmin * m, as in Q4_K / Q5_K.
+#pragma once
+
+#include <cstdint>
+
+namespace hybridllm_gguf {
+
+constexpr int64_t kX8GroupRows = 8;
+
+// The x8 type of a K-quant (kQ4_K, kQ5_K) and back; -1 for others.
+constexpr int64_t x8_type_of(int64_t type) { return type == 12 ? 112 : type == 13 ? 113 : -1; }
+constexpr int64_t x8_source_type(int64_t x8_type) {
+  return x8_type == 112 ? 12 : x8_type == 113 ? 13 : -1;
+}
+constexpr bool is_x8_type(int64_t type) { return x8_source_type(type) >= 0; }
+
+// y [M, N] = x [M, K] W^T for W of an x8 type (N % 8 == 0), x quantized as q8_linear quantizes
+// it for K-quants; the integer sums are the source type's int8 path's, so y equals it up to fp32
+// rounding. False where this build has no AVX512-VNNI kernels (then no weight is repacked).
+bool x8_linear(int64_t type, const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N,
+               float* y);
+
+// q8_linear_grouped's product for x8 weights (N % 8 == 0).
+bool x8_linear_grouped(int64_t type, const float* x, const int64_t* starts, int64_t groups,
+                       int64_t K, const uint8_t* const* weights, int64_t N, float* y);
+
+// Group `group`'s 8 rows unpacked for the int8 GEMM: codes [8][K] (rows `code_stride` apart),
+// scales d * sc and mins -dmin * m [8][K / 32] (rows `unit_stride` apart), as its source type's
+// unpack gives them.
+void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* codes,
+                     int64_t code_stride, float* scales, float* mins, int64_t unit_stride);
+
+bool x8_kernels_built();
+
+}  // namespace hybridllm_gguf

@@ -6,7 +6,8 @@ decodes NEW_TOKENS tokens after a PROMPT_LEN-token prompt, then llama.cpp's
 `llama-bench -n NEW_TOKENS -p 0` (its tg test: decode from an empty context) runs on the same
 file with as many threads; the three alternate for `--rounds` rounds and each reports its best.
 `--prompt N` adds prefill: hybridllm's time to first token of an N-token prompt against
-`llama-bench -p N -n 0`.
+`llama-bench -p N -n 0`. Each round also times `torch.sum` over 1 GiB (this VM's read rate moves
+within minutes) and reports the decode floor it implies: the file's bytes read once a token.
 
     python benchmarks/bench_int8_decode.py [--model F.gguf] [--llama-bench PATH] [--json F]
 """
@@ -80,6 +81,16 @@ def llama_bench(binary: str, model: str, threads: int, prompt: int, new: int) ->
     return json.loads(out.stdout)[0]["avg_ts"]
 
 
+def read_rate(buffer: torch.Tensor) -> float:
+    """GB/s of `torch.sum` over `buffer`, the best of three: the memory's read rate this moment."""
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() * buffer.element_size() / best / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="a GGUF file (default: the embedded SmolLM2 Q4_1)")
@@ -98,7 +109,10 @@ def main() -> None:
         hybrid.run(PROMPT_LEN, 16)  # warm-up: pages faulted in
     rounds: dict[str, list[float]] = {}
     prefill: dict[str, list[float]] = {}
+    rates: list[float] = []
+    buffer = torch.ones(1 << 28)  # 1 GiB of fp32
     for _ in range(args.rounds):
+        rates.append(read_rate(buffer))
         for mode, hybrid in engines.items():
             rounds.setdefault(f"hybridllm {mode}", []).append(hybrid.run(PROMPT_LEN, NEW_TOKENS)[1])
             if args.prompt:
@@ -112,7 +126,18 @@ def main() -> None:
                 prefill.setdefault("llama.cpp", []).append(pp)
     for hybrid in engines.values():
         hybrid.llm.shutdown()
-    results = {"machine": machine(), "model": Path(model).name, "threads": threads}
+    file_gb = Path(model).stat().st_size / 1e9
+    results = {
+        "machine": machine(),
+        "model": Path(model).name,
+        "threads": threads,
+        # an upper bound on a token's bytes (the embedding table is read a row at a time)
+        "memory": {
+            "sum_gb_s_rounds": [round(r, 1) for r in rates],
+            "file_gb": round(file_gb, 3),
+            "floor_tok_s_rounds": [round(r / file_gb, 1) for r in rates],
+        },
+    }
     for name, values in rounds.items():
         results[name] = {"decode_tok_s": max(values), "rounds": [round(v, 1) for v in values]}
         if name in prefill:

@@ -243,6 +243,11 @@ class LlamaDecoderLayer(nn.Module):
                 ),
             )
 
+    def native_moe_args(self) -> tuple | None:
+        """`DecodeStack.add_moe`'s arguments where the decode stack can run this layer's expert
+        block itself (MoE layers override); None: a dense layer, or an expert block it cannot."""
+        return None
+
     def decode_native(
         self,
         hidden_states: torch.Tensor,
@@ -363,15 +368,19 @@ class LlamaForCausalLM(CausalLMBase):
         activations = default_activations()
         for layer in self.layers:
             layer.use_native_decode(activations)
+        moe = [layer.native_moe_args() for layer in self.layers]
         if len(self.layers) > 0 and all(
-            layer.native_decode_activations is not None and layer.native_decode_mlp
-            for layer in self.layers
+            layer.native_decode_activations is not None
+            and (layer.native_decode_mlp or moe_args is not None)
+            for layer, moe_args in zip(self.layers, moe)
         ):
-            # every layer native with its MLP: one call from Python runs them all
+            # every layer native with its MLP or expert block: one call from Python runs them all
             self.decode_stack = torch.classes.hybridllm.DecodeStack()
-            for layer in self.layers:
+            for layer, moe_args in zip(self.layers, moe):
                 weights, attention = layer.native_decode_args
                 self.decode_stack.add_layer(*weights, *attention)
+                if moe_args is not None:
+                    self.decode_stack.add_moe(*moe_args)
 
     def make_layer(
         self,

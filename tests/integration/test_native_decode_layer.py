@@ -4,7 +4,8 @@ Both run the same kernels in the same order; the native op (and DecodeStack, whi
 layer's op in one call from Python) only removes Python between them, so
 greedy tokens and every logprob must be identical, for single streams and batches, with qkv
 biases (Qwen2), sliding windows (Mistral), Qwen3's q/k norms, MoE layers (attention native, the
-expert block after it) and layers it does not take (OLMoE's attention).
+expert block after it; the stack runs a block without a shared expert itself) and layers it does
+not take (OLMoE's attention).
 """
 
 from __future__ import annotations
@@ -137,11 +138,48 @@ def test_moe_layers_native_attention_equals_per_op(arch, tmp_path, monkeypatch):
     native, used, stacked = run(path, True, monkeypatch)
     per_op, _, _ = run(path, False, monkeypatch)
     assert native == per_op
-    assert not stacked  # the expert blocks run between layers: one native call a layer
+    # one native call a layer, the expert block after it: these experts' 40-wide down rows are
+    # no whole F32 blocks for fused_moe (the GGUF test below has the stack run them)
+    assert not stacked
     expected = [own_f32_gemm_preferred() and arch != "olmoe"] * len(used)
     if arch == "qwen2_moe":
         expected[1] = False  # its dense MLP is 72 wide: down_proj's rows are not whole blocks
     assert used == expected
+
+
+@pytest.mark.parametrize("fmt", [Q.Q4_K, Q.Q5_K], ids=lambda f: f.name)
+def test_gguf_moe_stack_with_x8_experts_equals_per_op(fmt, tmp_path, monkeypatch):
+    # Qwen3-MoE from GGUF, K-quant experts on the int8 path: their blocks are repacked in x8
+    # groups and the stack runs routing and experts; the per-layer path the same
+    import torch
+
+    from hybridllm.layers import gguf_linear as gguf_linear_module
+    from hybridllm.layers.gguf_linear import X8_TYPES, own_f32_gemm_preferred
+    from tests.moe_helpers import build_tiny_moe_model, write_moe_gguf
+
+    monkeypatch.setenv(gguf_linear_module.ACTIVATIONS_ENV, "int8")
+    gguf_linear_module.default_activations.cache_clear()
+    try:
+        model = build_tiny_moe_model(
+            "qwen3_moe", hidden_size=256, moe_intermediate_size=256, intermediate_size=256
+        )  # whole 256-weight super-blocks
+        kinds = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+        path = str(write_moe_gguf(tmp_path / "q3.gguf", model, dict.fromkeys(kinds, fmt)))
+        llm = LLM(path, skip_tokenizer_init=True, use_tqdm=False)
+        try:
+            layers = llm.llm_engine.executor.workers[0].model_runner.model.layers
+            x8 = torch.ops.hybridllm.x8_supported()
+            expected = X8_TYPES[int(fmt)] if x8 else int(fmt)
+            assert all(layer.mlp.experts.w13.ggml_type == expected for layer in layers)
+        finally:
+            llm.shutdown()
+        native, used, stacked = run(path, True, monkeypatch)
+        per_op, _, unstacked = run(path, False, monkeypatch)
+    finally:
+        monkeypatch.undo()
+        gguf_linear_module.default_activations.cache_clear()
+    assert native == per_op and not unstacked
+    assert stacked == own_f32_gemm_preferred() == all(used)
 
 
 def test_decode_stack_checks_its_inputs():
@@ -153,4 +191,6 @@ def test_decode_stack_checks_its_inputs():
         stack.forward(h, None, h, h, [h], h, h, h)
     with pytest.raises(RuntimeError, match="no layers"):
         stack.forward(h, None, h, h, [], h, h, h)
+    with pytest.raises(RuntimeError, match="add_moe follows the add_layer"):
+        stack.add_moe(h, 0, 1, False, True, h, 0, h, 0)
     assert stack.size() == 0

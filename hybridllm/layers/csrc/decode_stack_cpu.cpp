@@ -4,6 +4,9 @@
 // after the other through that op, so the result is bit for bit the per-layer calls'. What goes
 // away is Python between layers (a loop, a method frame and 27 arguments parsed a layer): SmolLM2
 // at batch 1 decoded 229.7-234.9 tok/s with one call against 206.8-225.8 with a call a layer.
+// An MoE layer (add_moe after its add_layer: router, routing, routed experts, no shared expert)
+// runs its expert block through the ops its Python runs (gguf_linear for the router logits,
+// route_experts, fused_moe), so it too is bit for bit the per-layer path.
 // Built on first use by hybridllm/layers/cpu_kernels.py.
 #include <ATen/core/Tensor.h>
 #include <torch/custom_class.h>
@@ -28,6 +31,17 @@ using DecodeLayerOp = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
     int64_t, int64_t, int64_t, int64_t);
 
+// An MoE layer's expert block: router weight (blocks, or fp32 as F32 blocks) and the experts.
+struct MoeArgs {
+  at::Tensor router;
+  int64_t router_type, top_k;
+  bool sigmoid, renormalize;
+  at::Tensor w13;
+  int64_t w13_type;
+  at::Tensor w2;
+  int64_t w2_type;
+};
+
 // One layer's arguments of hybridllm::decode_layer that do not change from step to step.
 struct LayerArgs {
   at::Tensor input_norm, post_norm;
@@ -43,6 +57,7 @@ struct LayerArgs {
   int64_t down_type;
   double scale;
   int64_t window, num_heads, num_kv_heads, activations;
+  std::optional<MoeArgs> moe;  // the layer's expert block, where decode_layer returns its input
 };
 
 struct DecodeStack : torch::CustomClassHolder {
@@ -59,7 +74,19 @@ struct DecodeStack : torch::CustomClassHolder {
                       std::move(qkv_types), std::move(qkv_bias), std::move(q_norm),
                       std::move(k_norm), std::move(o_weight), o_type, std::move(gate_up_weights),
                       std::move(gate_up_types), std::move(down_weight), down_type, scale, window,
-                      num_heads, num_kv_heads, activations});
+                      num_heads, num_kv_heads, activations, std::nullopt});
+  }
+
+  // The last added layer's expert block (that layer has no gate/up and down of its own).
+  void add_moe(at::Tensor router, int64_t router_type, int64_t top_k, bool sigmoid,
+               bool renormalize, at::Tensor w13, int64_t w13_type, at::Tensor w2,
+               int64_t w2_type) {
+    TORCH_CHECK(!layers.empty() && !layers.back().down_weight.has_value() &&
+                    !layers.back().moe.has_value(),
+                "DecodeStack: add_moe follows the add_layer of a layer without an MLP of its own");
+    layers.back().moe = MoeArgs{std::move(router), router_type, top_k,         sigmoid,
+                                renormalize,       std::move(w13), w13_type, std::move(w2),
+                                w2_type};
   }
 
   int64_t size() const { return static_cast<int64_t>(layers.size()); }
@@ -72,6 +99,12 @@ struct DecodeStack : torch::CustomClassHolder {
                                              at::Tensor slot_mapping, at::Tensor block_tables,
                                              at::Tensor seq_lens) {
     static const auto op = find_op<DecodeLayerOp>("hybridllm::decode_layer");
+    static const auto route = find_op<std::tuple<at::Tensor, at::Tensor>(
+        const at::Tensor&, int64_t, bool, bool)>("hybridllm::route_experts");
+    static const auto experts =
+        find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, int64_t, const at::Tensor&, int64_t, int64_t)>(
+            "hybridllm::fused_moe");
     TORCH_CHECK(kv_caches.size() == layers.size(), "DecodeStack: ", layers.size(),
                 " layers but ", kv_caches.size(), " KV caches");
     for (size_t i = 0; i < layers.size(); ++i) {
@@ -82,6 +115,14 @@ struct DecodeStack : torch::CustomClassHolder {
                   l.gate_up_types, l.down_weight, l.down_type, cos, sin, kv_caches[i],
                   slot_mapping, block_tables, seq_lens, l.scale, l.window, l.num_heads,
                   l.num_kv_heads, l.activations);
+      if (l.moe.has_value()) {  // hidden is the expert block's normed input [n, hidden]
+        const MoeArgs& m = *l.moe;
+        const at::Tensor logits = hybridllm_ops::gguf_linear(hidden, m.router, m.router_type,
+                                                             l.activations);  // [n, E]
+        const auto [weights, ids] = route.call(logits, m.top_k, m.sigmoid, m.renormalize);
+        hidden = experts.call(hidden, weights, ids, m.w13, m.w13_type, m.w2, m.w2_type,
+                              l.activations);
+      }
     }
     TORCH_CHECK(residual.has_value(), "DecodeStack: no layers");
     return {hidden, *residual};
@@ -94,6 +135,7 @@ TORCH_LIBRARY_FRAGMENT(hybridllm, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<>())
       .def("add_layer", &DecodeStack::add_layer)
+      .def("add_moe", &DecodeStack::add_moe)
       .def("size", &DecodeStack::size)
       .def("forward", &DecodeStack::forward);
 }

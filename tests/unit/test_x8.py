@@ -106,6 +106,11 @@ def test_fused_moe_equals_the_source_type(fmt):
         ref = torch.ops.hybridllm.fused_moe(x, weights, ids, w13, int(fmt), w2, int(fmt), 1)
         got = torch.ops.hybridllm.fused_moe(x, weights, ids, x13, x8_type, x2, x8_type, 1)
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    x, ids, weights = torch.randn(1, hidden), torch.tensor([[0, 1]]), torch.rand(1, 2)
+    with pytest.raises(RuntimeError, match="not a multiple of 8"):  # part of a group
+        torch.ops.hybridllm.fused_moe(
+            x, weights, ids, x13[:, :12].contiguous(), x8_type, x2, x8_type, 1
+        )
 
 
 def _quantized(blocks: torch.Tensor, fmt: Q, rows: int, cols: int) -> QuantizedTensor:

@@ -21,14 +21,17 @@
 
 #include "gguf_blocks.h"
 #include "gguf_q8_linear.h"
+#include "gguf_x8.h"
 #include "library_ops.h"
 
 namespace {
 
 using hybridllm_gguf::kF32;
+using hybridllm_gguf::is_x8_type;
 using hybridllm_gguf::kFp32Activations;
 using hybridllm_gguf::kQ8Avx512Vnni;
 using hybridllm_gguf::kQ8GemmMinRows;
+using hybridllm_gguf::kX8GroupRows;
 using hybridllm_gguf::q8_linear_grouped;
 using hybridllm_ops::gguf_linear;
 using hybridllm_ops::silu_and_mul;
@@ -44,6 +47,9 @@ void check_int8_experts(const at::Tensor& w, int64_t type, int64_t K, const char
                   w.stride(2) == 1 && w.stride(1) == w.size(2),
               "fused_moe: ", name, " ", w.sizes(), " is not dense rows of ", row_bytes_of(type, K),
               " bytes (", K, " inputs of ggml_type ", type, ")");
+  TORCH_CHECK(!is_x8_type(type) || w.size(1) % kX8GroupRows == 0, "fused_moe: ", name,
+              " holds x8 groups (ggml_type ", type, "): its ", w.size(1),
+              " rows an expert are not a multiple of ", kX8GroupRows);
 }
 
 // Each token's top_k experts from its router logits [n, E]: softmax (or each logit's sigmoid)

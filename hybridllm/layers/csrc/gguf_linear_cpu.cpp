@@ -363,7 +363,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
   TORCH_CHECK(qweight.scalar_type() == at::kByte, "gguf_linear: qweight must be uint8, got ",
               qweight.scalar_type());
   TORCH_CHECK(supported_type(ggml_type), "gguf_linear: unsupported ggml_type ", ggml_type,
-              " (supported: F32=0, Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14, Q4_K x8=112, Q5_K x8=113)");
+              " (supported: F32=0, Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14, and Q4_K and",
+              " Q5_K in x8 groups, 112 and 113)");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   TORCH_CHECK(K % row_granule(ggml_type) == 0, "gguf_linear: in_features K=", K,
               " is not a multiple of the block size ", row_granule(ggml_type));
@@ -393,9 +394,10 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
   if (M == 0 || N == 0) return y;
   const uint8_t* qw = qweight.data_ptr<uint8_t>();
   if (is_x8_type(ggml_type)) {
-    const bool done = M < kQ8GemmMinRows
-                          ? x8_linear(ggml_type, xc.data_ptr<float>(), M, K, qw, N, y.data_ptr<float>())
-                          : q8_gemm(ggml_type, xc.data_ptr<float>(), M, K, qw, N, y.data_ptr<float>());
+    const float* xp = xc.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    const bool done = M < kQ8GemmMinRows ? x8_linear(ggml_type, xp, M, K, qw, N, yp)
+                                         : q8_gemm(ggml_type, xp, M, K, qw, N, yp);
     TORCH_CHECK(done, "gguf_linear: this build has no kernels for x8 weights (AVX512-VNNI)");
     return y;
   }

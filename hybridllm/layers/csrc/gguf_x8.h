@@ -22,14 +22,18 @@
 
 #include <cstdint>
 
+#include "gguf_blocks.h"
+
 namespace hybridllm_gguf {
 
 constexpr int64_t kX8GroupRows = 8;
 
 // The x8 type of a K-quant (kQ4_K, kQ5_K) and back; -1 for others.
-constexpr int64_t x8_type_of(int64_t type) { return type == 12 ? 112 : type == 13 ? 113 : -1; }
+constexpr int64_t x8_type_of(int64_t type) {
+  return type == kQ4_K ? kQ4_KX8 : type == kQ5_K ? kQ5_KX8 : -1;
+}
 constexpr int64_t x8_source_type(int64_t x8_type) {
-  return x8_type == 112 ? 12 : x8_type == 113 ? 13 : -1;
+  return x8_type == kQ4_KX8 ? kQ4_K : x8_type == kQ5_KX8 ? kQ5_K : -1;
 }
 constexpr bool is_x8_type(int64_t type) { return x8_source_type(type) >= 0; }
 

@@ -70,7 +70,8 @@ void repack_group(const uint8_t* rows, int64_t nsb, uint8_t* out) {
       const uint8_t* q = rows + r * nsb * kSource + s * kSource;
       std::memcpy(o + 2 * r, q, 2);
       std::memcpy(o + 16 + 2 * r, q + 2, 2);
-      for (int j = 0; j < 8; ++j) scale_min(q + 4, j, o + 32 + 8 * j + r, o + 96 + 16 * (j / 2) + 2 * r + j % 2);
+      for (int j = 0; j < 8; ++j)
+        scale_min(q + 4, j, o + 32 + 8 * j + r, o + 96 + 16 * (j / 2) + 2 * r + j % 2);
       // weight v of sub-block j is nibble (j % 2) of byte 32 (j / 2) + v of the codes
       const auto code = [&](int j, int v) {
         const uint8_t byte = q[kNibbles + 32 * (j / 2) + v];
@@ -85,7 +86,8 @@ void repack_group(const uint8_t* rows, int64_t nsb, uint8_t* out) {
               if constexpr (kType == kQ5_K)
                 for (int half = 0; half < 2; ++half)
                   if (q[16 + v + 8 * half] >> j & 1)
-                    o[kHighBits + 16 * chunk + 8 * half + i / 8] |= static_cast<uint8_t>(1 << (i % 8));
+                    o[kHighBits + 16 * chunk + 8 * half + i / 8] |=
+                        static_cast<uint8_t>(1 << (i % 8));
             }
     }
   }
@@ -147,8 +149,8 @@ std::pair<int64_t, int64_t> group_shape(const at::Tensor& blocks, int64_t super_
 // `blocks` of ggml_type `type` (Q4_K, Q5_K) into x8 groups (repack) or back (unpack).
 at::Tensor convert(const at::Tensor& blocks, int64_t type, bool repack) {
   const char* op = repack ? "repack_x8" : "unpack_x8";
-  TORCH_CHECK(type == kQ4_K || type == kQ5_K, op, ": ggml_type must be Q4_K (12) or Q5_K (13), got ",
-              type);
+  TORCH_CHECK(type == kQ4_K || type == kQ5_K, op,
+              ": ggml_type must be Q4_K (12) or Q5_K (13), got ", type);
   const int64_t source = type == kQ4_K ? kSuperBytes : kQ5SuperBytes;
   const int64_t group = type == kQ4_K ? kGroupBytes<kQ4_K> : kGroupBytes<kQ5_K>;
   const auto [groups, nsb] = group_shape(blocks, repack ? source : group / 8, op);
@@ -169,8 +171,12 @@ at::Tensor convert(const at::Tensor& blocks, int64_t type, bool repack) {
   return out;
 }
 
-at::Tensor repack_x8(const at::Tensor& blocks, int64_t type) { return convert(blocks, type, true); }
-at::Tensor unpack_x8(const at::Tensor& blocks, int64_t type) { return convert(blocks, type, false); }
+at::Tensor repack_x8(const at::Tensor& blocks, int64_t type) {
+  return convert(blocks, type, true);
+}
+at::Tensor unpack_x8(const at::Tensor& blocks, int64_t type) {
+  return convert(blocks, type, false);
+}
 
 #if defined(HYBRIDLLM_Q8_AVX512)
 // Rows of x as the kernel reads them, from q8's Q4_K quantization (groups of 256):
@@ -196,12 +202,14 @@ X8Rows prepare_rows(const float* x, int64_t M, int64_t K) {
     const Q8Rows row = q8.row(r);
     const __m512i quads = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     for (int64_t i = 0; i < K / 8; ++i) {
-      const __m512i two = _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row.q + 8 * i)));
+      const __m512i two = _mm512_castsi128_si512(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row.q + 8 * i)));
       _mm512_store_si512(xe + r * xe_stride + 16 * i, _mm512_permutexvar_epi32(quads, two));
     }
     for (int64_t p = 0; p < K / 64; ++p) {
       const int16_t* b = row.bsums + 4 * p;  // sub-block 2p: bsums 4p, 4p + 1; 2p + 1: the next two
-      const uint32_t lo = static_cast<uint16_t>(b[0] + b[1]), hi = static_cast<uint16_t>(b[2] + b[3]);
+      const uint32_t lo = static_cast<uint16_t>(b[0] + b[1]);
+      const uint32_t hi = static_cast<uint16_t>(b[2] + b[3]);
       mins[r * mins_stride + p] = static_cast<int32_t>(lo | (hi << 16));
     }
   }

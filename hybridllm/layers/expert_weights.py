@@ -9,12 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridllm.layers.gguf_linear import (
-    GGML_F32,
-    X8_TYPES,
-    gguf_linear,
-    repack_x8,
-)
+from hybridllm.layers.gguf_linear import GGML_F32, gguf_linear, repack_x8_where_grouped
 from hybridllm.layers.linear import f32_kernel_applies
 from hybridllm.loader.quantized_tensor import QuantizedTensor
 
@@ -119,8 +114,10 @@ class StackedExpertWeight(nn.Module):
     def repack_for_cpu(self) -> None:
         """Q4_K / Q5_K blocks into the int8 kernels' x8 layout (each expert's rows in groups of
         8)."""
-        if self.qweight is not None and self.ggml_type in X8_TYPES and self.rows % 8 == 0:
-            self.qweight, self.ggml_type = repack_x8(self.qweight, self.ggml_type)
+        if self.qweight is not None:
+            self.qweight, self.ggml_type = repack_x8_where_grouped(
+                self.qweight, self.ggml_type, self.rows
+            )
 
     def matmul(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """`x @ W[expert].T`: x [m, cols] -> [m, rows], reading only this expert's weights."""

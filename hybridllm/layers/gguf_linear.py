@@ -169,6 +169,16 @@ def repack_x8(blocks: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, int]:
     return torch.ops.hybridllm.repack_x8(blocks.contiguous(), ggml_type), X8_TYPES[ggml_type]
 
 
+def repack_x8_where_grouped(
+    blocks: torch.Tensor, ggml_type: int, rows: int
+) -> tuple[torch.Tensor, int]:
+    """`repack_x8` where `ggml_type` has an x8 form and a matrix's `rows` are whole groups of 8;
+    else (blocks, ggml_type) unchanged."""
+    if ggml_type in X8_TYPES and rows % 8 == 0:
+        return repack_x8(blocks, ggml_type)
+    return blocks, ggml_type
+
+
 def unpack_x8(blocks: torch.Tensor, x8_type: int) -> tuple[torch.Tensor, int]:
     """The inverse of `repack_x8`: (the source blocks, byte for byte, their type)."""
     source = X8_SOURCE_TYPES[x8_type]

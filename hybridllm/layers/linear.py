@@ -13,9 +13,8 @@ from torch import nn
 from hybridllm.layers.gguf_linear import (
     GGML_F32,
     X8_SOURCE_TYPES,
-    X8_TYPES,
     gguf_linear,
-    repack_x8,
+    repack_x8_where_grouped,
     unpack_x8,
 )
 from hybridllm.loader.gguf_dequant import dequantize
@@ -149,11 +148,12 @@ class Linear(nn.Module):
     def repack_for_cpu(self) -> None:
         """Q4_K / Q5_K blocks (of rows in whole groups of 8) into the int8 kernels' x8 layout
         (after loading, on a CPU worker computing with int8 activations; see `x8_in_use`)."""
-        if self.qweight is not None and self.ggml_type in X8_TYPES and self.out_features % 8 == 0:
-            self.qweight, self.ggml_type = repack_x8(self.qweight, self.ggml_type)
+        if self.qweight is not None:
+            self.qweight, self.ggml_type = repack_x8_where_grouped(
+                self.qweight, self.ggml_type, self.out_features
+            )
         self.shard_blocks = [
-            (*repack_x8(q, t), rows) if t in X8_TYPES and rows % 8 == 0 else (q, t, rows)
-            for q, t, rows in self.shard_blocks
+            (*repack_x8_where_grouped(q, t, rows), rows) for q, t, rows in self.shard_blocks
         ]
 
     def pack_for_cpu(self) -> None:

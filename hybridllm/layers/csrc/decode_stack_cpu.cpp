@@ -84,9 +84,8 @@ struct DecodeStack : torch::CustomClassHolder {
     TORCH_CHECK(!layers.empty() && !layers.back().down_weight.has_value() &&
                     !layers.back().moe.has_value(),
                 "DecodeStack: add_moe follows the add_layer of a layer without an MLP of its own");
-    layers.back().moe = MoeArgs{std::move(router), router_type, top_k,         sigmoid,
-                                renormalize,       std::move(w13), w13_type, std::move(w2),
-                                w2_type};
+    layers.back().moe = MoeArgs{std::move(router), router_type, top_k, sigmoid, renormalize,
+                                std::move(w13), w13_type, std::move(w2), w2_type};
   }
 
   int64_t size() const { return static_cast<int64_t>(layers.size()); }

@@ -201,11 +201,11 @@ def test_long_decode_contexts(cpu_backend):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (10, 2), (4, 4)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (10, 2), (12, 2), (4, 4)])
 @pytest.mark.parametrize("window", [None, 6])
 def test_register_blocked_decode_head_dims(head_dim, num_heads, num_kv_heads, window, cpu_backend):
-    # the native op's AVX-512 path for head_dim 64/128: query groups of 3, 5 (more rows than
-    # one register pass holds) and 1; ten sequences for whole-sequence items, three for per-head
+    # the native op's AVX-512 path for head_dim 64/128: query groups of 3, 5 and 6 (more rows
+    # than one register pass holds) and 1; ten sequences for whole-sequence items, three for per-head
     specs = [(c, 1) for c in (13, 5, 32, 1, 40, 7, 16, 17, 2, 29)]
     for batch in (specs, specs[:3]):
         out, ref = run_case(

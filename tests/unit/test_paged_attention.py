@@ -205,7 +205,8 @@ def test_long_decode_contexts(cpu_backend):
 @pytest.mark.parametrize("window", [None, 6])
 def test_register_blocked_decode_head_dims(head_dim, num_heads, num_kv_heads, window, cpu_backend):
     # the native op's AVX-512 path for head_dim 64/128: query groups of 3, 5 and 6 (more rows
-    # than one register pass holds) and 1; ten sequences for whole-sequence items, three for per-head
+    # than one register pass holds) and 1; ten sequences for whole-sequence items, three for
+    # per-head ones
     specs = [(c, 1) for c in (13, 5, 32, 1, 40, 7, 16, 17, 2, 29)]
     for batch in (specs, specs[:3]):
         out, ref = run_case(

@@ -121,7 +121,8 @@ inline void weighted_values(const kv_t* const* token_rows, int64_t head_off, con
 // and keep their output accumulators in registers, kRows rows at a time (pass 2), so each
 // value row is loaded once per row group and never written back. Same arithmetic as the
 // generic loop below up to summation order. Both changes, with the context in L3 (batch 64,
-// 192 keys): SmolLM2's shape 226-233 -> 177-181 us a call, Qwen3-30B-A3B's (batch 8) 159 -> 100. Against one horizontal sum a score: 1.2-1.4x at batch 8-64 (Qwen3-30B-A3B's
+// 192 keys): SmolLM2's shape 226-233 -> 177-181 us a call, Qwen3-30B-A3B's (batch 8) 159 ->
+// 100. Against one horizontal sum a score: 1.2-1.4x at batch 8-64 (Qwen3-30B-A3B's
 // 32 / 4 heads of 128, 192 keys), 1.0-1.4x at SmolLM2's 9 / 3 heads of 64.
 template <typename kv_t, int kDim>
 void decode_item_avx512(const float* qb, const kv_t* const* token_rows, int64_t value_offset,

@@ -34,18 +34,43 @@ using hybridllm_math::exp_minus_max;
 // ahead read 14-17 GB/s against 10-11 without. The AVX-512 pass asks for one token a key it
 // computes, 32 ahead: a tile's 16 tokens asked for at once (192 lines) measured 790-810 us a
 // call against 705-715 (SmolLM2's shape, batch 64, 192 tokens, float16); 16, 48, 64 between.
+// It serves an item's tokens that the item before did not ask for (SpreadPrefetch).
 constexpr int64_t kPrefetchTokens = 16;
 constexpr int64_t kPrefetchTokensAvx512 = 32;
 
 // Both rows (key and value) of one token's heads of this item into L1: pass 2 finds the values
 // in L2 (an item's context is a few hundred KB at most, the L2 holds MBs).
+template <int kLocality = 3>
 inline void prefetch_kv_row(const void* key_row, int64_t value_offset_bytes, int64_t bytes) {
   const char* k = static_cast<const char*>(key_row);
   for (int64_t o = 0; o < bytes; o += 64) {
-    __builtin_prefetch(k + o, 0, 3);
-    __builtin_prefetch(k + value_offset_bytes + o, 0, 3);
+    __builtin_prefetch(k + o, 0, kLocality);
+    __builtin_prefetch(k + value_offset_bytes + o, 0, kLocality);
   }
 }
+
+// The next work item's key and value rows (all its heads), asked for one token at a time
+// over the current item's work: step() once per key row of pass 1 and per value row of pass 2,
+// so that the next item's DRAM reads overlap this item's arithmetic. From DRAM (SmolLM2's
+// shape, batch 64, 192 tokens, float16, 24 rotating caches): 304-335 us a call against 437-464
+// with all of the next item's rows asked for during one head's pass 2; asked for over the
+// first half of the item, 372. Into L2 (the item in between streams through L1).
+template <typename kv_t>
+struct SpreadPrefetch {
+  const kv_t* const* rows = nullptr;  // the next item's token rows (+ offset: its first head)
+  int64_t offset = 0;
+  int64_t n = 0;                 // its tokens
+  int64_t value_bytes = 0;       // from a key row to its value row
+  int64_t row_bytes = 0;         // one row of all its heads
+  int64_t steps_per_token = 1;   // this item's steps per token asked for
+  int64_t countdown = 1, token = 0;  // token: the next one to ask for
+
+  void step() {
+    if (--countdown > 0) return;
+    countdown = steps_per_token;
+    if (token < n) prefetch_kv_row<2>(rows[token++] + offset, value_bytes, row_bytes);
+  }
+};
 
 // Softmax numerators in place for `rows` rows of n scores (scores[r * n + t]), and each row's
 // 1 / sum in inv_sum[r]: the division waits until the weighted sum of values is done.
@@ -86,21 +111,17 @@ inline __m512 sum_lanes16(const __m512 v[16]) {
 
 // Pass 2 for kR query rows of one KV head: out[r] = sum_t p[r, t] v_t / sum_r (p: [kR][n]).
 // kR is a compile-time count: with a run-time row count the compiler kept the kR x kDim / 16
-// sums on the stack, a load and a store around every FMA. The first
-// next_n tokens also prefetch the next item's key and value rows (all `heads` heads).
+// sums on the stack, a load and a store around every FMA.
 template <typename kv_t, int kDim, int kR>
 inline void weighted_values(const kv_t* const* token_rows, int64_t head_off, const float* p,
                             int64_t n, const float* inv_sum, float* ob,
-                            const kv_t* const* next_rows, int64_t next_n, int64_t next_off,
-                            int64_t value_offset, int64_t heads) {
+                            SpreadPrefetch<kv_t>& next) {
   constexpr int kVec = kDim / 16;
   __m512 acc[kR][kVec];
   for (int r = 0; r < kR; ++r)
     for (int i = 0; i < kVec; ++i) acc[r][i] = _mm512_setzero_ps();
   for (int64_t t = 0; t < n; ++t) {
-    if (t < next_n)
-      prefetch_kv_row(next_rows[t] + next_off, value_offset * sizeof(kv_t),
-                      heads * kDim * sizeof(kv_t));
+    next.step();
     const kv_t* v = token_rows[t] + head_off;
     __m512 vr[kVec];
     for (int i = 0; i < kVec; ++i) vr[i] = load16(v + 16 * i);
@@ -125,16 +146,29 @@ inline void weighted_values(const kv_t* const* token_rows, int64_t head_off, con
 // 100. Against one horizontal sum a score: 1.2-1.4x at batch 8-64 (Qwen3-30B-A3B's
 // 32 / 4 heads of 128, 192 keys), 1.0-1.4x at SmolLM2's 9 / 3 heads of 64.
 template <typename kv_t, int kDim>
-void decode_item_avx512(const float* qb, const kv_t* const* token_rows, int64_t value_offset,
+int64_t decode_item_avx512(const float* qb, const kv_t* const* token_rows, int64_t value_offset,
                         int64_t head_stride, int64_t h0, int64_t heads, int64_t group, int64_t n,
                         float scale, float* scores, float* inv_sum, float* ob,
-                        const kv_t* const* next_rows, int64_t next_n) {
+                        const kv_t* const* next_rows, int64_t next_n, int64_t streamed) {
   constexpr int kVec = kDim / 16;                      // zmm per head row
   constexpr int kRows = kVec <= 4 ? 4 : kVec <= 8 ? 2 : 1;  // pass 2: <= 16 zmm of sums
   auto row_ptr = [&](int64_t t) { return token_rows[t]; };  // K row (all heads); + value_offset: V
+  // the next item's rows over this item's steps: heads * n key rows, heads * ceil(G / kRows) * n
+  // value rows. Returns how many of its tokens were asked for.
+  SpreadPrefetch<kv_t> next;
+  if (next_n > 0) {
+    next.rows = next_rows;
+    next.n = next_n;
+    next.offset = h0 * head_stride;
+    next.value_bytes = value_offset * sizeof(kv_t);
+    next.row_bytes = heads * kDim * sizeof(kv_t);
+    const int64_t steps = heads * n * (1 + (group + kRows - 1) / kRows);
+    next.steps_per_token = next.countdown = std::max<int64_t>(1, steps / next_n);
+  }
   // pass 1: scores[r, t] = q_r . k_t, a tile of 16 keys at a time: every query row of the
   // KV head meets the tile while it is in L1, in 16 independent sums reduced together. The
-  // first head's pass prefetches the key and value rows (all heads) of later tokens.
+  // first head's pass prefetches the key and value rows (all heads) of later tokens that the
+  // item before did not ask for (`streamed`: its first tokens).
   for (int64_t hh = 0; hh < heads; ++hh) {
     const int64_t head_off = (h0 + hh) * head_stride;
     for (int64_t t0 = 0; t0 < n; t0 += 16) {
@@ -143,9 +177,10 @@ void decode_item_avx512(const float* qb, const kv_t* const* token_rows, int64_t 
       alignas(64) float k[16][kDim];
       for (int j = 0; j < 16; ++j) {  // keys past n repeat the last one; their lanes are dropped
         const int64_t ahead = t0 + j + kPrefetchTokensAvx512;
-        if (hh == 0 && ahead < n)  // the first head's pass: every head's rows
+        if (hh == 0 && ahead >= streamed && ahead < n)  // every head's rows not yet asked for
           prefetch_kv_row(row_ptr(ahead) + h0 * head_stride, value_offset * sizeof(kv_t),
                           heads * kDim * sizeof(kv_t));
+        next.step();
         const kv_t* key = row_ptr(t0 + std::min(j, count - 1)) + head_off;
         for (int i = 0; i < kVec; ++i) _mm512_store_ps(k[j] + 16 * i, load16(key + 16 * i));
       }
@@ -170,12 +205,9 @@ void decode_item_avx512(const float* qb, const kv_t* const* token_rows, int64_t 
     const int64_t head_off = value_offset + (h0 + hh) * head_stride;
     for (int64_t g0 = 0; g0 < group; g0 += kRows) {
       const int64_t r0 = hh * group + g0;
-      // the first call prefetches the next item's rows, one token a value row
-      const int64_t prefetch_n = hh == 0 && g0 == 0 ? next_n : 0;
       const auto run = [&](auto rows_tag) {
         weighted_values<kv_t, kDim, decltype(rows_tag)::value>(
-            token_rows, head_off, scores + r0 * n, n, inv_sum + r0, ob + r0 * kDim, next_rows,
-            prefetch_n, h0 * head_stride, value_offset, heads);
+            token_rows, head_off, scores + r0 * n, n, inv_sum + r0, ob + r0 * kDim, next);
       };
       switch (std::min<int64_t>(kRows, group - g0)) {
         case 1: run(std::integral_constant<int, 1>{}); break;
@@ -185,6 +217,7 @@ void decode_item_avx512(const float* qb, const kv_t* const* token_rows, int64_t 
       }
     }
   }
+  return next.token;
 }
 #endif
 
@@ -243,9 +276,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qf(rows * head_dim), acc(rows * head_dim), inv_sum(rows);
     // this item's token rows, and the next one's: whole-sequence items prefetch the next
-    // item's rows while their second pass reads values from cache (from DRAM at batch 64, 192
-    // tokens, SmolLM2's shape: 530-575 us a call against 730-745 with the first pass's
-    // prefetch alone, which keeps 32 tokens ahead of itself)
+    // item's rows over their own work (SpreadPrefetch)
     std::vector<const kv_t*> token_rows, next_rows;
     const auto fill = [&](int64_t item, std::vector<const kv_t*>& rows_out) {
       const int64_t b = item / chunks, len = lens[b];
@@ -255,6 +286,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
                       token_stride, start, len - start);
     };
     if (begin < end) fill(begin, next_rows);
+    int64_t streamed = 0;  // the item's leading tokens whose rows the one before asked for
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / chunks, h0 = (item % chunks) * heads_per_item;
       const int64_t len = lens[b];
@@ -270,13 +302,12 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
         next_rows.clear();
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<scalar_t, float> && kHeadDim > 0 && kHeadDim % 16 == 0) {
-        decode_item_avx512<kv_t, kHeadDim>(qb, token_rows.data(), value_offset, head_stride, h0,
-                                     heads_per_item, group, n, scale, scores.data(),
-                                     inv_sum.data(), o + (b * num_heads + h0 * group) * head_dim,
-                                     next_rows.data(),
-                                     heads_per_item == num_kv_heads
-                                         ? static_cast<int64_t>(next_rows.size())
-                                         : 0);
+        streamed = decode_item_avx512<kv_t, kHeadDim>(
+            qb, token_rows.data(), value_offset, head_stride, h0, heads_per_item, group, n, scale,
+            scores.data(), inv_sum.data(), o + (b * num_heads + h0 * group) * head_dim,
+            next_rows.data(),
+            heads_per_item == num_kv_heads ? static_cast<int64_t>(next_rows.size()) : 0,
+            streamed);
         continue;
       }
 #endif

@@ -272,9 +272,18 @@ void q8_gemm_typed(const float* x, int64_t M, int64_t K, const uint8_t* qw, int6
           std::fill(w.mins + j * w.units, w.mins + (j + 1) * w.units, 0.f);
         }
       }
+      // The next panel's weight bytes, asked for a slice a micro-kernel call, so that reading
+      // them from DRAM overlaps this panel's arithmetic instead of stalling its unpacking.
+      const uint8_t* next = qw + (n0 + count) * row_bytes;
+      const uint8_t* const next_end =
+          p + 1 < end ? qw + std::min(N, n0 + count + panel_rows) * row_bytes : next;
+      const int64_t calls = px.tiles * ((count + kCols - 1) / kCols);
+      const int64_t slice = ((next_end - next) / calls + 63) / 64 * 64;
       for (int64_t t = 0; t < px.tiles; ++t) {
         const int64_t tile_rows = std::min(kTileRows, M - t * kTileRows);
         for (int64_t c0 = 0; c0 < count; c0 += kCols) {
+          for (const uint8_t* e = std::min(next + slice, next_end); next < e; next += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T1);
           micro_kernel<kType, kH>(px, t, w, c0, K, out);
           const int64_t cols = std::min<int64_t>(kCols, count - c0);
           float* yt = y + t * kTileRows * N + n0 + c0;

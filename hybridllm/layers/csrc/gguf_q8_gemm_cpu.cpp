@@ -241,10 +241,16 @@ void q8_gemm_typed(const float* x, int64_t M, int64_t K, const uint8_t* qw, int6
   const int64_t row_bytes = row_bytes_of(kWeightType, K), units = K / T::kUnit;
   // rows a panel: a multiple of kCols (and of an x8 group), at least one micro-kernel's
   constexpr int64_t kStep = kX8 ? kX8GroupRows : kCols;
-  const int64_t panel_rows = std::clamp<int64_t>(kPanelCodeBytes / K / kStep * kStep, kStep,
-                                                 (N + kStep - 1) / kStep * kStep);
-  const int64_t panels = (N + panel_rows - 1) / panel_rows;
   const int64_t threads = at::get_num_threads();
+  const int64_t steps = (N + kStep - 1) / kStep;  // rows in kStep pieces
+  // Panels of at most kPanelCodeBytes of codes, as many as a multiple of the threads (where
+  // there are enough rows) so that each thread gets the same number of equal panels: by size
+  // alone SmolLM2's o-proj (576 rows) made 2 + 1 panels, its fused qkv 3 + 2.
+  const int64_t most_steps = std::max<int64_t>(1, kPanelCodeBytes / K / kStep);  // a panel's
+  int64_t panels = (steps + most_steps - 1) / most_steps;
+  panels = std::min(steps, (panels + threads - 1) / threads * threads);
+  const int64_t panel_rows = (steps + panels - 1) / panels * kStep;
+  panels = (N + panel_rows - 1) / panel_rows;
   at::parallel_for(0, panels, (panels + threads - 1) / threads, [&](int64_t begin, int64_t end) {
     // block_scales writes whole 16-wide vectors: a row's scales and mins padded to 16
     const int64_t units_padded = (units + 15) / 16 * 16 + 16;

@@ -195,10 +195,19 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
                                               : _mm512_setzero_si512();
         for (int c = 0; c < kCols; ++c) sum[c][h] = start;
       }
+      // a compile-time trip count: written as k from u * kUnit to (u + 1) * kUnit the loop got a
+      // remainder dispatch and register copies around it every unit
+      const int64_t k0 = u * T::kUnit;
 #pragma GCC unroll 8
-      for (int64_t k = u * T::kUnit; k < (u + 1) * T::kUnit; k += 4) {
+      for (int kk = 0; kk < T::kUnit; kk += 4) {
+        const int64_t k = k0 + kk;
         __m512i xv[kH];
-        for (int h = 0; h < kH; ++h) xv[h] = _mm512_load_si512(xq + k * kTileRows + 64 * h);
+        for (int h = 0; h < kH; ++h) {
+          xv[h] = _mm512_load_si512(xq + k * kTileRows + 64 * h);
+          // in a register: unrolled, the compiler folded the load into each vpdpbusd (kCols
+          // loads of every x vector instead of one)
+          __asm__("" : "+v"(xv[h]));
+        }
         for (int c = 0; c < kCols; ++c) {
           int32_t four;
           std::memcpy(&four, codes[c] + k, 4);

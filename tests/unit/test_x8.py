@@ -132,7 +132,8 @@ def test_linear_repacks_its_k_quant_blocks_only(int8_mode):
     layer.repack_for_cpu()
     assert [t for _, t, _ in layer.shard_blocks] == [112, 113, int(Q.Q6_K)]
     torch.testing.assert_close(layer.dense_weight(), torch.cat(parts))
-    torch.testing.assert_close(layer.local_linear(x, None), before, rtol=1e-5, atol=1e-5)
+    # the x8 kernel sums in another order: fp32 rounding (1e-5 failed one random x in ten)
+    torch.testing.assert_close(layer.local_linear(x, None), before, rtol=1e-4, atol=1e-4)
 
     odd = Linear(k, 12, False, torch.float32, torch.device("cpu"))  # 12 rows: not whole groups
     blocks, _ = random_blocks(Q.Q4_K, 12, k)
@@ -152,5 +153,5 @@ def test_expert_stack_repacks(int8_mode):
     before = stack.matmul(1, x)
     stack.repack_for_cpu()
     assert stack.ggml_type == 112 and stack.qweight.shape == (experts, rows, 148)
-    torch.testing.assert_close(stack.matmul(1, x), before, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stack.matmul(1, x), before, rtol=1e-4, atol=1e-4)
     assert torch.equal(unpack_x8(stack.qweight, 112)[0].reshape(experts * rows, -1), blocks)

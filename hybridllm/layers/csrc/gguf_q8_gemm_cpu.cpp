@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "gguf_panel_gemm.h"
 #include "gguf_x8.h"
 #include "gguf_q8_dot.h"
 #include "gguf_q8_linear.h"
@@ -58,6 +59,30 @@ struct PackedX {
   int64_t tiles;
 };
 
+// Sum of the 32 int8 values at q (|sum| <= 32 * 127).
+inline int32_t sum32(const int8_t* q) {
+  const __m256i u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)),
+                                     _mm256_set1_epi8(static_cast<char>(0x80)));
+  const __m256i sad = _mm256_sad_epu8(u, _mm256_setzero_si256());  // 4 sums of 8 values + 128
+  const __m128i two = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
+  return static_cast<int32_t>(_mm_cvtsi128_si64(two) + _mm_extract_epi64(two, 1)) - 32 * 128;
+}
+
+// Sum of q over unit u of kUnit values: from the 16-value sums a 256-value group's quantization
+// keeps (bsums), else added up.
+template <int64_t kUnit>
+inline int32_t unit_sum(const Q8Rows& row, int64_t u) {
+  if (row.bsums != nullptr) {
+    if constexpr (kUnit == 16) return row.bsums[u];
+    return row.bsums[2 * u] + row.bsums[2 * u + 1];
+  }
+  static_assert(kUnit == 32 || kUnit == 16);
+  if constexpr (kUnit == 32) return sum32(row.q + 32 * u);
+  int32_t sum = 0;
+  for (int64_t k = 16 * u; k < 16 * (u + 1); ++k) sum += row.q[k];
+  return sum;
+}
+
 template <int64_t kType, int kH>
 PackedX pack_x(const Q8Rows& rows, int64_t M, int64_t K, std::vector<uint8_t>& buffer) {
   using T = GemmType<kType>;
@@ -70,25 +95,44 @@ PackedX pack_x(const Q8Rows& rows, int64_t M, int64_t K, std::vector<uint8_t>& b
   int8_t* q = reinterpret_cast<int8_t*>(base);
   float* d = reinterpret_cast<float*>(base + q_bytes);
   uint8_t* unit = base + q_bytes + d_bytes;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      int8_t* qt = q + t * K * kTileRows;
-      float* dt = d + t * groups * kTileRows;
-      int32_t* ut = reinterpret_cast<int32_t*>(unit) + t * units * kTileRows;
-      for (int64_t i = 0; i < kTileRows; ++i) {
-        const int64_t r = t * kTileRows + i;
-        if (r >= M) {
-          for (int64_t k = 0; k < K; k += 4) std::memset(qt + k * kTileRows + 4 * i, 0, 4);
+  // one task a half tile: 16 rows of x, whose 4-value dwords a 16 x 16 transpose interleaves
+  at::parallel_for(0, tiles * kH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / kH, i0 = 16 * (task % kH), r0 = t * kTileRows + i0;
+      const int64_t live = std::clamp<int64_t>(M - r0, 0, 16);  // rows of x in this half
+      int8_t* qt = q + t * K * kTileRows + 4 * i0;
+      float* dt = d + t * groups * kTileRows + i0;
+      int32_t* ut = reinterpret_cast<int32_t*>(unit) + t * units * kTileRows + i0;
+      const int8_t* src[16];
+      for (int i = 0; i < 16; ++i) src[i] = i < live ? rows.row(r0 + i).q : nullptr;
+      int64_t k = 0;
+      for (; k + 64 <= K; k += 64) {  // 16 dwords of 16 rows: element (row i, dword j)
+        __m512 r[16];
+        for (int i = 0; i < 16; ++i)
+          r[i] = src[i] ? _mm512_loadu_ps(reinterpret_cast<const float*>(src[i] + k))
+                        : _mm512_setzero_ps();
+        transpose16(r);  // r[j] lane i: row i's dword j
+        for (int j = 0; j < 16; ++j)
+          _mm512_store_ps(reinterpret_cast<float*>(qt + (k + 4 * j) * kTileRows), r[j]);
+      }
+      for (; k < K; k += 4)
+        for (int i = 0; i < 16; ++i) {
+          int8_t* out = qt + k * kTileRows + 4 * i;
+          if (src[i])
+            std::memcpy(out, src[i] + k, 4);
+          else
+            std::memset(out, 0, 4);
+        }
+      for (int i = 0; i < 16; ++i) {
+        if (!src[i]) {
           for (int64_t g = 0; g < groups; ++g) dt[g * kTileRows + i] = 0.f;
           for (int64_t u = 0; u < units; ++u) ut[u * kTileRows + i] = 0;
           continue;
         }
-        const Q8Rows row = rows.row(r);
-        for (int64_t k = 0; k < K; k += 4) std::memcpy(qt + k * kTileRows + 4 * i, row.q + k, 4);
+        const Q8Rows row = rows.row(r0 + i);
         for (int64_t g = 0; g < groups; ++g) dt[g * kTileRows + i] = row.d[g];
         for (int64_t u = 0; u < units; ++u) {
-          int32_t sum = 0;
-          for (int64_t k = u * T::kUnit; k < (u + 1) * T::kUnit; ++k) sum += row.q[k];
+          const int32_t sum = unit_sum<T::kUnit>(row, u);
           if constexpr (T::kMins) {
             const float f = static_cast<float>(sum);
             std::memcpy(ut + u * kTileRows + i, &f, 4);

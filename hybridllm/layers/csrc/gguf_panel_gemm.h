@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "gguf_blocks.h"
+#include "vec_avx512.h"
 
 #if defined(__AVX512F__)
 #include <cpuid.h>
@@ -45,32 +46,7 @@ inline int64_t panel_max_rows() {
 // x^T tiles of one m-block: about 1 MB, so they stay in L2 while every panel passes over them.
 constexpr int64_t kPanelBlockBytes = 1 << 20;
 
-// In-register transpose of a 16 x 16 float block: r[i] lane j becomes r[j] lane i.
-inline void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  // r[i + c] holds column c (of each 128-bit lane's four) for rows i..i+3
-  for (int i = 0; i < 16; i += 4) {
-    for (int j = 0; j < 2; ++j) {
-      const __m512d a = _mm512_castps_pd(t[i + j]), b = _mm512_castps_pd(t[i + j + 2]);
-      r[i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-      r[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    }
-  }
-  for (int i = 0; i < 16; i += 8) {
-    for (int j = 0; j < 4; ++j) {
-      t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
-      t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xDD);
-    }
-  }
-  for (int j = 0; j < 8; ++j) {
-    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
-    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xDD);
-  }
-}
+using hybridllm_avx512::transpose16;
 
 // xt tile t = rows [32t, 32t + 32) of x transposed: xt[(t * K + k) * 32 + i] = x[32t + i][k],
 // zero past M.

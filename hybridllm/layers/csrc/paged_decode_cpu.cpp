@@ -11,6 +11,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "vec_avx512.h"
 #include "vec_math.h"
 
 #if defined(__AVX512F__)
@@ -79,15 +80,7 @@ inline void softmax_numerators(float* scores, int64_t rows, int64_t n, float* in
 }
 
 #if defined(__AVX512F__)
-// 16 consecutive cache values as fp32
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-inline __m512 load16(const c10::BFloat16* p) {  // bf16 is fp32's top half
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
+using hybridllm_avx512::load16;
 
 // One vector whose lane j is the sum of v[j]'s 16 lanes: a transpose-and-add tree (45 shuffles
 // and adds for 16 sums, where 16 separate horizontal sums take about three times as many).

@@ -22,13 +22,20 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "vec_avx512.h"
 #include "vec_math.h"
 
 namespace {
 
 using hybridllm_math::exp_minus_max;
+
+#if defined(__AVX512F__)
+using hybridllm_avx512::load16;
+using hybridllm_avx512::transpose16;
+#endif
 
 constexpr int kRows = 4;   // rows a register block
 constexpr int kKeys = 16;  // keys a score tile (one 16-float vector)
@@ -51,6 +58,31 @@ struct Scratch {
 template <int kDim>
 void weighted_values(const float* const* p, const float* values, int64_t lo, int64_t hi,
                      const float* inv_sum, int nr, float* const* o) {
+#if defined(__AVX512F__)
+  if constexpr (kDim == 64) {
+    // a value row's 4 vectors loaded once for the 4 rows: left to itself the compiler folded
+    // each load into every row's FMA, 20 loads for 16 FMAs
+    __m512 acc[kRows][4];
+    for (int i = 0; i < kRows; ++i)
+      for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
+    for (int64_t j = lo; j < hi; ++j) {
+      __m512 v[4];
+      for (int c = 0; c < 4; ++c) {
+        v[c] = _mm512_loadu_ps(values + j * kDim + 16 * c);
+        __asm__("" : "+v"(v[c]));
+      }
+      for (int i = 0; i < kRows; ++i) {
+        const __m512 pj = _mm512_set1_ps(p[i][j]);
+        for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_fmadd_ps(pj, v[c], acc[i][c]);
+      }
+    }
+    for (int i = 0; i < nr; ++i) {
+      const __m512 inv = _mm512_set1_ps(inv_sum[i]);
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o[i] + 16 * c, _mm512_mul_ps(acc[i][c], inv));
+    }
+    return;
+  }
+#endif
   float acc[kRows][kDim] = {};
   for (int64_t j = lo; j < hi; ++j) {
     const float* v = values + j * kDim;
@@ -90,7 +122,30 @@ void prefill_item(const Rows<float>& query, const Rows<kv_t>& key, const Rows<kv
   s.keys_t.resize(tiles * D * kKeys);
   std::fill(s.keys_t.end() - D * kKeys, s.keys_t.end(), 0.f);  // the last tile's padding
   s.values.resize(n * D);
-  for (int64_t j = 0; j < n; ++j) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  // whole tiles of 16 keys: 16 x 16 blocks widened and transposed in registers, where the
+  // scalar loop below wrote one float a key and dimension, 16 floats apart
+  constexpr bool kLoads16 = std::is_same_v<kv_t, float> || std::is_same_v<kv_t, c10::Half> ||
+                           std::is_same_v<kv_t, c10::BFloat16>;  // (the dispatch compiles double)
+  if constexpr (kLoads16) {
+    for (; D % 16 == 0 && j + kKeys <= n; j += kKeys) {
+      float* kt = s.keys_t.data() + (j / kKeys) * D * kKeys;
+      for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        __m512 r[16];
+        for (int i = 0; i < 16; ++i) r[i] = load16(key.at(first + j + i, kv_head) + d0);
+        transpose16(r);  // r[c]: dimension d0 + c of the 16 keys
+        for (int c = 0; c < 16; ++c) _mm512_storeu_ps(kt + (d0 + c) * kKeys, r[c]);
+      }
+      for (int i = 0; i < kKeys; ++i) {
+        const kv_t* v = value.at(first + j + i, kv_head);
+        float* vf = s.values.data() + (j + i) * D;
+        for (int64_t d0 = 0; d0 < D; d0 += 16) _mm512_storeu_ps(vf + d0, load16(v + d0));
+      }
+    }
+  }
+#endif
+  for (; j < n; ++j) {
     const kv_t* k = key.at(first + j, kv_head);
     const kv_t* v = value.at(first + j, kv_head);
     float* kt = s.keys_t.data() + (j / kKeys) * D * kKeys + j % kKeys;
@@ -110,7 +165,34 @@ void prefill_item(const Rows<float>& query, const Rows<kv_t>& key, const Rows<kv
     const int64_t block_tiles = (newest + 1 - first + kKeys - 1) / kKeys;
     const float* q[kRows];
     for (int i = 0; i < kRows; ++i) q[i] = s.q.data() + (r0 + std::min(i, nr - 1)) * D;
-    for (int64_t tile = 0; tile < block_tiles; ++tile) {
+    int64_t tile = 0;
+#if defined(__AVX512F__)
+    // two tiles a step: 4 broadcasts and 2 key loads for 8 FMAs (one tile: 5 loads for 4)
+    for (; tile + 2 <= block_tiles; tile += 2) {
+      const float* kt = s.keys_t.data() + tile * D * kKeys;
+      __m512 acc[kRows][2];
+      for (int i = 0; i < kRows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; ++d) {
+        __m512 k0 = _mm512_loadu_ps(kt + d * kKeys), k1 = _mm512_loadu_ps(kt + (D + d) * kKeys);
+        __asm__("" : "+v"(k0), "+v"(k1));  // in registers: else each FMA loads them again
+        for (int i = 0; i < kRows; ++i) {
+          const __m512 qd = _mm512_set1_ps(q[i][d]);
+          acc[i][0] = _mm512_fmadd_ps(qd, k0, acc[i][0]);
+          acc[i][1] = _mm512_fmadd_ps(qd, k1, acc[i][1]);
+        }
+      }
+      const int64_t j0 = tile * kKeys, count = std::min<int64_t>(2 * kKeys, n - j0);
+      for (int i = 0; i < nr; ++i) {
+        float* dst = s.scores.data() + (r0 + i) * n + j0;
+        _mm512_mask_storeu_ps(dst, static_cast<__mmask16>(count >= 16 ? 0xFFFF : (1u << count) - 1),
+                              acc[i][0]);
+        if (count > 16)
+          _mm512_mask_storeu_ps(dst + 16, static_cast<__mmask16>((1u << (count - 16)) - 1),
+                                acc[i][1]);
+      }
+    }
+#endif
+    for (; tile < block_tiles; ++tile) {
       const float* kt = s.keys_t.data() + tile * D * kKeys;
       float acc[kRows][kKeys] = {};
       for (int64_t d = 0; d < D; ++d) {

@@ -12,17 +12,19 @@
 #include <vector>
 
 #include "gguf_blocks.h"
-#include "gguf_panel_gemm.h"
 #include "gguf_x8.h"
 #include "gguf_q8_dot.h"
 #include "gguf_q8_linear.h"
 #include "gguf_q8_quantize.h"
 #include "gguf_q8_simd.h"
+#include "vec_avx512.h"
 
 namespace hybridllm_gguf {
 
 #if defined(HYBRIDLLM_Q8_AVX512)
 namespace {
+
+using hybridllm_avx512::transpose16;
 
 // Rows of x a tile: kH 16-lane vectors (2, or 1 for up to 16 rows, which would waste half of a
 // 32-row tile). Weight rows a micro-kernel call: 8 / kH, so that it keeps 8 accumulators of each
@@ -69,18 +71,12 @@ inline int32_t sum32(const int8_t* q) {
 }
 
 // Sum of q over unit u of kUnit values: from the 16-value sums a 256-value group's quantization
-// keeps (bsums), else added up.
+// keeps (bsums: K-quants, the only types with 16-value units), else added up.
 template <int64_t kUnit>
 inline int32_t unit_sum(const Q8Rows& row, int64_t u) {
-  if (row.bsums != nullptr) {
-    if constexpr (kUnit == 16) return row.bsums[u];
-    return row.bsums[2 * u] + row.bsums[2 * u + 1];
-  }
-  static_assert(kUnit == 32 || kUnit == 16);
-  if constexpr (kUnit == 32) return sum32(row.q + 32 * u);
-  int32_t sum = 0;
-  for (int64_t k = 16 * u; k < 16 * (u + 1); ++k) sum += row.q[k];
-  return sum;
+  static_assert(kUnit == 16 || kUnit == 32);
+  if (row.bsums == nullptr) return sum32(row.q + 32 * u);
+  return kUnit == 16 ? row.bsums[u] : row.bsums[2 * u] + row.bsums[2 * u + 1];
 }
 
 template <int64_t kType, int kH>

@@ -134,15 +134,16 @@ inline void weighted_values(const kv_t* const* token_rows, int64_t head_off, con
 // head meet each tile of 16 keys while it is in L1, widened to fp32 once for all G (pass 1),
 // and keep their output accumulators in registers, kRows rows at a time (pass 2), so each
 // value row is loaded once per row group and never written back. Same arithmetic as the
-// generic loop below up to summation order. Both changes, with the context in L3 (batch 64,
-// 192 keys): SmolLM2's shape 226-233 -> 177-181 us a call, Qwen3-30B-A3B's (batch 8) 159 ->
-// 100. Against one horizontal sum a score: 1.2-1.4x at batch 8-64 (Qwen3-30B-A3B's
+// generic loop below up to summation order. Against widening each key for every query row and
+// a run-time row count in pass 2, with the context in L3 (batch 64, 192 keys): SmolLM2's shape
+// 226-233 -> 177-181 us a call, Qwen3-30B-A3B's (batch 8) 159 -> 100. Against one horizontal
+// sum a score: 1.2-1.4x at batch 8-64 (Qwen3-30B-A3B's
 // 32 / 4 heads of 128, 192 keys), 1.0-1.4x at SmolLM2's 9 / 3 heads of 64.
 template <typename kv_t, int kDim>
 int64_t decode_item_avx512(const float* qb, const kv_t* const* token_rows, int64_t value_offset,
-                        int64_t head_stride, int64_t h0, int64_t heads, int64_t group, int64_t n,
-                        float scale, float* scores, float* inv_sum, float* ob,
-                        const kv_t* const* next_rows, int64_t next_n, int64_t streamed) {
+                           int64_t head_stride, int64_t h0, int64_t heads, int64_t group,
+                           int64_t n, float scale, float* scores, float* inv_sum, float* ob,
+                           const kv_t* const* next_rows, int64_t next_n, int64_t streamed) {
   constexpr int kVec = kDim / 16;                      // zmm per head row
   constexpr int kRows = kVec <= 4 ? 4 : kVec <= 8 ? 2 : 1;  // pass 2: <= 16 zmm of sums
   auto row_ptr = [&](int64_t t) { return token_rows[t]; };  // K row (all heads); + value_offset: V

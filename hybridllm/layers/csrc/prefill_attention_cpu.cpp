@@ -8,8 +8,8 @@
 // a fifth of a 1B prefill and as long as a 64-prompt run's o_proj and qkv GEMMs together.
 //
 // A work item is one KV head and a tile of query tokens: its rows (each token's query heads of
-// that KV head) meet the keys in three passes over fp32 scratch: scores (4 rows against 16
-// keys at a time, keys transposed so that each step is a broadcast times a vector), a masked
+// that KV head) meet the keys in three passes over fp32 scratch: scores (4 rows against 32
+// keys at a time, keys transposed so that each step is a broadcast times two vectors), a masked
 // softmax per row, and the weighted sum of values (4 rows at a time, kept in registers).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -184,11 +184,11 @@ void prefill_item(const Rows<float>& query, const Rows<kv_t>& key, const Rows<kv
       const int64_t j0 = tile * kKeys, count = std::min<int64_t>(2 * kKeys, n - j0);
       for (int i = 0; i < nr; ++i) {
         float* dst = s.scores.data() + (r0 + i) * n + j0;
-        _mm512_mask_storeu_ps(dst, static_cast<__mmask16>(count >= 16 ? 0xFFFF : (1u << count) - 1),
-                              acc[i][0]);
-        if (count > 16)
-          _mm512_mask_storeu_ps(dst + 16, static_cast<__mmask16>((1u << (count - 16)) - 1),
-                                acc[i][1]);
+        const auto mask = [](int64_t keys) {  // the first `keys` of 16 lanes
+          return keys >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << keys) - 1);
+        };
+        _mm512_mask_storeu_ps(dst, mask(count), acc[i][0]);
+        if (count > 16) _mm512_mask_storeu_ps(dst + 16, mask(count - 16), acc[i][1]);
       }
     }
 #endif

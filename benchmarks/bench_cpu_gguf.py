@@ -9,16 +9,22 @@ measures hybridllm
 (the CPU worker computing from the blocks) and llama.cpp (llama-cpp-python's `Llama`, same
 threads) on it: time to first token of a 128-token prompt and decode tokens/s of 128 new tokens,
 best of 3 alternating rounds with a fresh prompt each, and the bandwidth floor of hybridllm's
-weight bytes a token. `--hf-twin` also saves the model as a Hugging Face folder and runs it
-with on-load quantization into the same type (`--quantization q4_1`, say) beside its GGUF twin.
+weight bytes a token. `--prompt-len N` sets the prompt (and so the TTFT) length. With
+`--llamacpp-bin DIR` (a build of llama.cpp's tools, ../shared/tools/build_llamacpp.sh),
+`llama-bench -p N -n 128 -r 3` runs on the same file after the rounds, and the ratios against
+it are reported. `--hf-twin` also saves the model as a Hugging Face folder and runs it with
+on-load quantization into the same type (`--quantization q4_1`, say) beside its GGUF twin.
 
     python benchmarks/bench_cpu_gguf.py --llamacpp-python PY [--shape 1b] [--type Q4_1] [--json F]
+    python benchmarks/bench_cpu_gguf.py --type Q5_K_M --prompt-len 512 --llamacpp-bin DIR
     python benchmarks/bench_cpu_gguf.py --type Q4_1 --hf-twin
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -89,6 +95,19 @@ def prompts(n: int, vocab: int, length: int = 128) -> list[list[int]]:
     return [torch.randint(0, vocab - 3, (length,), generator=g).tolist() for _ in range(n)]
 
 
+def llama_bench(bin_dir: Path, model: str, prompt_len: int) -> dict:
+    """llama.cpp's `llama-bench` on the same file and threads: prompt and decode tokens/s."""
+    run = subprocess.run(
+        [str(bin_dir / "llama-bench"), "-m", model, "-t", str(torch.get_num_threads()),
+         "-p", str(prompt_len), "-n", "128", "-r", "3", "-o", "json"],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    rows = json.loads(run.stdout)
+    prefill = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0)
+    decode = next(r["avg_ts"] for r in rows if r["n_gen"] > 0)
+    return {"ttft_s": prompt_len / prefill, "prefill_tok_s": prefill, "decode_tok_s": decode}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -105,13 +124,15 @@ def main() -> None:
         action="store_true",
         help="also run the model's HF folder quantized at load into --type (Q8_0, Q4_0, Q4_1)",
     )
+    ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (TTFT's length)")
+    ap.add_argument("--llamacpp-bin", type=Path, help="llama.cpp's tools: add `llama-bench`")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         hf_folder = Path(tmp) / "hf" if args.hf_twin else None
         path = str(write_model(Path(tmp) / "model.gguf", args.shape, args.type, hf_folder))
-        warmup, *fresh = prompts(1 + ROUNDS, len(tokenizer_vocab()))
+        warmup, *fresh = prompts(1 + ROUNDS, len(tokenizer_vocab()), args.prompt_len)
         runners = {"hybridllm": HybridRunner(warmup, "auto", path)}
         if hf_folder is not None:
             quantization = args.type.lower()
@@ -120,7 +141,15 @@ def main() -> None:
         if args.llamacpp_python:
             runners["llama.cpp"] = LlamaCppRunner(args.llamacpp_python, warmup, path)
         results = {"machine": machine(), "shape": args.shape, "type": args.type}
+        results["prompt_len"] = args.prompt_len
         results.update(alternate(runners, fresh, batches=[]))
+        if args.llamacpp_bin:
+            theirs = results["llama-bench"] = llama_bench(args.llamacpp_bin, path, args.prompt_len)
+            ours = results["hybridllm"]
+            results["against llama-bench"] = {
+                "decode": round(ours["decode_tok_s"] / theirs["decode_tok_s"], 2),
+                "ttft": round(theirs["ttft_s"] / ours["ttft_s"], 2),
+            }
         bandwidth = memory_bandwidth_gbs()
         weight_bytes = runners["hybridllm"].weight_bytes
         results.update(memory_bandwidth_gbs=bandwidth, weight_bytes_per_token=weight_bytes)

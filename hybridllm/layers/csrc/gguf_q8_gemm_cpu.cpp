@@ -24,6 +24,7 @@ namespace hybridllm_gguf {
 #if defined(HYBRIDLLM_Q8_AVX512)
 namespace {
 
+using hybridllm_avx512::in_register;
 using hybridllm_avx512::transpose16;
 
 // Rows of x a tile: kH 16-lane vectors (2, or 1 for up to 16 rows, which would waste half of a
@@ -242,12 +243,8 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
       for (int kk = 0; kk < T::kUnit; kk += 4) {
         const int64_t k = k0 + kk;
         __m512i xv[kH];
-        for (int h = 0; h < kH; ++h) {
-          xv[h] = _mm512_load_si512(xq + k * kTileRows + 64 * h);
-          // in a register: unrolled, the compiler folded the load into each vpdpbusd (kCols
-          // loads of every x vector instead of one)
-          __asm__("" : "+v"(xv[h]));
-        }
+        for (int h = 0; h < kH; ++h)  // once for the kCols rows
+          xv[h] = in_register(_mm512_load_si512(xq + k * kTileRows + 64 * h));
         for (int c = 0; c < kCols; ++c) {
           int32_t four;
           std::memcpy(&four, codes[c] + k, 4);

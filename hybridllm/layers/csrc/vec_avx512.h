@@ -19,6 +19,16 @@ inline __m512 load16(const c10::BFloat16* p) {  // bf16 is fp32's top half
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+// A loaded vector pinned in a register. Once a loop is unrolled, GCC folds a load into every
+// instruction that uses its value (a memory operand each), so a vector meant to be loaded once
+// for several FMAs or vpdpbusd was loaded once per use: in the int8 GEMM's micro-kernel and
+// both passes of the prefill attention that made the load ports, not the arithmetic, the limit.
+template <typename V>
+inline V in_register(V v) {
+  __asm__("" : "+v"(v));
+  return v;
+}
+
 // In-register transpose of a 16 x 16 block of 32-bit values: r[i] lane j becomes r[j] lane i.
 inline void transpose16(__m512 r[16]) {
   __m512 t[16];

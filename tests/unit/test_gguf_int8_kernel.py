@@ -77,7 +77,7 @@ def test_every_type_on_every_path(op, fmt, path):
     if path != 1 and path not in built_paths():
         pytest.skip(f"this build has no {PATH_NAMES[path]} path")
     # random bytes: every nibble / int8 / 6-bit pattern, scales and mins of either sign
-    # weight rows: partial micro-kernels (4 or 8 rows a call); 100 x 2560 spans three GEMM panels
+    # weight rows: partial micro-kernels (4 to 12 rows a call); 100 x 2560 spans three GEMM panels
     shapes = [(37, 256), (67, 512), (29, 2560), (100, 2560)]
     if fmt in PER_32:
         shapes += [(37, 32), (13, 96), (21, 576)]  # 1, 3 (odd), 18 blocks a row

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -28,12 +29,9 @@ using hybridllm_avx512::in_register;
 using hybridllm_avx512::transpose16;
 
 // Rows of x a tile: kH 16-lane vectors (2, or 1 for up to 16 rows, which would waste half of a
-// 32-row tile). Weight rows a micro-kernel call: 8 / kH, so that it keeps 8 accumulators of each
-// kind (integer sums, a group's sums, the totals) in registers.
+// 32-row tile).
 template <int kH>
 constexpr int64_t kTileRows = 16 * kH;
-template <int kH>
-constexpr int kCols = 8 / kH;
 // Bytes of unpacked codes a panel holds: with a tile of x (32 * K bytes) it stays in L2 while
 // every tile of x passes over it.
 constexpr int64_t kPanelCodeBytes = 128 << 10;
@@ -50,6 +48,13 @@ struct GemmType {
                                      : kType == kQ6_K ? 32
                                                       : 0;
 };
+
+// Weight rows a micro-kernel call, so that its accumulators stay in registers: with groups of
+// many units (K-quants) 12 / kH, each with its integer sums and its group's sums (the totals
+// live in the output tile); else 8 / kH, with integer sums, the totals and the temporaries of
+// the unit's scale, min and x scale.
+template <int64_t kType, int kH>
+constexpr int kCols = (GemmType<kType>::kGroup > GemmType<kType>::kUnit ? 12 : 8) / kH;
 
 // Rows of x in tiles of R = kTileRows rows: tile t's int8 values [K / 4][R][4] (4 consecutive
 // values of each row a 32-bit lane, rows past M zero), its scales [K / kGroup][R] and, per unit
@@ -208,7 +213,7 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
                   float* out) {
   using T = GemmType<kType>;
   constexpr int64_t kTileRows = hybridllm_gguf::kTileRows<kH>;
-  constexpr int kCols = hybridllm_gguf::kCols<kH>;
+  constexpr int kCols = hybridllm_gguf::kCols<kType, kH>;
   constexpr int64_t kUnitsPerGroup = T::kGroup / T::kUnit;
   const int64_t groups = K / T::kGroup, units = K / T::kUnit;
   const int8_t* xq = x.q + t * K * kTileRows;
@@ -221,9 +226,14 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
     scales[c] = w.scales + (c0 + c) * w.units;
     mins[c] = w.mins + (c0 + c) * w.units;
   }
+  // The totals: in registers where a group is one unit (Q4_0, Q4_1, Q8_0: part is then only a
+  // temporary), else in out (L1), updated once a group.
+  constexpr bool kTotalsInRegisters = kUnitsPerGroup == 1;
   __m512 acc[kCols][kH];
   for (int c = 0; c < kCols; ++c)
     for (int h = 0; h < kH; ++h) acc[c][h] = _mm512_setzero_ps();
+  if constexpr (!kTotalsInRegisters)
+    for (int i = 0; i < kCols * kTileRows; i += 16) _mm512_store_ps(out + i, _mm512_setzero_ps());
   for (int64_t g = 0; g < groups; ++g) {
     __m512 part[kCols][kH];  // this group's sums in units of x's scale
     for (int c = 0; c < kCols; ++c)
@@ -267,11 +277,19 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
     }
     for (int h = 0; h < kH; ++h) {
       const __m512 dx = _mm512_load_ps(xd + g * kTileRows + 16 * h);
-      for (int c = 0; c < kCols; ++c) acc[c][h] = _mm512_fmadd_ps(part[c][h], dx, acc[c][h]);
+      for (int c = 0; c < kCols; ++c) {
+        if constexpr (kTotalsInRegisters) {
+          acc[c][h] = _mm512_fmadd_ps(part[c][h], dx, acc[c][h]);
+        } else {
+          float* total = out + c * kTileRows + 16 * h;
+          _mm512_store_ps(total, _mm512_fmadd_ps(part[c][h], dx, _mm512_load_ps(total)));
+        }
+      }
     }
   }
-  for (int c = 0; c < kCols; ++c)
-    for (int h = 0; h < kH; ++h) _mm512_store_ps(out + c * kTileRows + 16 * h, acc[c][h]);
+  if constexpr (kTotalsInRegisters)
+    for (int c = 0; c < kCols; ++c)
+      for (int h = 0; h < kH; ++h) _mm512_store_ps(out + c * kTileRows + 16 * h, acc[c][h]);
 }
 
 // kX8: the weight is kType (Q4_K, Q5_K) in x8 groups, unpacked 8 rows at a time.
@@ -279,14 +297,14 @@ template <int64_t kType, int kH, bool kX8 = false>
 void q8_gemm_typed(const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N, float* y) {
   using T = GemmType<kType>;
   constexpr int64_t kTileRows = hybridllm_gguf::kTileRows<kH>;
-  constexpr int kCols = hybridllm_gguf::kCols<kH>;
+  constexpr int kCols = hybridllm_gguf::kCols<kType, kH>;
   thread_local std::vector<uint8_t> quantized, packed;  // kept from call to call
   const Q8Rows rows = quantize_rows<T::kGroup>(x, M, K, quantized);
   const PackedX px = pack_x<kType, kH>(rows, M, K, packed);
   constexpr int64_t kWeightType = kX8 ? x8_type_of(kType) : kType;
   const int64_t row_bytes = row_bytes_of(kWeightType, K), units = K / T::kUnit;
   // rows a panel: a multiple of kCols (and of an x8 group), at least one micro-kernel's
-  constexpr int64_t kStep = kX8 ? kX8GroupRows : kCols;
+  constexpr int64_t kStep = kX8 ? std::lcm<int64_t>(kX8GroupRows, kCols) : kCols;
   const int64_t threads = at::get_num_threads();
   const int64_t steps = (N + kStep - 1) / kStep;  // rows in kStep pieces
   // Panels of at most kPanelCodeBytes of codes, as many as a multiple of the threads (where

@@ -38,11 +38,15 @@ constexpr int64_t kPanelCodeBytes = 128 << 10;
 
 // A weight type as the GEMM sees it: weight = scale * (code - kOffset) + min, with codes
 // unsigned bytes, one scale (and min) per kUnit weights, and x quantized in groups of kGroup.
+// Q4_1's mins are floats (kFloatMins); a K-quant's (kCodeMins) are 6-bit codes times its
+// super-block's -dmin, so their products with x's unit sums add up in integers, a super-block at
+// a time: 4 vpdpwssd where float mins took 8 FMAs.
 template <int64_t kType>
 struct GemmType {
   static constexpr int64_t kUnit = kType == kQ6_K ? 16 : 32;
   static constexpr int64_t kGroup = q8_group(kType);
-  static constexpr bool kMins = kType == kQ4_1 || kType == kQ4_K || kType == kQ5_K;
+  static constexpr bool kCodeMins = kType == kQ4_K || kType == kQ5_K;
+  static constexpr bool kFloatMins = kType == kQ4_1;
   static constexpr int32_t kOffset = kType == kQ4_0   ? 8
                                      : kType == kQ8_0 ? 128
                                      : kType == kQ6_K ? 32
@@ -59,7 +63,8 @@ constexpr int kCols = (GemmType<kType>::kGroup > GemmType<kType>::kUnit ? 12 : 8
 // Rows of x in tiles of R = kTileRows rows: tile t's int8 values [K / 4][R][4] (4 consecutive
 // values of each row a 32-bit lane, rows past M zero), its scales [K / kGroup][R] and, per unit
 // of weights, what the weights' offset or min multiplies: [K / kUnit][R] of int32
-// -kOffset * sum(q) (kOffset) or float sum(q) (kMins).
+// -kOffset * sum(q) (kOffset) or float sum(q) (Q4_1), or (kCodeMins) [K / kUnit / 2][R] of
+// the int16 pairs (sum(q) of unit 2i, of unit 2i + 1).
 struct PackedX {
   const int8_t* q;
   const float* d;
@@ -133,9 +138,16 @@ PackedX pack_x(const Q8Rows& rows, int64_t M, int64_t K, std::vector<uint8_t>& b
         }
         const Q8Rows row = rows.row(r0 + i);
         for (int64_t g = 0; g < groups; ++g) dt[g * kTileRows + i] = row.d[g];
+        if constexpr (T::kCodeMins) {  // |sum| <= 32 * 127: an int16
+          int16_t* pairs = reinterpret_cast<int16_t*>(ut);
+          for (int64_t u = 0; u < units; ++u)
+            pairs[2 * ((u / 2) * kTileRows + i) + u % 2] =
+                static_cast<int16_t>(unit_sum<T::kUnit>(row, u));
+          continue;
+        }
         for (int64_t u = 0; u < units; ++u) {
           const int32_t sum = unit_sum<T::kUnit>(row, u);
-          if constexpr (T::kMins) {
+          if constexpr (T::kFloatMins) {
             const float f = static_cast<float>(sum);
             std::memcpy(ut + u * kTileRows + i, &f, 4);
           } else {
@@ -149,16 +161,20 @@ PackedX pack_x(const Q8Rows& rows, int64_t M, int64_t K, std::vector<uint8_t>& b
 }
 
 // A panel of weight rows unpacked: codes [rows][K], and per unit of kUnit weights scales
-// [rows][units] and (kMins) mins [rows][units]. Rows past N have zero codes and scales.
+// [rows][units] and mins: Q4_1's [rows][units]; a K-quant's 6-bit codes min_codes [rows][units]
+// and -dmin in mins [rows][super-blocks]. Rows `units` apart; rows past N have zero codes and
+// scales.
 struct Panel {
   uint8_t* codes;
   float* scales;
   float* mins;
-  int64_t units;  // a row's
+  int16_t* min_codes;
+  int64_t units;  // a row's stride
 };
 
 template <int64_t kType>
-void unpack_row(const uint8_t* row, int64_t K, uint8_t* codes, float* scales, float* mins) {
+void unpack_row(const uint8_t* row, int64_t K, uint8_t* codes, float* scales, float* mins,
+                int16_t* min_codes) {
   using S = Avx512Vnni;
   const int64_t nb = K / kBlock;
   if constexpr (kType == kQ6_K) {
@@ -185,7 +201,13 @@ void unpack_row(const uint8_t* row, int64_t K, uint8_t* codes, float* scales, fl
         _mm512_storeu_si512(codes + sb * 256 + 64 * i, c);
       }
     }
-    block_scales<kType>(row, nb, scales, mins);  // d * scale_j and -dmin * min_j
+    block_scales<kType>(row, nb, scales, mins);  // d * scale_j; the mins' floats replaced:
+    for (int64_t sb = 0; sb < K / 256; ++sb) {
+      const uint8_t* s = row + sb * kSuper;
+      const uint64_t m = k_scales_of(s).mins;
+      for (int j = 0; j < 8; ++j) min_codes[8 * sb + j] = static_cast<int16_t>((m >> 8 * j) & 63);
+      mins[sb] = -half_to_float(load_u16(s + 2));
+    }
   } else {
     constexpr int64_t bb = block_bytes(kType);
     constexpr int64_t kCodes = kType == kQ4_1 ? 4 : 2;
@@ -221,10 +243,12 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
   const int32_t* xu = static_cast<const int32_t*>(x.unit) + t * units * kTileRows;
   const uint8_t* codes[kCols];
   const float *scales[kCols], *mins[kCols];
+  const int16_t* min_codes[kCols];
   for (int c = 0; c < kCols; ++c) {
     codes[c] = w.codes + (c0 + c) * K;
     scales[c] = w.scales + (c0 + c) * w.units;
     mins[c] = w.mins + (c0 + c) * w.units;
+    min_codes[c] = w.min_codes + (c0 + c) * w.units;
   }
   // The totals: in registers where a group is one unit (Q4_0, Q4_1, Q8_0: part is then only a
   // temporary), else in out (L1), updated once a group.
@@ -236,8 +260,32 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
     for (int i = 0; i < kCols * kTileRows; i += 16) _mm512_store_ps(out + i, _mm512_setzero_ps());
   for (int64_t g = 0; g < groups; ++g) {
     __m512 part[kCols][kH];  // this group's sums in units of x's scale
-    for (int c = 0; c < kCols; ++c)
-      for (int h = 0; h < kH; ++h) part[c][h] = _mm512_setzero_ps();
+    if constexpr (T::kCodeMins) {
+      // the mins' share to start with: -dmin * sum over units of m * sum(q), the products of
+      // two units at a time (vpdpwssd) added in integers (|total| < 8 * 63 * 32 * 127)
+      __m512i min_sum[kCols][kH];
+      for (int c = 0; c < kCols; ++c)
+        for (int h = 0; h < kH; ++h) min_sum[c][h] = _mm512_setzero_si512();
+      for (int64_t p = g * kUnitsPerGroup / 2; p < (g + 1) * kUnitsPerGroup / 2; ++p) {
+        __m512i pairs[kH];
+        for (int h = 0; h < kH; ++h) pairs[h] = _mm512_load_si512(xu + p * kTileRows + 16 * h);
+        for (int c = 0; c < kCols; ++c) {
+          int32_t two;
+          std::memcpy(&two, min_codes[c] + 2 * p, 4);
+          const __m512i m = _mm512_set1_epi32(two);
+          for (int h = 0; h < kH; ++h)
+            min_sum[c][h] = _mm512_dpwssd_epi32(min_sum[c][h], m, pairs[h]);
+        }
+      }
+      for (int c = 0; c < kCols; ++c) {
+        const __m512 min_scale = _mm512_set1_ps(mins[c][g]);
+        for (int h = 0; h < kH; ++h)
+          part[c][h] = _mm512_mul_ps(_mm512_cvtepi32_ps(min_sum[c][h]), min_scale);
+      }
+    } else {
+      for (int c = 0; c < kCols; ++c)
+        for (int h = 0; h < kH; ++h) part[c][h] = _mm512_setzero_ps();
+    }
     for (int64_t u = g * kUnitsPerGroup; u < (g + 1) * kUnitsPerGroup; ++u) {
       __m512i sum[kCols][kH];
       for (int h = 0; h < kH; ++h) {
@@ -266,7 +314,7 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
         const __m512 scale = _mm512_set1_ps(scales[c][u]);
         for (int h = 0; h < kH; ++h)
           part[c][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[c][h]), scale, part[c][h]);
-        if constexpr (T::kMins) {
+        if constexpr (T::kFloatMins) {
           const __m512 min = _mm512_set1_ps(mins[c][u]);
           for (int h = 0; h < kH; ++h)
             part[c][h] = _mm512_fmadd_ps(
@@ -321,25 +369,29 @@ void q8_gemm_typed(const float* x, int64_t M, int64_t K, const uint8_t* qw, int6
     thread_local std::vector<uint8_t> codes_buffer;
     thread_local std::vector<float> scale_buffer;
     codes_buffer.resize(panel_rows * K + 64);
-    scale_buffer.resize(2 * panel_rows * units_padded + 16);
-    const Panel w{codes_buffer.data(), align64(scale_buffer.data()),
-                  align64(scale_buffer.data()) + panel_rows * units_padded, units_padded};
+    scale_buffer.resize(3 * panel_rows * units_padded + 16);  // scales, mins, min codes
+    float* const scale_base = align64(scale_buffer.data());
+    const Panel w{codes_buffer.data(), scale_base, scale_base + panel_rows * units_padded,
+                  reinterpret_cast<int16_t*>(scale_base + 2 * panel_rows * units_padded),
+                  units_padded};
     alignas(64) float out[kCols * kTileRows];
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * panel_rows, count = std::min(panel_rows, N - n0);
       if constexpr (kX8) {  // count is a whole number of groups (N % 8 == 0)
         for (int64_t j = 0; j < count; j += kX8GroupRows)
           x8_unpack_group(kWeightType, qw + (n0 + j) * row_bytes, K, w.codes + j * K, K,
-                          w.scales + j * w.units, w.mins + j * w.units, w.units);
+                          w.scales + j * w.units, w.min_codes + j * w.units,
+                          w.mins + j * w.units, w.units);
       }
       for (int64_t j = kX8 ? count : 0; j < (count + kCols - 1) / kCols * kCols; ++j) {
         if (j < count) {
           unpack_row<kType>(qw + (n0 + j) * row_bytes, K, w.codes + j * K, w.scales + j * w.units,
-                            w.mins + j * w.units);
+                            w.mins + j * w.units, w.min_codes + j * w.units);
         } else {  // a last partial micro-kernel's missing rows: zero weights
           std::memset(w.codes + j * K, 0, K);
           std::fill(w.scales + j * w.units, w.scales + (j + 1) * w.units, 0.f);
           std::fill(w.mins + j * w.units, w.mins + (j + 1) * w.units, 0.f);
+          std::fill(w.min_codes + j * w.units, w.min_codes + (j + 1) * w.units, int16_t{0});
         }
       }
       // The next panel's weight bytes, asked for a slice a micro-kernel call, so that reading

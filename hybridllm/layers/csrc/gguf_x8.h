@@ -47,11 +47,12 @@ bool x8_linear(int64_t type, const float* x, int64_t M, int64_t K, const uint8_t
 bool x8_linear_grouped(int64_t type, const float* x, const int64_t* starts, int64_t groups,
                        int64_t K, const uint8_t* const* weights, int64_t N, float* y);
 
-// Group `group`'s 8 rows unpacked for the int8 GEMM: codes [8][K] (rows `code_stride` apart),
-// scales d * sc and mins -dmin * m [8][K / 32] (rows `unit_stride` apart), as its source type's
-// unpack gives them.
+// Group `group`'s 8 rows unpacked for the int8 GEMM, as its source type's unpack gives them:
+// codes [8][K] (rows `code_stride` apart); scales d * sc and 6-bit min codes m [8][K / 32], and
+// min scales -dmin [8][K / 256] (rows `unit_stride` apart).
 void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* codes,
-                     int64_t code_stride, float* scales, float* mins, int64_t unit_stride);
+                     int64_t code_stride, float* scales, int16_t* min_codes, float* min_scales,
+                     int64_t unit_stride);
 
 bool x8_kernels_built();
 

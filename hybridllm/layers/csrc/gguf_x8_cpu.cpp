@@ -319,7 +319,7 @@ void x8_grouped_typed(const float* x, const int64_t* starts, int64_t groups, int
 
 template <int64_t kType>
 void x8_unpack_typed(const uint8_t* group, int64_t K, uint8_t* codes, int64_t code_stride,
-                     float* scales, float* mins, int64_t unit_stride) {
+                     float* scales, int16_t* min_codes, float* min_scales, int64_t unit_stride) {
   const __m512i low4 = _mm512_set1_epi8(15), fifth = _mm512_set1_epi8(16);
   // output dword 4 i + k: row i's codes 4k .. 4k + 3 of a 16-weight chunk (rows 0-3; +4: 4-7)
   const __m512i rows03 =
@@ -349,11 +349,10 @@ void x8_unpack_typed(const uint8_t* group, int64_t K, uint8_t* codes, int64_t co
     }
     for (int r = 0; r < 8; ++r) {
       const float d = half_to_float(load_u16(o + 2 * r));
-      const float dmin = half_to_float(load_u16(o + 16 + 2 * r));
+      min_scales[r * unit_stride + s] = -half_to_float(load_u16(o + 16 + 2 * r));
       for (int j = 0; j < 8; ++j) {
         scales[r * unit_stride + 8 * s + j] = d * static_cast<float>(o[32 + 8 * j + r]);
-        mins[r * unit_stride + 8 * s + j] =
-            -dmin * static_cast<float>(o[96 + 16 * (j / 2) + 2 * r + j % 2]);
+        min_codes[r * unit_stride + 8 * s + j] = o[96 + 16 * (j / 2) + 2 * r + j % 2];
       }
     }
   }
@@ -394,15 +393,18 @@ bool x8_linear_grouped(int64_t type, const float* x, const int64_t* starts, int6
 }
 
 void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* codes,
-                     int64_t code_stride, float* scales, float* mins, int64_t unit_stride) {
+                     int64_t code_stride, float* scales, int16_t* min_codes, float* min_scales,
+                     int64_t unit_stride) {
 #if defined(HYBRIDLLM_Q8_AVX512)
   if (type == kQ4_KX8)
-    return x8_unpack_typed<kQ4_K>(group, K, codes, code_stride, scales, mins, unit_stride);
+    return x8_unpack_typed<kQ4_K>(group, K, codes, code_stride, scales, min_codes, min_scales,
+                                  unit_stride);
   if (type == kQ5_KX8)
-    return x8_unpack_typed<kQ5_K>(group, K, codes, code_stride, scales, mins, unit_stride);
+    return x8_unpack_typed<kQ5_K>(group, K, codes, code_stride, scales, min_codes, min_scales,
+                                  unit_stride);
 #else
-  (void)group, (void)K, (void)codes, (void)code_stride, (void)scales, (void)mins;
-  (void)unit_stride;
+  (void)group, (void)K, (void)codes, (void)code_stride, (void)scales, (void)min_codes;
+  (void)min_scales, (void)unit_stride;
 #endif
   TORCH_CHECK(false, "x8 weights of type ", type, " have no unpacking in this build");
 }

@@ -4,16 +4,16 @@ Writes a random LlamaForCausalLM of the chosen shape as a GGUF the way llama.cpp
 (tests/gguf_helpers.py: permuted q/k, the tests' small tokenizer, so the LM head is tiny and the
 decoder layers are nearly all the bytes), every linear in one block type (K-quants: random
 super-blocks, since gguf cannot quantize to them; Q4_K_M/Q5_K_M: v and down Q6_K, the rest
-Q4_K/Q5_K), and
-measures hybridllm
-(the CPU worker computing from the blocks) and llama.cpp (llama-cpp-python's `Llama`, same
-threads) on it: time to first token of a 128-token prompt and decode tokens/s of 128 new tokens,
-best of 3 alternating rounds with a fresh prompt each, and the bandwidth floor of hybridllm's
-weight bytes a token. `--prompt-len N` sets the prompt (and so the TTFT) length. With
-`--llamacpp-bin DIR` (a build of llama.cpp's tools, ../shared/tools/build_llamacpp.sh),
-`llama-bench -p N -n 128 -r 3` runs on the same file after the rounds, and the ratios against
-it are reported. `--hf-twin` also saves the model as a Hugging Face folder and runs it with
-on-load quantization into the same type (`--quantization q4_1`, say) beside its GGUF twin.
+Q4_K/Q5_K), and measures hybridllm (the CPU worker computing from the blocks) and llama.cpp
+(llama-cpp-python's `Llama`, same threads) on it: time to first token of a 128-token prompt and
+decode tokens/s of 128 new tokens after it, best of 3 (`--rounds`) alternating rounds with a
+fresh prompt each, and the bandwidth floor of hybridllm's weight bytes a token. `--prompt-len N`
+sets the prompt (and so the TTFT) length. With `--llamacpp-bin DIR` (a build of llama.cpp's
+tools, ../shared/tools/build_llamacpp.sh), `llama-bench` takes its turn in every round on the
+same file, a fresh process for each of `-p N` (the prompt) and `-n 128 -d N` (decoding after a
+context as long), so that both engines meet the shared machine's drifts alike; the ratios
+against it are reported. `--hf-twin` also saves the model as a Hugging Face folder and runs it
+with on-load quantization into the same type (`--quantization q4_1`, say) beside its GGUF twin.
 
     python benchmarks/bench_cpu_gguf.py --llamacpp-python PY [--shape 1b] [--type Q4_1] [--json F]
     python benchmarks/bench_cpu_gguf.py --type Q5_K_M --prompt-len 512 --llamacpp-bin DIR
@@ -34,6 +34,7 @@ from gguf import GGMLQuantizationType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_offline import (  # noqa: E402
+    NEW_TOKENS,
     HybridRunner,
     LlamaCppRunner,
     alternate,
@@ -54,7 +55,6 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 # Q4_K_M / Q5_K_M as llama.cpp's quantizer makes them, simplified: v and down Q6_K in every
 # layer (it picks about half of them), the rest Q4_K / Q5_K.
 K_M_PROJECTIONS = {"v_proj": "Q6_K", "down_proj": "Q6_K"}
-ROUNDS = 3
 
 
 def random_llama(shape: str):
@@ -95,17 +95,27 @@ def prompts(n: int, vocab: int, length: int = 128) -> list[list[int]]:
     return [torch.randint(0, vocab - 3, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def llama_bench(bin_dir: Path, model: str, prompt_len: int) -> dict:
-    """llama.cpp's `llama-bench` on the same file and threads: prompt and decode tokens/s."""
-    run = subprocess.run(
-        [str(bin_dir / "llama-bench"), "-m", model, "-t", str(torch.get_num_threads()),
-         "-p", str(prompt_len), "-n", "128", "-r", "3", "-o", "json"],
-        check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    rows = json.loads(run.stdout)
-    prefill = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0)
-    decode = next(r["avg_ts"] for r in rows if r["n_gen"] > 0)
-    return {"ttft_s": prompt_len / prefill, "prefill_tok_s": prefill, "decode_tok_s": decode}
+class LlamaBenchRunner:
+    """llama.cpp's `llama-bench` on the same file and threads as a runner of `alternate`'s
+    rounds: a round's prompt tokens/s at the prompt's length (its own random tokens), and its
+    decode tokens/s of NEW_TOKENS after a context as long (`-d`), as hybridllm decodes."""
+
+    def __init__(self, bin_dir: Path, model: str):
+        self.command = [str(bin_dir / "llama-bench"), "-m", model,
+                        "-t", str(torch.get_num_threads()), "-r", "1", "-o", "json"]  # fmt: skip
+
+    def tokens_per_s(self, *args: str) -> float:
+        run = subprocess.run([*self.command, *args], check=True, capture_output=True, text=True)
+        return json.loads(run.stdout)[0]["avg_ts"]
+
+    def single(self, prompt: list[int]) -> tuple[float, float]:
+        n = str(len(prompt))
+        prefill = self.tokens_per_s("-p", n, "-n", "0")
+        decode = self.tokens_per_s("-p", "0", "-n", str(NEW_TOKENS), "-d", n)
+        return len(prompt) / prefill, decode
+
+    def close(self) -> None:
+        pass
 
 
 def main() -> None:
@@ -125,6 +135,7 @@ def main() -> None:
         help="also run the model's HF folder quantized at load into --type (Q8_0, Q4_0, Q4_1)",
     )
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (TTFT's length)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (best of them)")
     ap.add_argument("--llamacpp-bin", type=Path, help="llama.cpp's tools: add `llama-bench`")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
@@ -132,7 +143,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         hf_folder = Path(tmp) / "hf" if args.hf_twin else None
         path = str(write_model(Path(tmp) / "model.gguf", args.shape, args.type, hf_folder))
-        warmup, *fresh = prompts(1 + ROUNDS, len(tokenizer_vocab()), args.prompt_len)
+        warmup, *fresh = prompts(1 + args.rounds, len(tokenizer_vocab()), args.prompt_len)
         runners = {"hybridllm": HybridRunner(warmup, "auto", path)}
         if hf_folder is not None:
             quantization = args.type.lower()
@@ -140,12 +151,14 @@ def main() -> None:
             runners[name] = HybridRunner(warmup, quantization, str(hf_folder), tokenizer=path)
         if args.llamacpp_python:
             runners["llama.cpp"] = LlamaCppRunner(args.llamacpp_python, warmup, path)
+        if args.llamacpp_bin:
+            runners["llama-bench"] = LlamaBenchRunner(args.llamacpp_bin, path)
         results = {"machine": machine(), "shape": args.shape, "type": args.type}
         results["prompt_len"] = args.prompt_len
         results.update(alternate(runners, fresh, batches=[]))
         if args.llamacpp_bin:
-            theirs = results["llama-bench"] = llama_bench(args.llamacpp_bin, path, args.prompt_len)
-            ours = results["hybridllm"]
+            ours, theirs = results["hybridllm"], results["llama-bench"]
+            theirs["prefill_tok_s"] = args.prompt_len / theirs["ttft_s"]
             results["against llama-bench"] = {
                 "decode": round(ours["decode_tok_s"] / theirs["decode_tok_s"], 2),
                 "ttft": round(theirs["ttft_s"] / ours["ttft_s"], 2),

@@ -249,6 +249,7 @@ def alternate(
     for name in runners:
         results[name] = {
             "ttft_s": min(r[0] for r in rounds[name]),
+            "ttft_s_rounds": [round(r[0], 3) for r in rounds[name]],
             "decode_tok_s": max(r[1] for r in rounds[name]),
             "decode_tok_s_rounds": [round(r[1], 1) for r in rounds[name]],
         }

@@ -355,15 +355,11 @@ void q8_gemm_typed(const float* x, int64_t M, int64_t K, const uint8_t* qw, int6
   constexpr int64_t kStep = kX8 ? std::lcm<int64_t>(kX8GroupRows, kCols) : kCols;
   const int64_t threads = at::get_num_threads();
   const int64_t steps = (N + kStep - 1) / kStep;  // rows in kStep pieces
-  // Panels of at most kPanelCodeBytes of codes, as many as a multiple of the threads (where
-  // there are enough rows) so that each thread gets the same number of equal panels: by size
-  // alone SmolLM2's o-proj (576 rows) made 2 + 1 panels, its fused qkv 3 + 2.
-  const int64_t most_steps = std::max<int64_t>(1, kPanelCodeBytes / K / kStep);  // a panel's
-  int64_t panels = (steps + most_steps - 1) / most_steps;
-  panels = std::min(steps, (panels + threads - 1) / threads * threads);
-  const int64_t panel_rows = (steps + panels - 1) / panels * kStep;
-  panels = (N + panel_rows - 1) / panel_rows;
-  at::parallel_for(0, panels, (panels + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+  // Each thread a contiguous run of rows, as equal as kStep pieces allow, cut into panels of at
+  // most kPanelCodeBytes of codes. Dealt out as whole panels the threads' shares were unequal:
+  // SmolLM2's o-proj (576 rows) made 2 + 1 panels, the 1B's q (2048 rows of 24-row steps) 22 + 21.
+  const int64_t panel_rows = std::max<int64_t>(1, kPanelCodeBytes / K / kStep) * kStep;
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     // block_scales writes whole 16-wide vectors: a row's scales and mins padded to 16
     const int64_t units_padded = (units + 15) / 16 * 16 + 16;
     thread_local std::vector<uint8_t> codes_buffer;
@@ -375,42 +371,45 @@ void q8_gemm_typed(const float* x, int64_t M, int64_t K, const uint8_t* qw, int6
                   reinterpret_cast<int16_t*>(scale_base + 2 * panel_rows * units_padded),
                   units_padded};
     alignas(64) float out[kCols * kTileRows];
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * panel_rows, count = std::min(panel_rows, N - n0);
-      if constexpr (kX8) {  // count is a whole number of groups (N % 8 == 0)
-        for (int64_t j = 0; j < count; j += kX8GroupRows)
-          x8_unpack_group(kWeightType, qw + (n0 + j) * row_bytes, K, w.codes + j * K, K,
-                          w.scales + j * w.units, w.min_codes + j * w.units,
-                          w.mins + j * w.units, w.units);
-      }
-      for (int64_t j = kX8 ? count : 0; j < (count + kCols - 1) / kCols * kCols; ++j) {
-        if (j < count) {
-          unpack_row<kType>(qw + (n0 + j) * row_bytes, K, w.codes + j * K, w.scales + j * w.units,
-                            w.mins + j * w.units, w.min_codes + j * w.units);
-        } else {  // a last partial micro-kernel's missing rows: zero weights
-          std::memset(w.codes + j * K, 0, K);
-          std::fill(w.scales + j * w.units, w.scales + (j + 1) * w.units, 0.f);
-          std::fill(w.mins + j * w.units, w.mins + (j + 1) * w.units, 0.f);
-          std::fill(w.min_codes + j * w.units, w.min_codes + (j + 1) * w.units, int16_t{0});
+    for (int64_t share = begin; share < end; ++share) {
+      const int64_t first = std::min(N, steps * share / threads * kStep);
+      const int64_t last = std::min(N, steps * (share + 1) / threads * kStep);
+      for (int64_t n0 = first; n0 < last; n0 += panel_rows) {
+        const int64_t count = std::min(panel_rows, last - n0);
+        if constexpr (kX8) {  // count is a whole number of groups (N % 8 == 0)
+          for (int64_t j = 0; j < count; j += kX8GroupRows)
+            x8_unpack_group(kWeightType, qw + (n0 + j) * row_bytes, K, w.codes + j * K, K,
+                            w.scales + j * w.units, w.min_codes + j * w.units,
+                            w.mins + j * w.units, w.units);
         }
-      }
-      // The next panel's weight bytes, asked for a slice a micro-kernel call, so that reading
-      // them from DRAM overlaps this panel's arithmetic instead of stalling its unpacking.
-      const uint8_t* next = qw + (n0 + count) * row_bytes;
-      const uint8_t* const next_end =
-          p + 1 < end ? qw + std::min(N, n0 + count + panel_rows) * row_bytes : next;
-      const int64_t calls = px.tiles * ((count + kCols - 1) / kCols);
-      const int64_t slice = ((next_end - next) / calls + 63) / 64 * 64;
-      for (int64_t t = 0; t < px.tiles; ++t) {
-        const int64_t tile_rows = std::min(kTileRows, M - t * kTileRows);
-        for (int64_t c0 = 0; c0 < count; c0 += kCols) {
-          for (const uint8_t* e = std::min(next + slice, next_end); next < e; next += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T1);
-          micro_kernel<kType, kH>(px, t, w, c0, K, out);
-          const int64_t cols = std::min<int64_t>(kCols, count - c0);
-          float* yt = y + t * kTileRows * N + n0 + c0;
-          for (int64_t i = 0; i < tile_rows; ++i)
-            for (int64_t c = 0; c < cols; ++c) yt[i * N + c] = out[c * kTileRows + i];
+        for (int64_t j = kX8 ? count : 0; j < (count + kCols - 1) / kCols * kCols; ++j) {
+          if (j < count) {
+            unpack_row<kType>(qw + (n0 + j) * row_bytes, K, w.codes + j * K, w.scales + j * w.units,
+                              w.mins + j * w.units, w.min_codes + j * w.units);
+          } else {  // a last partial micro-kernel's missing rows: zero weights
+            std::memset(w.codes + j * K, 0, K);
+            std::fill(w.scales + j * w.units, w.scales + (j + 1) * w.units, 0.f);
+            std::fill(w.mins + j * w.units, w.mins + (j + 1) * w.units, 0.f);
+            std::fill(w.min_codes + j * w.units, w.min_codes + (j + 1) * w.units, int16_t{0});
+          }
+        }
+        // The next panel's weight bytes, asked for a slice a micro-kernel call, so that reading
+        // them from DRAM overlaps this panel's arithmetic instead of stalling its unpacking.
+        const uint8_t* next = qw + (n0 + count) * row_bytes;
+        const uint8_t* const next_end = qw + std::min(last, n0 + count + panel_rows) * row_bytes;
+        const int64_t calls = px.tiles * ((count + kCols - 1) / kCols);
+        const int64_t slice = ((next_end - next) / calls + 63) / 64 * 64;
+        for (int64_t t = 0; t < px.tiles; ++t) {
+          const int64_t tile_rows = std::min(kTileRows, M - t * kTileRows);
+          for (int64_t c0 = 0; c0 < count; c0 += kCols) {
+            for (const uint8_t* e = std::min(next + slice, next_end); next < e; next += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T1);
+            micro_kernel<kType, kH>(px, t, w, c0, K, out);
+            const int64_t cols = std::min<int64_t>(kCols, count - c0);
+            float* yt = y + t * kTileRows * N + n0 + c0;
+            for (int64_t i = 0; i < tile_rows; ++i)
+              for (int64_t c = 0; c < cols; ++c) yt[i * N + c] = out[c * kTileRows + i];
+          }
         }
       }
     }

@@ -340,7 +340,32 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
       for (int h = 0; h < kH; ++h) _mm512_store_ps(out + c * kTileRows + 16 * h, acc[c][h]);
 }
 
-// kX8: the weight is kType (Q4_K, Q5_K) in x8 groups, unpacked 8 rows at a time.
+// Weight rows [0, count) from `rows` (row_bytes apart) into w, and zero weights up to a whole
+// number of `cols`-row micro-kernel calls. kX8: the rows are kType (Q4_K, Q5_K) in x8 groups
+// (count a whole number of them), unpacked 8 at a time.
+template <int64_t kType, bool kX8>
+void unpack_panel(const uint8_t* rows, int64_t row_bytes, int64_t count, int64_t K, int cols,
+                  const Panel& w) {
+  if constexpr (kX8) {
+    for (int64_t j = 0; j < count; j += kX8GroupRows)
+      x8_unpack_group(x8_type_of(kType), rows + j * row_bytes, K, w.codes + j * K, K,
+                      w.scales + j * w.units, w.min_codes + j * w.units, w.mins + j * w.units,
+                      w.units);
+  }
+  for (int64_t j = kX8 ? count : 0; j < (count + cols - 1) / cols * cols; ++j) {
+    if (j < count) {
+      unpack_row<kType>(rows + j * row_bytes, K, w.codes + j * K, w.scales + j * w.units,
+                        w.mins + j * w.units, w.min_codes + j * w.units);
+    } else {
+      std::memset(w.codes + j * K, 0, K);
+      std::fill(w.scales + j * w.units, w.scales + (j + 1) * w.units, 0.f);
+      std::fill(w.mins + j * w.units, w.mins + (j + 1) * w.units, 0.f);
+      std::fill(w.min_codes + j * w.units, w.min_codes + (j + 1) * w.units, int16_t{0});
+    }
+  }
+}
+
+// kX8: the weight is kType (Q4_K, Q5_K) in x8 groups.
 template <int64_t kType, int kH, bool kX8 = false>
 void q8_gemm_typed(const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N, float* y) {
   using T = GemmType<kType>;
@@ -376,23 +401,7 @@ void q8_gemm_typed(const float* x, int64_t M, int64_t K, const uint8_t* qw, int6
       const int64_t last = std::min(N, steps * (share + 1) / threads * kStep);
       for (int64_t n0 = first; n0 < last; n0 += panel_rows) {
         const int64_t count = std::min(panel_rows, last - n0);
-        if constexpr (kX8) {  // count is a whole number of groups (N % 8 == 0)
-          for (int64_t j = 0; j < count; j += kX8GroupRows)
-            x8_unpack_group(kWeightType, qw + (n0 + j) * row_bytes, K, w.codes + j * K, K,
-                            w.scales + j * w.units, w.min_codes + j * w.units,
-                            w.mins + j * w.units, w.units);
-        }
-        for (int64_t j = kX8 ? count : 0; j < (count + kCols - 1) / kCols * kCols; ++j) {
-          if (j < count) {
-            unpack_row<kType>(qw + (n0 + j) * row_bytes, K, w.codes + j * K, w.scales + j * w.units,
-                              w.mins + j * w.units, w.min_codes + j * w.units);
-          } else {  // a last partial micro-kernel's missing rows: zero weights
-            std::memset(w.codes + j * K, 0, K);
-            std::fill(w.scales + j * w.units, w.scales + (j + 1) * w.units, 0.f);
-            std::fill(w.mins + j * w.units, w.mins + (j + 1) * w.units, 0.f);
-            std::fill(w.min_codes + j * w.units, w.min_codes + (j + 1) * w.units, int16_t{0});
-          }
-        }
+        unpack_panel<kType, kX8>(qw + n0 * row_bytes, row_bytes, count, K, kCols, w);
         // The next panel's weight bytes, asked for a slice a micro-kernel call, so that reading
         // them from DRAM overlaps this panel's arithmetic instead of stalling its unpacking.
         const uint8_t* next = qw + (n0 + count) * row_bytes;

@@ -200,12 +200,13 @@ void unpack_row(const uint8_t* row, int64_t K, uint8_t* codes, float* scales, fl
         if constexpr (kType == kQ5_K) c = S::add_fifth_bit(c, S::broadcast32(s + 16), 2 * i);
         _mm512_storeu_si512(codes + sb * 256 + 64 * i, c);
       }
-    }
-    block_scales<kType>(row, nb, scales, mins);  // d * scale_j; the mins' floats replaced:
-    for (int64_t sb = 0; sb < K / 256; ++sb) {
-      const uint8_t* s = row + sb * kSuper;
-      const uint64_t m = k_scales_of(s).mins;
-      for (int j = 0; j < 8; ++j) min_codes[8 * sb + j] = static_cast<int16_t>((m >> 8 * j) & 63);
+      // d * scale_j, the 6-bit min_j as they are, and the super-block's -dmin
+      const KScales k = k_scales_of(s);
+      const float d = half_to_float(load_u16(s));
+      for (int j = 0; j < 8; ++j) {
+        scales[8 * sb + j] = d * static_cast<float>((k.scales >> 8 * j) & 63);
+        min_codes[8 * sb + j] = static_cast<int16_t>((k.mins >> 8 * j) & 63);
+      }
       mins[sb] = -half_to_float(load_u16(s + 2));
     }
   } else {

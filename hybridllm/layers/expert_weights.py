@@ -112,7 +112,7 @@ class StackedExpertWeight(nn.Module):
             self.ggml_type = GGML_F32
 
     def repack_for_cpu(self) -> None:
-        """Q4_K / Q5_K blocks into the int8 kernels' x8 layout (each expert's rows in groups of
+        """K-quant blocks into the int8 kernels' x8 layout (each expert's rows in groups of
         8)."""
         if self.qweight is not None:
             self.qweight, self.ggml_type = repack_x8_where_grouped(

@@ -148,24 +148,26 @@ def int8_activations_in_use() -> bool:
     return load_cpu_kernels() and default_activations() == INT8_ACTIVATIONS
 
 
-# Not GGML types: Q4_K / Q5_K rows repacked in groups of 8 for the int8 kernels (csrc/gguf_x8.h),
-# which read them 15-20% faster from DRAM at one row of x than the types' own layouts.
-GGML_Q4_K_X8, GGML_Q5_K_X8 = 112, 113
+# Not GGML types: Q4_K / Q5_K / Q6_K rows repacked in groups of 8 for the int8 kernels
+# (csrc/gguf_x8.h), which read them faster from DRAM at one row of x than the types' own layouts
+# (Q4_K 15-20%).
+GGML_Q4_K_X8, GGML_Q5_K_X8, GGML_Q6_K_X8 = 112, 113, 114
 X8_TYPES = {
     int(GGMLQuantizationType.Q4_K): GGML_Q4_K_X8,
     int(GGMLQuantizationType.Q5_K): GGML_Q5_K_X8,
+    int(GGMLQuantizationType.Q6_K): GGML_Q6_K_X8,
 }
 X8_SOURCE_TYPES = {x8: source for source, x8 in X8_TYPES.items()}
 
 
 def x8_in_use() -> bool:
-    """Whether CPU workers repack Q4_K / Q5_K weights into x8 groups when they load: int8
+    """Whether CPU workers repack K-quant weights into x8 groups when they load: int8
     activations and a build with the kernels (AVX512-VNNI)."""
     return int8_activations_in_use() and torch.ops.hybridllm.x8_supported()
 
 
 def repack_x8(blocks: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, int]:
-    """Q4_K / Q5_K blocks [..., rows, K / 256 * bytes] (rows % 8 == 0) -> (x8 blocks, x8 type)."""
+    """K-quant blocks [..., rows, K / 256 * bytes] (rows % 8 == 0) -> (x8 blocks, x8 type)."""
     return torch.ops.hybridllm.repack_x8(blocks.contiguous(), ggml_type), X8_TYPES[ggml_type]
 
 

@@ -146,7 +146,7 @@ class Linear(nn.Module):
             self.ggml_type = GGML_F32
 
     def repack_for_cpu(self) -> None:
-        """Q4_K / Q5_K blocks (of rows in whole groups of 8) into the int8 kernels' x8 layout
+        """K-quant blocks (of rows in whole groups of 8) into the int8 kernels' x8 layout
         (after loading, on a CPU worker computing with int8 activations; see `x8_in_use`)."""
         if self.qweight is not None:
             self.qweight, self.ggml_type = repack_x8_where_grouped(

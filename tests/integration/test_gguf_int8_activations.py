@@ -98,10 +98,11 @@ def test_k_quant_prompt_logprobs_in_int8_chunks(tmp_path, run_with, base):
         run_with("fp32", prompt_logprobs, **kwargs),
         run_with("int8", lambda llm: (prompt_logprobs(llm), block_types(llm)), **kwargs),
     )
-    # the Q4_K / Q5_K linears compute from the x8 layout on the int8 path (the prompt's chunks:
-    # the GEMM unpacking it)
+    # the K-quant linears (base, and v / down's Q6_K) compute from the x8 layout on the int8 path
+    # (the prompt's chunks: the GEMM unpacking it)
     x8 = torch.ops.hybridllm.x8_supported()
-    assert (X8_TYPES[int(base)] in types) == x8 and (int(base) in types) != x8
+    for fmt in (base, Q.Q6_K):
+        assert (X8_TYPES[int(fmt)] in types) == x8 and (int(fmt) in types) != x8
     deltas = [abs(a - b) for a, b in zip(fp32, int8)]
     assert len(deltas) == 63 and 0 < max(deltas) < TOLERANCE
     assert sum(deltas) / len(deltas) < MEAN_TOLERANCE

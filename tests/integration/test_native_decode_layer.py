@@ -147,7 +147,7 @@ def test_moe_layers_native_attention_equals_per_op(arch, tmp_path, monkeypatch):
     assert used == expected
 
 
-@pytest.mark.parametrize("fmt", [Q.Q4_K, Q.Q5_K], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda f: f.name)
 def test_gguf_moe_stack_with_x8_experts_equals_per_op(fmt, tmp_path, monkeypatch):
     # Qwen3-MoE from GGUF, K-quant experts on the int8 path: their blocks are repacked in x8
     # groups and the stack runs routing and experts; the per-layer path the same

@@ -1,4 +1,4 @@
-"""Q4_K / Q5_K weights repacked in groups of 8 rows (ggml_types 112 / 113, csrc/gguf_x8.h): the
+"""K-quant weights repacked in groups of 8 rows (ggml_types 112 / 113 / 114, csrc/gguf_x8.h): the
 repacking round trip, gguf_linear and fused_moe on them against the source type's own int8 path
 and the dequantized weights, Linear's and the expert stacks' repacking, and the errors."""
 
@@ -25,8 +25,8 @@ def _kernels():
         pytest.skip("this build has no x8 kernels (AVX512-VNNI)")
 
 
-K_QUANTS = pytest.mark.parametrize("fmt", [Q.Q4_K, Q.Q5_K], ids=lambda f: f.name)
-ROW_BYTES = {Q.Q4_K: 148, Q.Q5_K: 180}  # a row's x8 bytes per 256 weights
+K_QUANTS = pytest.mark.parametrize("fmt", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda f: f.name)
+ROW_BYTES = {Q.Q4_K: 148, Q.Q5_K: 180, Q.Q6_K: 210}  # a row's x8 bytes per 256 weights
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def int8_mode(monkeypatch):
 
 @K_QUANTS
 def test_repack_round_trip_is_byte_exact(fmt):
-    # random bytes: every nibble, fifth bit and 6-bit scale/min pattern; 3-D: an expert stack
+    # random bytes: every nibble, fifth bit, top 2 bits and scale/min pattern; 3-D: an expert stack
     for shape in [(8, 256), (40, 2048), (3, 16, 768)]:
         rows = shape[0] if len(shape) == 2 else shape[0] * shape[1]
         blocks, _ = random_blocks(fmt, rows, shape[-1], seed=rows)
@@ -81,8 +81,10 @@ def test_bad_arguments_name_the_problem():
         repack_x8(blocks[:, :100], int(Q.Q4_K))
     with pytest.raises(RuntimeError, match="whole number of 176-byte"):
         repack_x8(blocks, int(Q.Q5_K))  # Q4_K's 144-byte rows are no Q5_K rows
+    with pytest.raises(RuntimeError, match="whole number of 210-byte"):
+        repack_x8(blocks, int(Q.Q6_K))
     with pytest.raises(RuntimeError, match="must be Q4_K"):
-        torch.ops.hybridllm.repack_x8(blocks, int(Q.Q6_K))
+        torch.ops.hybridllm.repack_x8(blocks, int(Q.Q8_0))
     with pytest.raises(RuntimeError, match="need int8 activations"):
         op(torch.randn(1, 256), x8, x8_type, 16, 0)
     with pytest.raises(RuntimeError, match="groups of 8 rows"):
@@ -118,11 +120,11 @@ def _quantized(blocks: torch.Tensor, fmt: Q, rows: int, cols: int) -> QuantizedT
 
 
 def test_linear_repacks_its_k_quant_blocks_only(int8_mode):
-    # q (Q4_K), k (Q5_K) and v (Q6_K) of differing types: each shard its own blocks
+    # q (Q4_K), k (Q5_K) and v (Q8_0) of differing types: each shard its own blocks
     sizes, k = (32, 16, 16), 256
     layer = Linear(k, sizes, False, torch.float32, torch.device("cpu"))
     parts = []
-    for shard, (rows, fmt) in enumerate(zip(sizes, (Q.Q4_K, Q.Q5_K, Q.Q6_K))):
+    for shard, (rows, fmt) in enumerate(zip(sizes, (Q.Q4_K, Q.Q5_K, Q.Q8_0))):
         blocks, weight = random_blocks(fmt, rows, k, seed=shard)
         layer.load_shard("weight", shard, _quantized(blocks, fmt, rows, k))
         parts.append(weight)
@@ -130,7 +132,7 @@ def test_linear_repacks_its_k_quant_blocks_only(int8_mode):
     x = torch.randn(3, k)
     before = layer.local_linear(x, None)
     layer.repack_for_cpu()
-    assert [t for _, t, _ in layer.shard_blocks] == [112, 113, int(Q.Q6_K)]
+    assert [t for _, t, _ in layer.shard_blocks] == [112, 113, int(Q.Q8_0)]
     torch.testing.assert_close(layer.dense_weight(), torch.cat(parts))
     # the x8 kernel sums in another order: fp32 rounding (1e-5 failed one random x in ten)
     torch.testing.assert_close(layer.local_linear(x, None), before, rtol=1e-4, atol=1e-4)

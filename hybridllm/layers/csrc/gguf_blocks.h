@@ -30,10 +30,12 @@ constexpr int64_t kQ5_K = 13;
 // Super-blocks of 256 weights (210 bytes): 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8
 // scales (one per 16 weights), fp16 d last; w = d * scale * (q - 32) for 6-bit q.
 constexpr int64_t kQ6_K = 14;
-// Not ggml types: Q4_K / Q5_K rows repacked in groups of 8 for the int8 kernels (gguf_x8.h),
-// 148 / 180 bytes a row per 256 weights; a weight's row count is a multiple of 8.
+// Not ggml types: Q4_K / Q5_K / Q6_K rows repacked in groups of 8 for the int8 kernels
+// (gguf_x8.h), 148 / 180 / 210 bytes a row per 256 weights; a weight's row count is a multiple
+// of 8.
 constexpr int64_t kQ4_KX8 = 112;
 constexpr int64_t kQ5_KX8 = 113;
+constexpr int64_t kQ6_KX8 = 114;
 constexpr int64_t kX8SuperBytes = 148;    // Q4_K x8, per row: a group's 1184 bytes over 8 rows
 constexpr int64_t kX8Q5SuperBytes = 180;  // Q5_K x8: 1440 bytes a group
 constexpr int64_t kBlock = 32;
@@ -54,19 +56,21 @@ constexpr int64_t block_bytes(int64_t type) {
 }
 
 constexpr bool supported_type(int64_t type) {
-  return block_bytes(type) > 0 || type == kQ6_K || type == kQ4_KX8 || type == kQ5_KX8;
+  return block_bytes(type) > 0 || type == kQ6_K || type == kQ4_KX8 || type == kQ5_KX8 ||
+         type == kQ6_KX8;
 }
 
 // Weights a row's length must be a multiple of.
 constexpr int64_t row_granule(int64_t type) {
-  return type == kQ4_K || type == kQ5_K || type == kQ6_K || type == kQ4_KX8 || type == kQ5_KX8
+  return type == kQ4_K || type == kQ5_K || type == kQ6_K || type == kQ4_KX8 || type == kQ5_KX8 ||
+                 type == kQ6_KX8
              ? 256
              : kBlock;
 }
 
 // Bytes of one weight row of K weights.
 constexpr int64_t row_bytes_of(int64_t type, int64_t K) {
-  return type == kQ6_K     ? K / 256 * kQ6SuperBytes
+  return type == kQ6_K || type == kQ6_KX8 ? K / 256 * kQ6SuperBytes
          : type == kQ4_KX8 ? K / 256 * kX8SuperBytes
          : type == kQ5_KX8 ? K / 256 * kX8Q5SuperBytes
                            : K / kBlock * block_bytes(type);

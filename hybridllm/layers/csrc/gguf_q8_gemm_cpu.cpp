@@ -342,7 +342,7 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
 }
 
 // Weight rows [0, count) from `rows` (row_bytes apart) into w, and zero weights up to a whole
-// number of `cols`-row micro-kernel calls. kX8: the rows are kType (Q4_K, Q5_K) in x8 groups
+// number of `cols`-row micro-kernel calls. kX8: the rows are kType (a K-quant) in x8 groups
 // (count a whole number of them), unpacked 8 at a time.
 template <int64_t kType, bool kX8>
 void unpack_panel(const uint8_t* rows, int64_t row_bytes, int64_t count, int64_t K, int cols,
@@ -366,7 +366,7 @@ void unpack_panel(const uint8_t* rows, int64_t row_bytes, int64_t count, int64_t
   }
 }
 
-// kX8: the weight is kType (Q4_K, Q5_K) in x8 groups.
+// kX8: the weight is kType (a K-quant) in x8 groups.
 template <int64_t kType, int kH, bool kX8 = false>
 void q8_gemm_typed(const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N, float* y) {
   using T = GemmType<kType>;
@@ -448,6 +448,7 @@ bool q8_gemm(int64_t type, const float* x, int64_t M, int64_t K, const uint8_t* 
   };
   if (type == kQ4_KX8) return run_x8(std::integral_constant<int64_t, kQ4_K>{});
   if (type == kQ5_KX8) return run_x8(std::integral_constant<int64_t, kQ5_K>{});
+  if (type == kQ6_KX8) return run_x8(std::integral_constant<int64_t, kQ6_K>{});
   return for_int8_type(type, run, [] { return false; });
 }
 #else

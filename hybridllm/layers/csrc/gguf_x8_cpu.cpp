@@ -1,4 +1,4 @@
-// Q4_K / Q5_K rows repacked in groups of 8 (gguf_x8.h): the repacking ops, registered as
+// Q4_K / Q5_K / Q6_K rows repacked in groups of 8 (gguf_x8.h): the repacking ops, registered as
 // hybridllm::repack_x8 / unpack_x8, and the int8 kernels for few rows of x that gguf_linear
 // and fused_moe run on such weights. One vpdpbusd multiplies 4 codes of each of the
 // 8 rows, twice over (lanes 0-7 and 8-15 take consecutive quads of weights), with x's values
@@ -52,13 +52,28 @@ inline int chunk_weight(int c, int h, int b) { return 16 * c + 4 * h + b; }
 // A source super-block's bytes, and where its 4-bit codes start (Q5_K: its 32 high-bit bytes
 // first, bit j of byte v weight v's of sub-block j).
 template <int64_t kType>
-constexpr int64_t kSourceBytes = kType == kQ4_K ? kSuperBytes : kQ5SuperBytes;
+constexpr int64_t kSourceBytes = kType == kQ4_K   ? kSuperBytes
+                                 : kType == kQ5_K ? kQ5SuperBytes
+                                                  : kQ6SuperBytes;
 template <int64_t kType>
 constexpr int64_t kSourceNibbles = kType == kQ4_K ? 16 : 48;
-// A group super-block's bytes.
+// A group super-block's bytes, and where its code nibbles start.
 template <int64_t kType>
-constexpr int64_t kGroupBytes = kType == kQ4_K ? 1184 : 1440;
+constexpr int64_t kGroupBytes = kType == kQ4_K ? 1184 : kType == kQ5_K ? 1440 : 1680;
+template <int64_t kType>
+constexpr int64_t kGroupCodes = kType == kQ6_K ? 144 : 160;
 constexpr int64_t kHighBits = 1184;  // Q5_K's fifth bits in a group super-block
+constexpr int64_t kQ6TopBits = 1168;  // Q6_K's top 2 bits in a group super-block
+
+// Where a Q6_K super-block (ggml's layout) keeps weight w's (0-255) low 4 bits and top 2 bits:
+// byte offsets and shifts, as q6_k_bits gives them for its block w / 32.
+struct Q6Place {
+  int low, low_shift, high, high_shift;
+};
+inline Q6Place q6_place(int w) {
+  const int b = w / 32, l = w % 32, half = b / 4, g = b % 4;
+  return {half * 64 + (g % 2) * 32 + l, (g / 2) * 4, 128 + half * 32 + l, 2 * g};
+}
 
 template <int64_t kType>
 void repack_group(const uint8_t* rows, int64_t nsb, uint8_t* out) {
@@ -82,7 +97,8 @@ void repack_group(const uint8_t* rows, int64_t nsb, uint8_t* out) {
           for (int h = 0; h < 2; ++h)
             for (int b = 0; b < 4; ++b) {
               const int v = chunk_weight(c, h, b), i = 4 * (8 * h + r) + b, chunk = 2 * j + c;
-              o[160 + 64 * chunk + i] = static_cast<uint8_t>(code(j, v) | (code(j, v + 8) << 4));
+              o[kGroupCodes<kType> + 64 * chunk + i] =
+                  static_cast<uint8_t>(code(j, v) | (code(j, v + 8) << 4));
               if constexpr (kType == kQ5_K)
                 for (int half = 0; half < 2; ++half)
                   if (q[16 + v + 8 * half] >> j & 1)
@@ -114,7 +130,7 @@ void unpack_group(const uint8_t* group, int64_t nsb, uint8_t* rows) {
           for (int h = 0; h < 2; ++h)
             for (int b = 0; b < 4; ++b) {
               const int i = 4 * (8 * h + r) + b, chunk = 2 * j + c;
-              const uint8_t byte = o[160 + 64 * chunk + i];
+              const uint8_t byte = o[kGroupCodes<kType> + 64 * chunk + i];
               for (int half = 0; half < 2; ++half) {
                 const int v = chunk_weight(c, h, b) + 8 * half;
                 const uint8_t nibble = half ? byte >> 4 : byte & 15;
@@ -125,6 +141,52 @@ void unpack_group(const uint8_t* group, int64_t nsb, uint8_t* rows) {
                   if (o[kHighBits + 16 * chunk + 8 * half + i / 8] >> (i % 8) & 1)
                     q[16 + v] |= static_cast<uint8_t>(1 << j);
               }
+            }
+    }
+  }
+}
+
+void repack_q6_group(const uint8_t* rows, int64_t nsb, uint8_t* out) {
+  std::memset(out, 0, nsb * kGroupBytes<kQ6_K>);  // the codes' bits are or-ed in
+  for (int64_t s = 0; s < nsb; ++s) {
+    uint8_t* o = out + s * kGroupBytes<kQ6_K>;
+    for (int r = 0; r < 8; ++r) {
+      const uint8_t* q = rows + r * nsb * kQ6SuperBytes + s * kQ6SuperBytes;
+      std::memcpy(o + 2 * r, q + 208, 2);
+      for (int c = 0; c < 16; ++c) o[16 + 8 * c + r] = q[192 + c];
+      for (int c = 0; c < 16; ++c)
+        for (int h = 0; h < 2; ++h)
+          for (int b = 0; b < 4; ++b)
+            for (int half = 0; half < 2; ++half) {
+              const Q6Place p = q6_place(16 * c + 8 * half + 4 * h + b);
+              const int i = 4 * (8 * h + r) + b;
+              o[kGroupCodes<kQ6_K> + 64 * c + i] |=
+                  static_cast<uint8_t>((q[p.low] >> p.low_shift & 15) << 4 * half);
+              o[kQ6TopBits + 32 * c + 16 * half + i % 16] |=
+                  static_cast<uint8_t>((q[p.high] >> p.high_shift & 3) << 2 * (i / 16));
+            }
+    }
+  }
+}
+
+void unpack_q6_group(const uint8_t* group, int64_t nsb, uint8_t* rows) {
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* o = group + s * kGroupBytes<kQ6_K>;
+    for (int r = 0; r < 8; ++r) {
+      uint8_t* q = rows + r * nsb * kQ6SuperBytes + s * kQ6SuperBytes;
+      std::memset(q, 0, 192);  // the codes' bits are or-ed in
+      std::memcpy(q + 208, o + 2 * r, 2);
+      for (int c = 0; c < 16; ++c) q[192 + c] = o[16 + 8 * c + r];
+      for (int c = 0; c < 16; ++c)
+        for (int h = 0; h < 2; ++h)
+          for (int b = 0; b < 4; ++b)
+            for (int half = 0; half < 2; ++half) {
+              const Q6Place p = q6_place(16 * c + 8 * half + 4 * h + b);
+              const int i = 4 * (8 * h + r) + b;
+              const int low = o[kGroupCodes<kQ6_K> + 64 * c + i] >> 4 * half & 15;
+              const int high = o[kQ6TopBits + 32 * c + 16 * half + i % 16] >> 2 * (i / 16) & 3;
+              q[p.low] |= static_cast<uint8_t>(low << p.low_shift);
+              q[p.high] |= static_cast<uint8_t>(high << p.high_shift);
             }
     }
   }
@@ -146,13 +208,17 @@ std::pair<int64_t, int64_t> group_shape(const at::Tensor& blocks, int64_t super_
   return {rows / kX8GroupRows, bytes / super_bytes};
 }
 
-// `blocks` of ggml_type `type` (Q4_K, Q5_K) into x8 groups (repack) or back (unpack).
+// `blocks` of ggml_type `type` (Q4_K, Q5_K, Q6_K) into x8 groups (repack) or back (unpack).
 at::Tensor convert(const at::Tensor& blocks, int64_t type, bool repack) {
   const char* op = repack ? "repack_x8" : "unpack_x8";
-  TORCH_CHECK(type == kQ4_K || type == kQ5_K, op,
-              ": ggml_type must be Q4_K (12) or Q5_K (13), got ", type);
-  const int64_t source = type == kQ4_K ? kSuperBytes : kQ5SuperBytes;
-  const int64_t group = type == kQ4_K ? kGroupBytes<kQ4_K> : kGroupBytes<kQ5_K>;
+  TORCH_CHECK(type == kQ4_K || type == kQ5_K || type == kQ6_K, op,
+              ": ggml_type must be Q4_K (12), Q5_K (13) or Q6_K (14), got ", type);
+  const int64_t source = type == kQ4_K   ? kSourceBytes<kQ4_K>
+                         : type == kQ5_K ? kSourceBytes<kQ5_K>
+                                         : kSourceBytes<kQ6_K>;
+  const int64_t group = type == kQ4_K   ? kGroupBytes<kQ4_K>
+                        : type == kQ5_K ? kGroupBytes<kQ5_K>
+                                        : kGroupBytes<kQ6_K>;
   const auto [groups, nsb] = group_shape(blocks, repack ? source : group / 8, op);
   std::vector<int64_t> shape(blocks.sizes().begin(), blocks.sizes().end());
   shape.back() = nsb * (repack ? group / 8 : source);
@@ -164,8 +230,10 @@ at::Tensor convert(const at::Tensor& blocks, int64_t type, bool repack) {
       const int64_t rows = g * 8 * nsb * source, x8 = g * nsb * group;  // byte offsets
       if (repack && type == kQ4_K) repack_group<kQ4_K>(src + rows, nsb, dst + x8);
       if (repack && type == kQ5_K) repack_group<kQ5_K>(src + rows, nsb, dst + x8);
+      if (repack && type == kQ6_K) repack_q6_group(src + rows, nsb, dst + x8);
       if (!repack && type == kQ4_K) unpack_group<kQ4_K>(src + x8, nsb, dst + rows);
       if (!repack && type == kQ5_K) unpack_group<kQ5_K>(src + x8, nsb, dst + rows);
+      if (!repack && type == kQ6_K) unpack_q6_group(src + x8, nsb, dst + rows);
     }
   });
   return out;
@@ -180,40 +248,95 @@ at::Tensor unpack_x8(const at::Tensor& blocks, int64_t type) {
 
 #if defined(HYBRIDLLM_Q8_AVX512)
 // Rows of x as the kernel reads them, from q8's Q4_K quantization (groups of 256):
-//   xe[r][i]  64 bytes: lanes 0-7 x's 4 int8 values 8 i .. 8 i + 3, lanes 8-15 8 i + 4 .. 8 i + 7
+//   q[r][k]   x's int8 values
 //   d[r][s]   super-block s's scale
-//   mins[r][p] int16 pair (B 2p, B 2p+1), B j the sum of q over sub-block j's 32 values
+//   mins[r][p] (Q4_K, Q5_K) int16 pair (B 2p, B 2p+1), B j the sum of q over sub-block j's 32
+//             values
+//   offsets[r][c][h] (Q6_K) -32 times the sum of q over the 8 values of chunk c (values 16 c ..
+//             16 c + 15) that lanes 8 h .. 8 h + 7 of its code vectors meet (16 c + 4 h .. + 3,
+//             16 c + 8 + 4 h .. + 3), so that integer sums started there are those of code - 32
 struct X8Rows {
-  const int32_t* xe;
+  const int8_t* q;
   const float* d;
   const int32_t* mins;
-  int64_t xe_stride, d_stride, mins_stride;  // in elements, a row
+  const int32_t* offsets;
+  int64_t q_stride, d_stride, mins_stride, offsets_stride;  // in elements, a row
+
+  X8Rows from(int64_t r) const {  // the rows from row r on
+    return {q + r * q_stride,    d + r * d_stride,
+            mins + r * mins_stride, offsets + r * offsets_stride,
+            q_stride,            d_stride,
+            mins_stride,         offsets_stride};
+  }
 };
 
+template <int64_t kType>
 X8Rows prepare_rows(const float* x, int64_t M, int64_t K) {
   thread_local std::vector<uint8_t> quantized;
   thread_local std::vector<int32_t> buffer;
   const Q8Rows q8 = quantize_rows<256>(x, M, K, quantized);
-  const int64_t xe_stride = K / 8 * 16, mins_stride = K / 64;
-  buffer.resize(M * (xe_stride + mins_stride) + 16);
-  int32_t* xe = reinterpret_cast<int32_t*>(align64(reinterpret_cast<float*>(buffer.data())));
-  int32_t* mins = xe + M * xe_stride;
+  constexpr bool kQ6 = kType == kQ6_K;
+  const int64_t mins_stride = kQ6 ? 0 : K / 64, offsets_stride = kQ6 ? K / 8 : 0;
+  buffer.resize(M * (mins_stride + offsets_stride));
+  int32_t* offsets = buffer.data();
+  int32_t* mins = offsets + M * offsets_stride;
   for (int64_t r = 0; r < M; ++r) {
     const Q8Rows row = q8.row(r);
-    const __m512i quads = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    for (int64_t i = 0; i < K / 8; ++i) {
-      const __m512i two = _mm512_castsi128_si512(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row.q + 8 * i)));
-      _mm512_store_si512(xe + r * xe_stride + 16 * i, _mm512_permutexvar_epi32(quads, two));
-    }
-    for (int64_t p = 0; p < K / 64; ++p) {
-      const int16_t* b = row.bsums + 4 * p;  // sub-block 2p: bsums 4p, 4p + 1; 2p + 1: the next two
-      const uint32_t lo = static_cast<uint16_t>(b[0] + b[1]);
-      const uint32_t hi = static_cast<uint16_t>(b[2] + b[3]);
-      mins[r * mins_stride + p] = static_cast<int32_t>(lo | (hi << 16));
+    if constexpr (kQ6) {
+      for (int64_t c = 0; c < K / 16; ++c)
+        for (int h = 0; h < 2; ++h) {
+          int32_t sum = 0;
+          for (int b = 0; b < 4; ++b)
+            sum += row.q[16 * c + 4 * h + b] + row.q[16 * c + 8 + 4 * h + b];
+          offsets[r * offsets_stride + 2 * c + h] = -32 * sum;
+        }
+    } else {
+      for (int64_t p = 0; p < K / 64; ++p) {
+        // sub-block 2p: bsums 4p, 4p + 1; 2p + 1: the next two
+        const int16_t* b = row.bsums + 4 * p;
+        const uint32_t lo = static_cast<uint16_t>(b[0] + b[1]);
+        const uint32_t hi = static_cast<uint16_t>(b[2] + b[3]);
+        mins[r * mins_stride + p] = static_cast<int32_t>(lo | (hi << 16));
+      }
     }
   }
-  return {xe, q8.d, mins, xe_stride, q8.g_stride, mins_stride};
+  return {q8.q, q8.d, mins, offsets, q8.q_stride, q8.g_stride, mins_stride, offsets_stride};
+}
+
+// Lanes 0-7 dword 2 i of v, lanes 8-15 dword 2 i + 1 (i = 0, 1): x's values met by the low
+// (i = 0) or high (i = 1) nibbles of a chunk's code vector, from its 16 values in v's first 16
+// bytes. Built from the int8 row as needed: with them stored 16 times over, a long row (K = 8192:
+// 64 KB) did not stay in L1, and a down projection read 15% slower than a gate's.
+inline __m512i x_quads(__m512i v, int i) {
+  const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  return _mm512_permutexvar_epi32(_mm512_add_epi32(halves, _mm512_set1_epi32(2 * i)), v);
+}
+inline __m512i load16(const void* p) {
+  return _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Chunk q's codes of the group super-block at o, as unsigned bytes in the kernel's lanes: those
+// in its low nibbles (half 0: weights 16 q + 4 h + b of lane 8 h + r) or high nibbles (half 1,
+// weights 8 later), with Q5_K's fifth bit or Q6_K's top 2 bits added.
+template <int64_t kType>
+inline __m512i chunk_codes(const uint8_t* o, int q, int half) {
+  const __m512i c = _mm512_loadu_si512(o + kGroupCodes<kType> + 64 * q);
+  const __m512i v = _mm512_and_si512(half ? _mm512_srli_epi16(c, 4) : c, _mm512_set1_epi8(15));
+  if constexpr (kType == kQ5_K) {
+    uint64_t bits;
+    std::memcpy(&bits, o + kHighBits + 16 * q + 8 * half, 8);
+    return _mm512_mask_add_epi8(v, _cvtu64_mask64(bits), v, _mm512_set1_epi8(16));
+  }
+  if constexpr (kType == kQ6_K) {
+    // 128-bit lane G's top bits are bits 2 G, 2 G + 1 of its 16 bytes: rotated to bits 4, 5
+    // (within each byte: 4, 2, 0 and -2 places)
+    const __m512i top = _mm512_rolv_epi64(
+        _mm512_broadcast_i32x4(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + kQ6TopBits + 32 * q + 16 * half))),
+        _mm512_setr_epi64(4, 4, 2, 2, 0, 0, 62, 62));
+    return _mm512_ternarylogic_epi32(v, top, _mm512_set1_epi8(0x30), 0xF8);  // v | (top & 0x30)
+  }
+  return v;
 }
 
 // y[r * ldy + 8 g + i] = dot(x row r, weight row 8 g + i) for the groups [g0, g1) of `w` (the
@@ -223,13 +346,11 @@ void x8_groups(const X8Rows& x, int64_t M, int64_t K, const uint8_t* w, float* y
                int64_t g0, int64_t g1, const PrefetchWindow& prefetch) {
   constexpr int64_t kBytes = kGroupBytes<kType>;
   const int64_t nsb = K / 256, group_bytes = nsb * kBytes;
-  const __m512i low4 = _mm512_set1_epi8(15), fifth = _mm512_set1_epi8(16);
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* wg = w + g * group_bytes;
     for (int64_t r = 0; r < M; ++r) {
-      const int32_t* xe = x.xe + r * x.xe_stride;
+      const int8_t* xq = x.q + r * x.q_stride;
       const float* xd = x.d + r * x.d_stride;
-      const int32_t* xm = x.mins + r * x.mins_stride;
       __m512 acc = _mm512_setzero_ps();     // lanes i and 8 + i: row i's two halves
       __m256 minacc = _mm256_setzero_ps();  // row i's dmin * sum_j m_j B_j, in x's units
       for (int64_t s = 0; s < nsb; ++s) {
@@ -239,47 +360,55 @@ void x8_groups(const X8Rows& x, int64_t M, int64_t K, const uint8_t* w, float* y
           if (ahead < prefetch.stop)
             for (int64_t b = 0; b < kBytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
         }
-        const int32_t* xs = xe + s * 32 * 16;
-        // chunk q's codes: low nibbles (weights 16 q .. + 7 of each row), high (+ 8 .. + 15)
-        const auto codes = [&](int q, int half) {
-          const __m512i c = _mm512_loadu_si512(o + 160 + 64 * q);
-          __m512i v = _mm512_and_si512(half ? _mm512_srli_epi16(c, 4) : c, low4);
-          if constexpr (kType == kQ5_K) {
-            uint64_t bits;
-            std::memcpy(&bits, o + kHighBits + 16 * q + 8 * half, 8);
-            v = _mm512_mask_add_epi8(v, _cvtu64_mask64(bits), v, fifth);
-          }
-          return v;
-        };
+        const int8_t* xs = xq + 256 * s;
         __m512i sums = _mm512_setzero_si512();
+        if constexpr (kType == kQ6_K) {
+          const int32_t* xo = x.offsets + r * x.offsets_stride + s * 32;
+#pragma GCC unroll 16
+          for (int q = 0; q < 16; ++q) {
+            const __m512i v = load16(xs + 16 * q);
+            __m512i t = x_quads(_mm512_castsi128_si512(_mm_loadl_epi64(
+                                    reinterpret_cast<const __m128i*>(xo + 2 * q))),
+                                0);  // the -32 offset's share
+            t = _mm512_dpbusd_epi32(t, chunk_codes<kType>(o, q, 0), x_quads(v, 0));
+            t = _mm512_dpbusd_epi32(t, chunk_codes<kType>(o, q, 1), x_quads(v, 1));
+            uint64_t sc;
+            std::memcpy(&sc, o + 16 + 8 * q, 8);
+            const __m512i scale = _mm512_cvtepi8_epi32(_mm_set1_epi64x(static_cast<int64_t>(sc)));
+            // |t| <= 8 * 32 * 128, |scale| <= 128: |sums| < 16 * 2^22
+            sums = _mm512_add_epi32(sums, _mm512_mullo_epi32(t, scale));
+          }
+        } else {
+          const int32_t* xm = x.mins + r * x.mins_stride;
 #pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) {
-          __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes(2 * j, 0),
-                                           _mm512_load_si512(xs + 64 * j));
-          __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes(2 * j, 1),
-                                           _mm512_load_si512(xs + 64 * j + 16));
-          s0 = _mm512_dpbusd_epi32(s0, codes(2 * j + 1, 0), _mm512_load_si512(xs + 64 * j + 32));
-          s1 = _mm512_dpbusd_epi32(s1, codes(2 * j + 1, 1), _mm512_load_si512(xs + 64 * j + 48));
-          uint64_t sc;
-          std::memcpy(&sc, o + 32 + 8 * j, 8);
-          const __m512i scale = _mm512_cvtepu8_epi32(_mm_set1_epi64x(static_cast<int64_t>(sc)));
-          // |sum| <= 32 * 31 * 127 * 63 * 8: int32
-          sums = _mm512_add_epi32(sums, _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), scale));
-        }
-        __m256i mins = _mm256_setzero_si256();
-        for (int p = 0; p < 4; ++p) {
-          const __m256i m = _mm256_cvtepu8_epi16(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 96 + 16 * p)));
-          mins = _mm256_add_epi32(mins, _mm256_madd_epi16(m, _mm256_set1_epi32(xm[4 * s + p])));
+          for (int j = 0; j < 8; ++j) {  // chunks 2 j, 2 j + 1
+            const __m512i v0 = load16(xs + 32 * j), v1 = load16(xs + 32 * j + 16);
+            const __m512i zero = _mm512_setzero_si512();
+            __m512i s0 = _mm512_dpbusd_epi32(zero, chunk_codes<kType>(o, 2 * j, 0), x_quads(v0, 0));
+            __m512i s1 = _mm512_dpbusd_epi32(zero, chunk_codes<kType>(o, 2 * j, 1), x_quads(v0, 1));
+            s0 = _mm512_dpbusd_epi32(s0, chunk_codes<kType>(o, 2 * j + 1, 0), x_quads(v1, 0));
+            s1 = _mm512_dpbusd_epi32(s1, chunk_codes<kType>(o, 2 * j + 1, 1), x_quads(v1, 1));
+            uint64_t sc;
+            std::memcpy(&sc, o + 32 + 8 * j, 8);
+            const __m512i scale = _mm512_cvtepu8_epi32(_mm_set1_epi64x(static_cast<int64_t>(sc)));
+            // |sum| <= 32 * 31 * 127 * 63 * 8: int32
+            sums = _mm512_add_epi32(sums, _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), scale));
+          }
+          __m256i mins = _mm256_setzero_si256();
+          for (int p = 0; p < 4; ++p) {
+            const __m256i m = _mm256_cvtepu8_epi16(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 96 + 16 * p)));
+            mins = _mm256_add_epi32(mins, _mm256_madd_epi16(m, _mm256_set1_epi32(xm[4 * s + p])));
+          }
+          const __m256 dmin =
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16)));
+          minacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins),
+                                   _mm256_mul_ps(dmin, _mm256_set1_ps(xd[s])), minacc);
         }
         const __m512 d = _mm512_cvtph_ps(
             _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o))));
-        const __m256 dmin =
-            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16)));
-        const float dx = xd[s];
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc);
-        minacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, _mm256_set1_ps(dx)),
-                                 minacc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, _mm512_set1_ps(xd[s])),
+                              acc);
       }
       const __m256 halves = _mm256_add_ps(
           _mm512_castps512_ps256(acc),
@@ -296,7 +425,7 @@ template <int64_t kType>
 void x8_grouped_typed(const float* x, const int64_t* starts, int64_t groups, int64_t K,
                       const uint8_t* const* weights, int64_t N, float* y) {
   const int64_t M = starts[groups];
-  const X8Rows xr = prepare_rows(x, M, K);
+  const X8Rows xr = prepare_rows<kType>(x, M, K);
   const int64_t row_groups = N / kX8GroupRows, total = groups * row_groups;
   const int64_t group_bytes = K / 256 * kGroupBytes<kType>;
   const int64_t threads = at::get_num_threads();
@@ -309,9 +438,7 @@ void x8_grouped_typed(const float* x, const int64_t* starts, int64_t groups, int
       const int64_t g1 = std::min(end, (p + 1) * row_groups) - p * row_groups;
       const int64_t r0 = starts[p], m = starts[p + 1] - r0;
       if (m == 0) continue;
-      const X8Rows rows{xr.xe + r0 * xr.xe_stride, xr.d + r0 * xr.d_stride,
-                        xr.mins + r0 * xr.mins_stride, xr.xe_stride, xr.d_stride, xr.mins_stride};
-      x8_groups<kType>(rows, m, K, weights[p], y + r0 * N, N, g0, g1,
+      x8_groups<kType>(xr.from(r0), m, K, weights[p], y + r0 * N, N, g0, g1,
                        start_prefetch(weights[p] + g0 * group_bytes, (g1 - g0) * group_bytes));
     }
   });
@@ -320,23 +447,14 @@ void x8_grouped_typed(const float* x, const int64_t* starts, int64_t groups, int
 template <int64_t kType>
 void x8_unpack_typed(const uint8_t* group, int64_t K, uint8_t* codes, int64_t code_stride,
                      float* scales, int16_t* min_codes, float* min_scales, int64_t unit_stride) {
-  const __m512i low4 = _mm512_set1_epi8(15), fifth = _mm512_set1_epi8(16);
   // output dword 4 i + k: row i's codes 4k .. 4k + 3 of a 16-weight chunk (rows 0-3; +4: 4-7)
   const __m512i rows03 =
       _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
   const __m512i rows47 = _mm512_add_epi32(rows03, _mm512_set1_epi32(4));
   for (int64_t s = 0; s < K / 256; ++s) {
     const uint8_t* o = group + s * kGroupBytes<kType>;
-    for (int q = 0; q < 16; ++q) {  // chunk q = 2 j + c: weights 16 q .. 16 q + 15
-      const __m512i c = _mm512_loadu_si512(o + 160 + 64 * q);
-      __m512i low = _mm512_and_si512(c, low4);
-      __m512i high = _mm512_and_si512(_mm512_srli_epi16(c, 4), low4);
-      if constexpr (kType == kQ5_K) {
-        uint64_t bits[2];
-        std::memcpy(bits, o + kHighBits + 16 * q, 16);
-        low = _mm512_mask_add_epi8(low, _cvtu64_mask64(bits[0]), low, fifth);
-        high = _mm512_mask_add_epi8(high, _cvtu64_mask64(bits[1]), high, fifth);
-      }
+    for (int q = 0; q < 16; ++q) {  // chunk q: weights 16 q .. 16 q + 15
+      const __m512i low = chunk_codes<kType>(o, q, 0), high = chunk_codes<kType>(o, q, 1);
       const __m512i a = _mm512_permutex2var_epi32(low, rows03, high);
       const __m512i b = _mm512_permutex2var_epi32(low, rows47, high);
       uint8_t* dst = codes + s * 256 + 16 * q;
@@ -349,6 +467,12 @@ void x8_unpack_typed(const uint8_t* group, int64_t K, uint8_t* codes, int64_t co
     }
     for (int r = 0; r < 8; ++r) {
       const float d = half_to_float(load_u16(o + 2 * r));
+      if constexpr (kType == kQ6_K) {
+        for (int q = 0; q < 16; ++q)
+          scales[r * unit_stride + 16 * s + q] =
+              d * static_cast<float>(static_cast<int8_t>(o[16 + 8 * q + r]));
+        continue;
+      }
       min_scales[r * unit_stride + s] = -half_to_float(load_u16(o + 16 + 2 * r));
       for (int j = 0; j < 8; ++j) {
         scales[r * unit_stride + 8 * s + j] = d * static_cast<float>(o[32 + 8 * j + r]);
@@ -386,6 +510,10 @@ bool x8_linear_grouped(int64_t type, const float* x, const int64_t* starts, int6
     x8_grouped_typed<kQ5_K>(x, starts, groups, K, weights, N, y);
     return true;
   }
+  if (type == kQ6_KX8) {
+    x8_grouped_typed<kQ6_K>(x, starts, groups, K, weights, N, y);
+    return true;
+  }
 #else
   (void)type, (void)x, (void)starts, (void)groups, (void)K, (void)weights, (void)N, (void)y;
 #endif
@@ -402,6 +530,9 @@ void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* cod
   if (type == kQ5_KX8)
     return x8_unpack_typed<kQ5_K>(group, K, codes, code_stride, scales, min_codes, min_scales,
                                   unit_stride);
+  if (type == kQ6_KX8)
+    return x8_unpack_typed<kQ6_K>(group, K, codes, code_stride, scales, min_codes, min_scales,
+                                  unit_stride);
 #else
   (void)group, (void)K, (void)codes, (void)code_stride, (void)scales, (void)min_codes;
   (void)min_scales, (void)unit_stride;
@@ -412,9 +543,10 @@ void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* cod
 }  // namespace hybridllm_gguf
 
 TORCH_LIBRARY_FRAGMENT(hybridllm, m) {
-  // Q4_K / Q5_K blocks (ggml_type 12 / 13) [..., rows, K / 256 * 144 or 176] (rows % 8 == 0) ->
-  // the x8 layout [..., rows, K / 256 * 148 or 180] that gguf_linear and fused_moe take as
-  // ggml_type 112 / 113; unpack_x8 is its inverse (ggml_type: the source type).
+  // Q4_K / Q5_K / Q6_K blocks (ggml_type 12 / 13 / 14) [..., rows, K / 256 * 144, 176 or 210]
+  // (rows % 8 == 0) -> the x8 layout [..., rows, K / 256 * 148, 180 or 210] that gguf_linear
+  // and fused_moe take as ggml_type 112 / 113 / 114; unpack_x8 is its inverse (ggml_type: the
+  // source type).
   m.def("repack_x8(Tensor blocks, int ggml_type) -> Tensor");
   m.def("unpack_x8(Tensor blocks, int ggml_type) -> Tensor");
   // Whether this build computes x8 weights (AVX512-VNNI); where not, nothing is repacked.

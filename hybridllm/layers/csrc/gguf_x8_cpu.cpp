@@ -303,16 +303,24 @@ X8Rows prepare_rows(const float* x, int64_t M, int64_t K) {
   return {q8.q, q8.d, mins, offsets, q8.q_stride, q8.g_stride, mins_stride, offsets_stride};
 }
 
-// Lanes 0-7 dword 2 i of v, lanes 8-15 dword 2 i + 1 (i = 0, 1): x's values met by the low
-// (i = 0) or high (i = 1) nibbles of a chunk's code vector, from its 16 values in v's first 16
-// bytes. Built from the int8 row as needed: with them stored 16 times over, a long row (K = 8192:
-// 64 KB) did not stay in L1, and a down projection read 15% slower than a gate's.
-inline __m512i x_quads(__m512i v, int i) {
+// x's values that the code vector of a chunk's `half` (0: its low nibbles, 1: high) meets, from
+// the chunk's 16 int8 values: lanes 0-7 values 8 half .. + 3, lanes 8-15 the next 4. Built as the
+// kernel goes: stored as vectors, 16 times x's bytes, a long row (K = 8192: 64 KB) did not stay
+// in L1, and a down projection read 15% slower than a gate's.
+inline __m512i x_quads(const int8_t* chunk, int half) {
+  const __m512i v =
+      _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk)));
   const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  return _mm512_permutexvar_epi32(_mm512_add_epi32(halves, _mm512_set1_epi32(2 * i)), v);
+  return _mm512_permutexvar_epi32(_mm512_add_epi32(halves, _mm512_set1_epi32(2 * half)), v);
 }
-inline __m512i load16(const void* p) {
-  return _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+
+// Lanes 0-7 p[0], lanes 8-15 p[1]: two broadcasts, the second from a general register. Q6_K's
+// kernel ran at half its speed from L2 with either a vpermd of the pair (as x_quads builds x) or
+// the second broadcast merge-masked straight from memory, which p[1] in place of the copy gets.
+inline __m512i split_pair(const int32_t* p) {
+  int32_t v[2];
+  std::memcpy(v, p, 8);
+  return _mm512_mask_set1_epi32(_mm512_set1_epi32(v[0]), 0xFF00, v[1]);
 }
 
 // Chunk q's codes of the group super-block at o, as unsigned bytes in the kernel's lanes: those
@@ -366,12 +374,9 @@ void x8_groups(const X8Rows& x, int64_t M, int64_t K, const uint8_t* w, float* y
           const int32_t* xo = x.offsets + r * x.offsets_stride + s * 32;
 #pragma GCC unroll 16
           for (int q = 0; q < 16; ++q) {
-            const __m512i v = load16(xs + 16 * q);
-            __m512i t = x_quads(_mm512_castsi128_si512(_mm_loadl_epi64(
-                                    reinterpret_cast<const __m128i*>(xo + 2 * q))),
-                                0);  // the -32 offset's share
-            t = _mm512_dpbusd_epi32(t, chunk_codes<kType>(o, q, 0), x_quads(v, 0));
-            t = _mm512_dpbusd_epi32(t, chunk_codes<kType>(o, q, 1), x_quads(v, 1));
+            __m512i t = split_pair(xo + 2 * q);  // the -32 offset's share
+            t = _mm512_dpbusd_epi32(t, chunk_codes<kType>(o, q, 0), x_quads(xs + 16 * q, 0));
+            t = _mm512_dpbusd_epi32(t, chunk_codes<kType>(o, q, 1), x_quads(xs + 16 * q, 1));
             uint64_t sc;
             std::memcpy(&sc, o + 16 + 8 * q, 8);
             const __m512i scale = _mm512_cvtepi8_epi32(_mm_set1_epi64x(static_cast<int64_t>(sc)));
@@ -382,12 +387,12 @@ void x8_groups(const X8Rows& x, int64_t M, int64_t K, const uint8_t* w, float* y
           const int32_t* xm = x.mins + r * x.mins_stride;
 #pragma GCC unroll 8
           for (int j = 0; j < 8; ++j) {  // chunks 2 j, 2 j + 1
-            const __m512i v0 = load16(xs + 32 * j), v1 = load16(xs + 32 * j + 16);
+            const int8_t *x0 = xs + 32 * j, *x1 = x0 + 16;
             const __m512i zero = _mm512_setzero_si512();
-            __m512i s0 = _mm512_dpbusd_epi32(zero, chunk_codes<kType>(o, 2 * j, 0), x_quads(v0, 0));
-            __m512i s1 = _mm512_dpbusd_epi32(zero, chunk_codes<kType>(o, 2 * j, 1), x_quads(v0, 1));
-            s0 = _mm512_dpbusd_epi32(s0, chunk_codes<kType>(o, 2 * j + 1, 0), x_quads(v1, 0));
-            s1 = _mm512_dpbusd_epi32(s1, chunk_codes<kType>(o, 2 * j + 1, 1), x_quads(v1, 1));
+            __m512i s0 = _mm512_dpbusd_epi32(zero, chunk_codes<kType>(o, 2 * j, 0), x_quads(x0, 0));
+            __m512i s1 = _mm512_dpbusd_epi32(zero, chunk_codes<kType>(o, 2 * j, 1), x_quads(x0, 1));
+            s0 = _mm512_dpbusd_epi32(s0, chunk_codes<kType>(o, 2 * j + 1, 0), x_quads(x1, 0));
+            s1 = _mm512_dpbusd_epi32(s1, chunk_codes<kType>(o, 2 * j + 1, 1), x_quads(x1, 1));
             uint64_t sc;
             std::memcpy(&sc, o + 32 + 8 * j, 8);
             const __m512i scale = _mm512_cvtepu8_epi32(_mm_set1_epi64x(static_cast<int64_t>(sc)));

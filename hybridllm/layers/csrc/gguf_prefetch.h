@@ -23,12 +23,14 @@ struct PrefetchWindow {
   const char* stop;
 };
 
-// The window of a thread that reads `range_bytes` contiguous weight bytes from `first`. A long
-// range also has the bytes before the distance requested now: the kernels only ever ask for
-// bytes `distance` ahead of themselves (a short range keeps the 16 KB tuned without this).
-inline PrefetchWindow start_prefetch(const void* first, int64_t range_bytes) {
+// The window of a thread that reads `range_bytes` contiguous weight bytes from `first`, at most
+// `max_distance` ahead. A long range also has the bytes before the distance requested now: the
+// kernels only ever ask for bytes `distance` ahead of themselves (a short range keeps the 16 KB
+// tuned without this).
+inline PrefetchWindow start_prefetch(const void* first, int64_t range_bytes,
+                                     int64_t max_distance = kMaxPrefetchBytes) {
   const char* begin = static_cast<const char*>(first);
-  const PrefetchWindow window{std::clamp(range_bytes / 16, kMinPrefetchBytes, kMaxPrefetchBytes),
+  const PrefetchWindow window{std::clamp(range_bytes / 16, kMinPrefetchBytes, max_distance),
                               begin + range_bytes};
 #if defined(__SSE__)
   if (window.distance > kMinPrefetchBytes)

@@ -425,6 +425,11 @@ void x8_groups(const X8Rows& x, int64_t M, int64_t K, const uint8_t* w, float* y
 
 // Below this many (256-weight super-block x row of x) products one thread does it all.
 constexpr int64_t kSerialSuperBlocks = 256;
+// How far ahead these kernels prefetch at most: each thread reads one contiguous run, which the
+// hardware prefetchers follow. On the 1B Q4_K_M-like file (2-core Zen 5, one process switching
+// between the two), its q, gate and down GEMVs streamed at 0.91, 0.96, 0.95 of torch.sum's rate
+// at 32 KB against 0.77, 0.93, 0.90 at the row kernels' 128 KB, and decode won 14 of 20 pairs.
+constexpr int64_t kX8MaxPrefetchBytes = 32 * 1024;
 
 template <int64_t kType>
 void x8_grouped_typed(const float* x, const int64_t* starts, int64_t groups, int64_t K,
@@ -444,7 +449,8 @@ void x8_grouped_typed(const float* x, const int64_t* starts, int64_t groups, int
       const int64_t r0 = starts[p], m = starts[p + 1] - r0;
       if (m == 0) continue;
       x8_groups<kType>(xr.from(r0), m, K, weights[p], y + r0 * N, N, g0, g1,
-                       start_prefetch(weights[p] + g0 * group_bytes, (g1 - g0) * group_bytes));
+                       start_prefetch(weights[p] + g0 * group_bytes, (g1 - g0) * group_bytes,
+                                      kX8MaxPrefetchBytes));
     }
   });
 }

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
-from hybridllm.layers.gguf_linear import GGML_F32, gguf_linear
+from hybridllm.layers.gguf_linear import GGML_F32, gguf_linear, repack_x8_where_grouped
 from hybridllm.layers.linear import f32_kernel_applies, pack_linear_weight, packed_linear
 from hybridllm.loader.gguf_dequant import dequantize
 from hybridllm.loader.quantized_tensor import QuantizedTensor
@@ -89,6 +89,15 @@ class LMHead(nn.Module):
         if f32_kernel_applies(self.weight, self.qweight):
             self.qweight = self.weight.detach().view(torch.uint8)  # [vocab, dim * 4]
             self.ggml_type = GGML_F32
+
+    def repack_for_cpu(self) -> None:
+        """An untied head's K-quant blocks (of rows in whole groups of 8) into the int8 kernels'
+        x8 layout, as `Linear.repack_for_cpu`; a tied one's blocks stay as the embedding
+        looks its rows up in them."""
+        if self.qweight is not None and not self.tied:
+            self.qweight, self.ggml_type = repack_x8_where_grouped(
+                self.qweight, self.ggml_type, self.qweight.shape[0]
+            )
 
     def pack_for_cpu(self) -> None:
         """Use oneDNN's prepacked bf16 layout; a tied head packs a copy (the embedding

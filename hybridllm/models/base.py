@@ -256,7 +256,7 @@ class CausalLMBase(nn.Module):
                     module.use_f32_kernel()
         if native_ops and x8_in_use():
             for module in self.modules():
-                if isinstance(module, Linear):
+                if isinstance(module, (Linear, LMHead)):
                     module.repack_for_cpu()
         if self.device.type != "cpu" or self.dtype != torch.bfloat16:
             return

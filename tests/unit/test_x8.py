@@ -12,6 +12,7 @@ from hybridllm.layers import gguf_linear as gguf_linear_module
 from hybridllm.layers.expert_weights import StackedExpertWeight
 from hybridllm.layers.gguf_linear import INT8_ACTIVATIONS, X8_TYPES, repack_x8, unpack_x8
 from hybridllm.layers.linear import Linear
+from hybridllm.layers.vocab_embedding import LMHead, VocabEmbedding
 from hybridllm.loader.quantized_tensor import QuantizedTensor
 from tests.kernel_helpers import require_cpu_kernels
 from tests.unit.test_gguf_int8_kernel import check_int8
@@ -157,3 +158,26 @@ def test_expert_stack_repacks(int8_mode):
     assert stack.ggml_type == 112 and stack.qweight.shape == (experts, rows, 148)
     torch.testing.assert_close(stack.matmul(1, x), before, rtol=1e-4, atol=1e-4)
     assert torch.equal(unpack_x8(stack.qweight, 112)[0].reshape(experts * rows, -1), blocks)
+
+
+def test_untied_lm_head_repacks_a_tied_one_keeps_its_blocks(int8_mode):
+    vocab, k, cpu = 64, 256, torch.device("cpu")
+    blocks, weight = random_blocks(Q.Q6_K, vocab, k)
+    head = LMHead(vocab, k, torch.float32, cpu)
+    head.load_blocks(_quantized(blocks, Q.Q6_K, vocab, k), "output.weight")
+    x = torch.randn(2, k)
+    before = head(x)
+    head.repack_for_cpu()
+    assert head.ggml_type == X8_TYPES[int(Q.Q6_K)] and not torch.equal(head.qweight, blocks)
+    torch.testing.assert_close(head(x), before, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(before, x @ weight.T, rtol=2e-2, atol=2e-2 * before.abs().max())
+
+    # tied: the embedding looks its rows up in the same blocks, which stay as they are
+    embedding = VocabEmbedding(vocab, k, torch.float32, cpu)
+    tied = LMHead(vocab, k, torch.float32, cpu, tied_to=embedding)
+    tied.load_blocks(_quantized(blocks, Q.Q6_K, vocab, k), "token_embd.weight")
+    embedding.use_blocks(tied.qweight, tied.ggml_type, "token_embd.weight")
+    tied.repack_for_cpu()
+    assert tied.ggml_type == int(Q.Q6_K) and torch.equal(tied.qweight, blocks)
+    ids = torch.tensor([3, 60])
+    torch.testing.assert_close(embedding(ids), weight[ids])

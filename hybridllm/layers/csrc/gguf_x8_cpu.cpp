@@ -360,7 +360,7 @@ void x8_groups(const X8Rows& x, int64_t M, int64_t K, const uint8_t* w, float* y
       const int8_t* xq = x.q + r * x.q_stride;
       const float* xd = x.d + r * x.d_stride;
       __m512 acc = _mm512_setzero_ps();     // lanes i and 8 + i: row i's two halves
-      __m256 minacc = _mm256_setzero_ps();  // row i's dmin * sum_j m_j B_j, in x's units
+      __m256 minacc = _mm256_setzero_ps();  // Q4_K/Q5_K: row i's dmin * sum_j m_j B_j, in x's units
       for (int64_t s = 0; s < nsb; ++s) {
         const uint8_t* o = wg + s * kBytes;
         if (r == 0) {  // the weights come from memory once, for the first row of x

@@ -60,23 +60,29 @@ template <int kDim>
 void weighted_values(const float* const* p, const float* values, int64_t lo, int64_t hi,
                      const float* inv_sum, int nr, float* const* o) {
 #if defined(__AVX512F__)
-  if constexpr (kDim == 64) {
-    // a value row's 4 vectors loaded once for the 4 rows (in_register: 4 loads for 16 FMAs,
-    // where the compiler's own code loaded them for each row, 20)
-    __m512 acc[kRows][4];
-    for (int i = 0; i < kRows; ++i)
-      for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
-    for (int64_t j = lo; j < hi; ++j) {
-      __m512 v[4];
-      for (int c = 0; c < 4; ++c) v[c] = in_register(_mm512_loadu_ps(values + j * kDim + 16 * c));
-      for (int i = 0; i < kRows; ++i) {
-        const __m512 pj = _mm512_set1_ps(p[i][j]);
-        for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_fmadd_ps(pj, v[c], acc[i][c]);
+  if constexpr (kDim > 0 && kDim % 64 == 0) {
+    // 64 dims at a time (kDim = 128: two passes over the values, as 4 rows' sums of all 128
+    // would not fit the registers): a value row's 4 vectors loaded once for the 4 rows
+    // (in_register: 4 loads for 16 FMAs, where the compiler's own code loaded them for each
+    // row, 20)
+    for (int d0 = 0; d0 < kDim; d0 += 64) {
+      __m512 acc[kRows][4];
+      for (int i = 0; i < kRows; ++i)
+        for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
+      for (int64_t j = lo; j < hi; ++j) {
+        __m512 v[4];
+        for (int c = 0; c < 4; ++c)
+          v[c] = in_register(_mm512_loadu_ps(values + j * kDim + d0 + 16 * c));
+        for (int i = 0; i < kRows; ++i) {
+          const __m512 pj = _mm512_set1_ps(p[i][j]);
+          for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_fmadd_ps(pj, v[c], acc[i][c]);
+        }
       }
-    }
-    for (int i = 0; i < nr; ++i) {
-      const __m512 inv = _mm512_set1_ps(inv_sum[i]);
-      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o[i] + 16 * c, _mm512_mul_ps(acc[i][c], inv));
+      for (int i = 0; i < nr; ++i) {
+        const __m512 inv = _mm512_set1_ps(inv_sum[i]);
+        for (int c = 0; c < 4; ++c)
+          _mm512_storeu_ps(o[i] + d0 + 16 * c, _mm512_mul_ps(acc[i][c], inv));
+      }
     }
     return;
   }

@@ -44,10 +44,13 @@ from benchmarks.bench_offline import (  # noqa: E402
 )
 from tests.gguf_helpers import tokenizer_vocab, write_gguf  # noqa: E402
 
-# Llama-3.2-1B's decoder (its 128k vocabulary aside); "small" checks the script in seconds.
+# Llama-3.2-1B's and 3B's decoders (their 128k vocabulary aside; the 3B's heads are 128 wide);
+# "small" checks the script in seconds.
 SHAPES = {
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                num_attention_heads=32, num_key_value_heads=8),
+    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+               num_attention_heads=24, num_key_value_heads=8),
     "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2),
 }  # fmt: skip

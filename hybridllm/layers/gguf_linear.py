@@ -150,7 +150,7 @@ def int8_activations_in_use() -> bool:
 
 # Not GGML types: Q4_K / Q5_K / Q6_K rows repacked in groups of 8 for the int8 kernels
 # (csrc/gguf_x8.h), which read them faster from DRAM at one row of x than the types' own layouts
-# (Q4_K 15-20%).
+# (Q4_K 15-20%, a 1B's Q6_K down projections ~12%).
 GGML_Q4_K_X8, GGML_Q5_K_X8, GGML_Q6_K_X8 = 112, 113, 114
 X8_TYPES = {
     int(GGMLQuantizationType.Q4_K): GGML_Q4_K_X8,

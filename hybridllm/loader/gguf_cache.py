@@ -1,10 +1,13 @@
 """On-disk cache of GGUF files converted to Hugging Face folders, keyed by the file's identity.
 
 An entry is a complete HF folder (config.json, model.safetensors, tokenizer files) plus a
-manifest.json listing each file's size and checksum. Entries are built in a temporary folder
-and renamed into place, so a crash never leaves a half entry; a lock file keeps two processes
-from converting the same file at once. On lookup the manifest is checked against the folder: a
-corrupted entry, or one for an older version of the same file, is deleted with a warning.
+manifest.json listing each file's size and checksum; a tokenizer entry (kind "tokenizer") holds
+only the tokenizer's files, for a model whose weights are read as blocks from the GGUF file.
+Entries are built in a temporary folder and renamed into place, so a crash never leaves a half
+entry; a lock file keeps two processes from converting the same file at once. On lookup the
+manifest is checked against the folder: a corrupted entry, or one for an older version of the
+same file, is deleted with a warning. Each build also deletes the entries of GGUF files that no
+longer exist (a model converted from a temporary file would otherwise hold its disk forever).
 """
 
 from __future__ import annotations
@@ -61,9 +64,10 @@ def _file_checksum(path: str) -> str:
 
 
 class GGUFConversionCache:
-    """The cache entry for one GGUF file: where it is, whether it is valid, how to build it."""
+    """The cache entry for one GGUF file: where it is, whether it is valid, how to build it.
+    `kind`: "" for the whole conversion, "tokenizer" for the tokenizer's files alone."""
 
-    def __init__(self, gguf_path: str, root: str | None = None):
+    def __init__(self, gguf_path: str, root: str | None = None, kind: str = ""):
         self.source_path = os.path.abspath(gguf_path)
         st = os.stat(self.source_path)
         self.source = {"path": self.source_path, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
@@ -71,11 +75,12 @@ class GGUFConversionCache:
         path_key = hashlib.sha256(self.source_path.encode()).hexdigest()[:12]
         identity = json.dumps([self.source, CACHE_FORMAT_VERSION]).encode()
         stem = os.path.splitext(os.path.basename(self.source_path))[0][:48]
-        # <path key>-<identity key>-<name>: entries for older versions of a file share the prefix.
+        # <path key>-<identity key>-<name>[.<kind>]: entries for older versions of a file share
+        # the path key and differ in the identity key.
         self._prefix = f"{path_key}-"
-        self.entry_dir = os.path.join(
-            self.root, f"{path_key}-{hashlib.sha256(identity).hexdigest()[:12]}-{stem}"
-        )
+        self._identity_key = hashlib.sha256(identity).hexdigest()[:12]
+        suffix = f".{kind}" if kind else ""
+        self.entry_dir = os.path.join(self.root, f"{path_key}-{self._identity_key}-{stem}{suffix}")
 
     # ---- lookup ---------------------------------------------------------------------------------
 
@@ -155,13 +160,22 @@ class GGUFConversionCache:
         now = time.time()
         for name in os.listdir(self.root):
             path = os.path.join(self.root, name)
-            if name.startswith(self._prefix) and path != self.entry_dir and os.path.isdir(path):
-                logger.warning(
-                    "GGUF cache entry %s is stale (source file changed); deleting it", path
-                )
+            if name.startswith(".tmp-"):
+                if now - os.path.getmtime(path) > _STALE_TMP_SECONDS:
+                    shutil.rmtree(path, ignore_errors=True)  # left by a crashed build
+            elif not os.path.isdir(path):
+                continue
+            elif name.startswith(self._prefix):
+                if not name[len(self._prefix) :].startswith(f"{self._identity_key}-"):
+                    logger.warning(
+                        "GGUF cache entry %s is stale (source file changed); deleting it", path
+                    )
+                    shutil.rmtree(path, ignore_errors=True)
+            elif (source := _entry_source(path)) is not None and not os.path.exists(source):
+                logger.info("GGUF cache entry %s: %s no longer exists; deleting it", path, source)
                 shutil.rmtree(path, ignore_errors=True)
-            elif name.startswith(".tmp-") and now - os.path.getmtime(path) > _STALE_TMP_SECONDS:
-                shutil.rmtree(path, ignore_errors=True)  # left by a crashed build
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self.root, f"{name.split('-', 1)[0]}-lock"))
 
     @contextlib.contextmanager
     def _lock(self) -> Iterator[None]:
@@ -171,3 +185,13 @@ class GGUFConversionCache:
                 yield
             finally:
                 fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _entry_source(entry: str) -> str | None:
+    """The GGUF file an entry was made from, per its manifest; None where that is unreadable."""
+    try:
+        with open(os.path.join(entry, MANIFEST_FILE), encoding="utf-8") as f:
+            source = json.load(f)["source"]["path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return source if isinstance(source, str) else None

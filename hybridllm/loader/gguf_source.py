@@ -48,10 +48,12 @@ TOKENIZER_FILE = "tokenizer.json"
 class GGUFSource(ModelSource):
     """A GGUF checkpoint seen through Hugging Face names, config and tokenizer.
 
-    The first use of the weights or tokenizer converts the whole file into a cache entry (an HF
-    folder of float32 safetensors, see `GGUFConversionCache`); every later open, in any process,
-    reads that entry lazily, tensor by tensor. With `use_cache=False`, or when the cache folder
-    cannot be written, tensors are dequantized straight from the GGUF file on each read.
+    The first use of the float weights converts the whole file into a cache entry (an HF folder
+    of float32 safetensors, see `GGUFConversionCache`); every later open, in any process, reads
+    that entry lazily, tensor by tensor. The tokenizer alone gets a small entry of its own: a
+    model computed from the file's blocks never needs the float copy (a 1B Q4_K_M file's is
+    3.9 GB). With `use_cache=False`, or when the cache folder cannot be written, tensors are
+    dequantized straight from the GGUF file on each read and the tokenizer built from it.
     """
 
     arch: GGUFArch | None  # set when the GGUF header was parsed (direct reads need it)
@@ -60,6 +62,7 @@ class GGUFSource(ModelSource):
         self.path = os.path.abspath(path)
         if not os.path.isfile(self.path):
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
+        self._cache_dir = cache_dir
         self._cache = GGUFConversionCache(self.path, cache_dir) if use_cache else None
         self._gguf: GGUFFile | None = None
         self._entry: HFFolderSource | None = None
@@ -197,17 +200,33 @@ class GGUFSource(ModelSource):
     # ---- tokenizer ------------------------------------------------------------------------------
 
     def load_tokenizer(self) -> PreTrainedTokenizerFast:
-        entry = self._ensure_entry()
-        if entry is None:
+        folder = self._entry.path if self._entry is not None else self._tokenizer_entry()
+        if folder is None:
             return self._tokenizer_from_gguf()
-        if not os.path.isfile(os.path.join(entry.path, TOKENIZER_FILE)):
+        if not os.path.isfile(os.path.join(folder, TOKENIZER_FILE)):
             raise self._no_tokenizer_error()
         from transformers import PreTrainedTokenizerFast
 
         try:
-            return PreTrainedTokenizerFast.from_pretrained(entry.path, local_files_only=True)
+            return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
         except (OSError, ValueError) as e:
-            raise ModelLoadError(f"{entry.path}: cannot load the cached tokenizer ({e})") from None
+            raise ModelLoadError(f"{folder}: cannot load the cached tokenizer ({e})") from None
+
+    def _tokenizer_entry(self) -> str | None:
+        """The cache entry of the tokenizer alone, built on first use; None without a cache."""
+        if self._cache is None:
+            return None
+        if not self._has_tokenizer():
+            raise self._no_tokenizer_error()
+        cache = GGUFConversionCache(self.path, self._cache_dir, kind="tokenizer")
+        found = cache.lookup()
+        if found is not None:
+            return found
+        try:
+            return cache.build(lambda folder: self._tokenizer_from_gguf().save_pretrained(folder))
+        except OSError as e:  # read-only or full disk: build it from the file each time
+            logger.warning("cannot write the GGUF cache for %s (%s); not caching", self.path, e)
+            return None
 
     def _tokenizer_from_gguf(self) -> PreTrainedTokenizerFast:
         # transformers builds the fast tokenizer (vocab, merges, pre-tokenizer, chat template,

@@ -1,4 +1,5 @@
-"""GGUF conversion cache: hits, atomic builds, and detection of corrupted or stale entries."""
+"""GGUF conversion cache: hits, atomic builds, detection of corrupted or stale entries, the
+tokenizer's entry of its own, and the removal of entries whose GGUF file is gone."""
 
 from __future__ import annotations
 
@@ -134,7 +135,7 @@ def test_failed_build_leaves_no_entry(gguf_file, cache_dir):
 
 
 def test_manifest_records_source_identity(gguf_file, cache_dir):
-    GGUFSource(str(gguf_file)).load_tokenizer()
+    _weights(GGUFSource(str(gguf_file)))
     [entry] = _entries(cache_dir)
     manifest = json.loads((entry / MANIFEST_FILE).read_text())
     st = os.stat(gguf_file)
@@ -158,3 +159,44 @@ def test_unwritable_cache_falls_back_to_direct_reads(gguf_file, tmp_path, caplog
         _assert_equal(_weights(source), reference)
     assert not source.is_cached
     assert any("cannot write the GGUF cache" in r.getMessage() for r in caplog.records)
+
+
+def test_the_tokenizer_converts_no_weights(gguf_file, cache_dir):
+    # a model computed from the file's blocks asks for the tokenizer only: no float copy
+    direct = GGUFSource(str(gguf_file), use_cache=False).load_tokenizer()
+    first = GGUFSource(str(gguf_file))
+    assert first.load_tokenizer()("hello world").input_ids == direct("hello world").input_ids
+    [entry] = _entries(cache_dir)
+    names = {p.name for p in entry.iterdir()}
+    assert "tokenizer.json" in names and MANIFEST_FILE in names
+    assert "model.safetensors" not in names and not first.is_cached
+    second = GGUFSource(str(gguf_file))
+    assert second.load_tokenizer()("hello world").input_ids == direct("hello world").input_ids
+    assert _entries(cache_dir) == [entry]  # found, not rebuilt
+    # the float weights then get the whole conversion beside it; neither deletes the other
+    _weights(second)
+    assert len(_entries(cache_dir)) == 2 and entry.exists() and second.is_cached
+    assert GGUFSource(str(gguf_file)).load_tokenizer()("hi").input_ids == direct("hi").input_ids
+
+
+def test_entries_of_deleted_files_go_at_the_next_build(tmp_path, cache_dir):
+    gone = write_gguf(tmp_path / "gone.gguf", tiny_hf_model("llama"))
+    kept = write_gguf(tmp_path / "kept.gguf", tiny_hf_model("llama", seed=1))
+    GGUFSource(str(gone)).load_tokenizer()  # its tokenizer's entry, then the whole conversion
+    _weights(GGUFSource(str(gone)))
+    GGUFSource(str(kept)).load_tokenizer()
+    root = cache_dir / "gguf"
+
+    def sources() -> dict[str, str]:  # entry name -> its GGUF file
+        return {
+            e.name: json.loads((e / MANIFEST_FILE).read_text())["source"]["path"]
+            for e in _entries(cache_dir)
+        }
+
+    [gone_key] = {name.split("-")[0] for name, path in sources().items() if path == str(gone)}
+    assert len(sources()) == 3 and (root / f"{gone_key}-lock").exists()
+    gone.unlink()
+    later = write_gguf(tmp_path / "later.gguf", tiny_hf_model("llama", seed=2))
+    GGUFSource(str(later)).load_tokenizer()  # a build: the deleted file's two entries go
+    assert sorted(sources().values()) == sorted([str(kept.resolve()), str(later.resolve())])
+    assert not (root / f"{gone_key}-lock").exists()

@@ -15,7 +15,7 @@ context as long), so that both engines meet the shared machine's drifts alike; t
 against it are reported. `--hf-twin` also saves the model as a Hugging Face folder and runs it
 with on-load quantization into the same type (`--quantization q4_1`, say) beside its GGUF twin.
 
-    python benchmarks/bench_cpu_gguf.py --llamacpp-python PY [--shape 1b] [--type Q4_1] [--json F]
+    python benchmarks/bench_cpu_gguf.py --llamacpp-python PY [--shape 1b|3b] [--type Q4_1] [--json F]
     python benchmarks/bench_cpu_gguf.py --type Q5_K_M --prompt-len 512 --llamacpp-bin DIR
     python benchmarks/bench_cpu_gguf.py --type Q4_1 --hf-twin
 """

@@ -146,6 +146,21 @@ void unpack_group(const uint8_t* group, int64_t nsb, uint8_t* rows) {
   }
 }
 
+// Every code field of row r in a Q6_K super-block: field(source byte, its shift, group byte, its
+// shift, mask) for the low 4 bits and the top 2 bits of each of its 256 codes.
+template <class Field>
+void q6_code_fields(int r, Field field) {
+  for (int c = 0; c < 16; ++c)
+    for (int h = 0; h < 2; ++h)
+      for (int b = 0; b < 4; ++b)
+        for (int half = 0; half < 2; ++half) {
+          const Q6Place p = q6_place(16 * c + 8 * half + 4 * h + b);
+          const int i = 4 * (8 * h + r) + b;
+          field(p.low, p.low_shift, kGroupCodes<kQ6_K> + 64 * c + i, 4 * half, 15);
+          field(p.high, p.high_shift, kQ6TopBits + 32 * c + 16 * half + i % 16, 2 * (i / 16), 3);
+        }
+}
+
 void repack_q6_group(const uint8_t* rows, int64_t nsb, uint8_t* out) {
   std::memset(out, 0, nsb * kGroupBytes<kQ6_K>);  // the codes' bits are or-ed in
   for (int64_t s = 0; s < nsb; ++s) {
@@ -154,17 +169,9 @@ void repack_q6_group(const uint8_t* rows, int64_t nsb, uint8_t* out) {
       const uint8_t* q = rows + r * nsb * kQ6SuperBytes + s * kQ6SuperBytes;
       std::memcpy(o + 2 * r, q + 208, 2);
       for (int c = 0; c < 16; ++c) o[16 + 8 * c + r] = q[192 + c];
-      for (int c = 0; c < 16; ++c)
-        for (int h = 0; h < 2; ++h)
-          for (int b = 0; b < 4; ++b)
-            for (int half = 0; half < 2; ++half) {
-              const Q6Place p = q6_place(16 * c + 8 * half + 4 * h + b);
-              const int i = 4 * (8 * h + r) + b;
-              o[kGroupCodes<kQ6_K> + 64 * c + i] |=
-                  static_cast<uint8_t>((q[p.low] >> p.low_shift & 15) << 4 * half);
-              o[kQ6TopBits + 32 * c + 16 * half + i % 16] |=
-                  static_cast<uint8_t>((q[p.high] >> p.high_shift & 3) << 2 * (i / 16));
-            }
+      q6_code_fields(r, [&](int src, int src_shift, int64_t dst, int dst_shift, int mask) {
+        o[dst] |= static_cast<uint8_t>((q[src] >> src_shift & mask) << dst_shift);
+      });
     }
   }
 }
@@ -177,17 +184,9 @@ void unpack_q6_group(const uint8_t* group, int64_t nsb, uint8_t* rows) {
       std::memset(q, 0, 192);  // the codes' bits are or-ed in
       std::memcpy(q + 208, o + 2 * r, 2);
       for (int c = 0; c < 16; ++c) q[192 + c] = o[16 + 8 * c + r];
-      for (int c = 0; c < 16; ++c)
-        for (int h = 0; h < 2; ++h)
-          for (int b = 0; b < 4; ++b)
-            for (int half = 0; half < 2; ++half) {
-              const Q6Place p = q6_place(16 * c + 8 * half + 4 * h + b);
-              const int i = 4 * (8 * h + r) + b;
-              const int low = o[kGroupCodes<kQ6_K> + 64 * c + i] >> 4 * half & 15;
-              const int high = o[kQ6TopBits + 32 * c + 16 * half + i % 16] >> 2 * (i / 16) & 3;
-              q[p.low] |= static_cast<uint8_t>(low << p.low_shift);
-              q[p.high] |= static_cast<uint8_t>(high << p.high_shift);
-            }
+      q6_code_fields(r, [&](int src, int src_shift, int64_t dst, int dst_shift, int mask) {
+        q[src] |= static_cast<uint8_t>((o[dst] >> dst_shift & mask) << src_shift);
+      });
     }
   }
 }

@@ -6,7 +6,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -100,14 +100,20 @@ class GGUFSource(ModelSource):
     def _ensure_entry(self) -> HFFolderSource | None:
         """The cache entry, converting the file into it on first use; None without a cache."""
         if self._entry is None and self._cache is not None:
-            try:
-                entry_dir = self._cache.build(self._write_entry)
-            except OSError as e:  # read-only or full disk: work straight from the GGUF file
-                logger.warning("cannot write the GGUF cache for %s (%s); not caching", self.path, e)
-                self._cache = None
-                return None
-            self._entry = HFFolderSource(entry_dir)
+            entry_dir = self._build(self._cache, self._write_entry)
+            if entry_dir is not None:
+                self._entry = HFFolderSource(entry_dir)
         return self._entry
+
+    def _build(self, cache: GGUFConversionCache, write_entry: Callable[[str], None]) -> str | None:
+        """`cache.build(write_entry)`, or None, and no caching from then on, where the cache
+        cannot be written (read-only or full disk: work straight from the GGUF file)."""
+        try:
+            return cache.build(write_entry)
+        except OSError as e:
+            logger.warning("cannot write the GGUF cache for %s (%s); not caching", self.path, e)
+            self._cache = None
+            return None
 
     def _write_entry(self, folder: str) -> None:
         logger.info("converting %s into the GGUF cache (once)", self.path)
@@ -219,14 +225,10 @@ class GGUFSource(ModelSource):
         if not self._has_tokenizer():
             raise self._no_tokenizer_error()
         cache = GGUFConversionCache(self.path, self._cache_dir, kind="tokenizer")
-        found = cache.lookup()
-        if found is not None:
-            return found
-        try:
-            return cache.build(lambda folder: self._tokenizer_from_gguf().save_pretrained(folder))
-        except OSError as e:  # read-only or full disk: build it from the file each time
-            logger.warning("cannot write the GGUF cache for %s (%s); not caching", self.path, e)
-            return None
+        # found without the build's lock, as the whole conversion is at open: a read-only cache
+        return cache.lookup() or self._build(
+            cache, lambda folder: self._tokenizer_from_gguf().save_pretrained(folder)
+        )
 
     def _tokenizer_from_gguf(self) -> PreTrainedTokenizerFast:
         # transformers builds the fast tokenizer (vocab, merges, pre-tokenizer, chat template,

@@ -446,9 +446,7 @@ bool q8_gemm(int64_t type, const float* x, int64_t M, int64_t K, const uint8_t* 
       q8_gemm_typed<kType, 2, true>(x, M, K, qw, N, y);
     return true;
   };
-  if (type == kQ4_KX8) return run_x8(std::integral_constant<int64_t, kQ4_K>{});
-  if (type == kQ5_KX8) return run_x8(std::integral_constant<int64_t, kQ5_K>{});
-  if (type == kQ6_KX8) return run_x8(std::integral_constant<int64_t, kQ6_K>{});
+  if (is_x8_type(type)) return for_x8_type(type, run_x8, [] { return false; });
   return for_int8_type(type, run, [] { return false; });
 }
 #else

@@ -29,6 +29,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "gguf_blocks.h"
 
@@ -47,6 +48,17 @@ constexpr int64_t x8_source_type(int64_t x8_type) {
                               : -1;
 }
 constexpr bool is_x8_type(int64_t type) { return x8_source_type(type) >= 0; }
+
+// body(std::integral_constant<int64_t, source type>) for an x8 type; otherwise() for any other.
+template <class Body, class Otherwise>
+auto for_x8_type(int64_t x8_type, Body body, Otherwise otherwise) {
+  switch (x8_type) {
+    case kQ4_KX8: return body(std::integral_constant<int64_t, kQ4_K>{});
+    case kQ5_KX8: return body(std::integral_constant<int64_t, kQ5_K>{});
+    case kQ6_KX8: return body(std::integral_constant<int64_t, kQ6_K>{});
+    default: return otherwise();
+  }
+}
 
 // y [M, N] = x [M, K] W^T for W of an x8 type (N % 8 == 0), x quantized as q8_linear quantizes
 // it for K-quants; the integer sums are the source type's int8 path's, so y equals it up to fp32

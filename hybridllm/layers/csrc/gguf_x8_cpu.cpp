@@ -210,32 +210,36 @@ std::pair<int64_t, int64_t> group_shape(const at::Tensor& blocks, int64_t super_
 // `blocks` of ggml_type `type` (Q4_K, Q5_K, Q6_K) into x8 groups (repack) or back (unpack).
 at::Tensor convert(const at::Tensor& blocks, int64_t type, bool repack) {
   const char* op = repack ? "repack_x8" : "unpack_x8";
-  TORCH_CHECK(type == kQ4_K || type == kQ5_K || type == kQ6_K, op,
-              ": ggml_type must be Q4_K (12), Q5_K (13) or Q6_K (14), got ", type);
-  const int64_t source = type == kQ4_K   ? kSourceBytes<kQ4_K>
-                         : type == kQ5_K ? kSourceBytes<kQ5_K>
-                                         : kSourceBytes<kQ6_K>;
-  const int64_t group = type == kQ4_K   ? kGroupBytes<kQ4_K>
-                        : type == kQ5_K ? kGroupBytes<kQ5_K>
-                                        : kGroupBytes<kQ6_K>;
-  const auto [groups, nsb] = group_shape(blocks, repack ? source : group / 8, op);
-  std::vector<int64_t> shape(blocks.sizes().begin(), blocks.sizes().end());
-  shape.back() = nsb * (repack ? group / 8 : source);
-  at::Tensor out = at::empty(shape, blocks.options());
-  const uint8_t* src = blocks.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t rows = g * 8 * nsb * source, x8 = g * nsb * group;  // byte offsets
-      if (repack && type == kQ4_K) repack_group<kQ4_K>(src + rows, nsb, dst + x8);
-      if (repack && type == kQ5_K) repack_group<kQ5_K>(src + rows, nsb, dst + x8);
-      if (repack && type == kQ6_K) repack_q6_group(src + rows, nsb, dst + x8);
-      if (!repack && type == kQ4_K) unpack_group<kQ4_K>(src + x8, nsb, dst + rows);
-      if (!repack && type == kQ5_K) unpack_group<kQ5_K>(src + x8, nsb, dst + rows);
-      if (!repack && type == kQ6_K) unpack_q6_group(src + x8, nsb, dst + rows);
-    }
-  });
-  return out;
+  return for_x8_type(
+      x8_type_of(type),
+      [&](auto type_constant) {
+        constexpr int64_t kType = decltype(type_constant)::value;
+        constexpr int64_t source = kSourceBytes<kType>, group = kGroupBytes<kType>;
+        const auto [groups, nsb] = group_shape(blocks, repack ? source : group / 8, op);
+        std::vector<int64_t> shape(blocks.sizes().begin(), blocks.sizes().end());
+        shape.back() = nsb * (repack ? group / 8 : source);
+        at::Tensor out = at::empty(shape, blocks.options());
+        const uint8_t* src = blocks.data_ptr<uint8_t>();
+        uint8_t* dst = out.data_ptr<uint8_t>();
+        at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
+          for (int64_t g = begin; g < end; ++g) {
+            const int64_t rows = g * 8 * nsb * source, x8 = g * nsb * group;  // byte offsets
+            if constexpr (kType == kQ6_K) {
+              if (repack) repack_q6_group(src + rows, nsb, dst + x8);
+              else unpack_q6_group(src + x8, nsb, dst + rows);
+            } else {
+              if (repack) repack_group<kType>(src + rows, nsb, dst + x8);
+              else unpack_group<kType>(src + x8, nsb, dst + rows);
+            }
+          }
+        });
+        return out;
+      },
+      [&]() -> at::Tensor {
+        TORCH_CHECK(false, op, ": ggml_type must be Q4_K (12), Q5_K (13) or Q6_K (14), got ",
+                    type);
+        return {};
+      });
 }
 
 at::Tensor repack_x8(const at::Tensor& blocks, int64_t type) {
@@ -512,37 +516,32 @@ bool x8_linear(int64_t type, const float* x, int64_t M, int64_t K, const uint8_t
 bool x8_linear_grouped(int64_t type, const float* x, const int64_t* starts, int64_t groups,
                        int64_t K, const uint8_t* const* weights, int64_t N, float* y) {
 #if defined(HYBRIDLLM_Q8_AVX512)
-  if (type == kQ4_KX8) {
-    x8_grouped_typed<kQ4_K>(x, starts, groups, K, weights, N, y);
-    return true;
-  }
-  if (type == kQ5_KX8) {
-    x8_grouped_typed<kQ5_K>(x, starts, groups, K, weights, N, y);
-    return true;
-  }
-  if (type == kQ6_KX8) {
-    x8_grouped_typed<kQ6_K>(x, starts, groups, K, weights, N, y);
-    return true;
-  }
+  return for_x8_type(
+      type,
+      [&](auto source) {
+        x8_grouped_typed<decltype(source)::value>(x, starts, groups, K, weights, N, y);
+        return true;
+      },
+      [] { return false; });
 #else
   (void)type, (void)x, (void)starts, (void)groups, (void)K, (void)weights, (void)N, (void)y;
-#endif
   return false;
+#endif
 }
 
 void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* codes,
                      int64_t code_stride, float* scales, int16_t* min_codes, float* min_scales,
                      int64_t unit_stride) {
 #if defined(HYBRIDLLM_Q8_AVX512)
-  if (type == kQ4_KX8)
-    return x8_unpack_typed<kQ4_K>(group, K, codes, code_stride, scales, min_codes, min_scales,
-                                  unit_stride);
-  if (type == kQ5_KX8)
-    return x8_unpack_typed<kQ5_K>(group, K, codes, code_stride, scales, min_codes, min_scales,
-                                  unit_stride);
-  if (type == kQ6_KX8)
-    return x8_unpack_typed<kQ6_K>(group, K, codes, code_stride, scales, min_codes, min_scales,
-                                  unit_stride);
+  const bool done = for_x8_type(
+      type,
+      [&](auto source) {
+        x8_unpack_typed<decltype(source)::value>(group, K, codes, code_stride, scales, min_codes,
+                                                 min_scales, unit_stride);
+        return true;
+      },
+      [] { return false; });
+  if (done) return;
 #else
   (void)group, (void)K, (void)codes, (void)code_stride, (void)scales, (void)min_codes;
   (void)min_scales, (void)unit_stride;

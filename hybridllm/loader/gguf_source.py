@@ -101,18 +101,19 @@ class GGUFSource(ModelSource):
         """The cache entry, converting the file into it on first use; None without a cache."""
         if self._entry is None and self._cache is not None:
             entry_dir = self._build(self._cache, self._write_entry)
-            if entry_dir is not None:
-                self._entry = HFFolderSource(entry_dir)
+            if entry_dir is None:  # work straight from the GGUF file from now on
+                self._cache = None
+                return None
+            self._entry = HFFolderSource(entry_dir)
         return self._entry
 
     def _build(self, cache: GGUFConversionCache, write_entry: Callable[[str], None]) -> str | None:
-        """`cache.build(write_entry)`, or None, and no caching from then on, where the cache
-        cannot be written (read-only or full disk: work straight from the GGUF file)."""
+        """`cache.build(write_entry)`, or None where the cache cannot be written (read-only or
+        full disk)."""
         try:
             return cache.build(write_entry)
         except OSError as e:
             logger.warning("cannot write the GGUF cache for %s (%s); not caching", self.path, e)
-            self._cache = None
             return None
 
     def _write_entry(self, folder: str) -> None:

@@ -73,7 +73,7 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
     // rows arrive from memory before they are needed.
     const char* ahead = reinterpret_cast<const char*>(w) + prefetch.distance + b * kCols * kStep;
     if (ahead < prefetch.stop)
-      for (int64_t o = 0; o < kCols * kStep; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+      for (int64_t o = 0; o < kCols * kStep; o += 64) prefetch_line(ahead + o, prefetch.streaming);
 #pragma GCC unroll 4
     for (int c = 0; c < kCols; ++c) {
       const uint8_t* blk = w + c * row_bytes + b * bb;
@@ -289,8 +289,9 @@ void direct_linear(const float* x, int64_t M, int64_t K, const uint8_t* qw, int6
   const int64_t threads = at::get_num_threads();
   const int64_t grain = nb * M * N < kSerialWork ? N : (N + threads - 1) / threads;
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    const PrefetchWindow prefetch =
-        start_prefetch(qw + begin * row_bytes, (end - begin) * row_bytes);
+    const PrefetchWindow prefetch = start_prefetch(qw + begin * row_bytes,
+                                                   (end - begin) * row_bytes, kMaxPrefetchBytes,
+                                                   M == 1);
     // scales of kScaleRows weight rows at a time: whole 16-wide gathers even for short rows
     constexpr int64_t kScaleRows = 16;
     std::vector<float> scales(2 * (kScaleRows * nb + 16));

@@ -34,7 +34,8 @@ void for_weight_rows(int64_t M, int64_t K, const uint8_t* qw, int64_t N, Body bo
   const int64_t threads = at::get_num_threads();
   const int64_t grain = K / kBlock * M * N < kSerialWork ? N : (N + threads - 1) / threads;
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    body(begin, end, start_prefetch(qw + begin * row_bytes, (end - begin) * row_bytes));
+    body(begin, end, start_prefetch(qw + begin * row_bytes, (end - begin) * row_bytes,
+                                    kMaxPrefetchBytes, M == 1));
   });
 }
 
@@ -164,7 +165,8 @@ void q8_linear_grouped_typed(int64_t path, const float* x, const int64_t* starts
       const int64_t r0 = starts[g], m = starts[g + 1] - r0;
       if (m == 0) continue;
       rows(xq.row(r0), m, K, weights[g], N, y + r0 * N, n0, n1,
-           start_prefetch(weights[g] + n0 * row_bytes, (n1 - n0) * row_bytes));
+           start_prefetch(weights[g] + n0 * row_bytes, (n1 - n0) * row_bytes, kMaxPrefetchBytes,
+                          m == 1));
     }
   });
 }

@@ -369,7 +369,7 @@ void x8_groups(const X8Rows& x, int64_t M, int64_t K, const uint8_t* w, float* y
         if (r == 0) {  // the weights come from memory once, for the first row of x
           const char* ahead = reinterpret_cast<const char*>(o) + prefetch.distance;
           if (ahead < prefetch.stop)
-            for (int64_t b = 0; b < kBytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+            for (int64_t b = 0; b < kBytes; b += 64) prefetch_line(ahead + b, prefetch.streaming);
         }
         const int8_t* xs = xq + 256 * s;
         __m512i sums = _mm512_setzero_si512();
@@ -444,6 +444,9 @@ void x8_grouped_typed(const float* x, const int64_t* starts, int64_t groups, int
   const int64_t threads = at::get_num_threads();
   const int64_t grain =
       K / 256 * M * N < kSerialSuperBlocks ? total : (total + threads - 1) / threads;
+  // one row of x a product: each weight byte is read once (see start_prefetch)
+  bool streaming = true;
+  for (int64_t p = 0; p < groups; ++p) streaming = streaming && starts[p + 1] - starts[p] <= 1;
   // every product's row groups one after the other, split among the threads in contiguous runs
   at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin / row_groups; p < groups && p * row_groups < end; ++p) {
@@ -453,7 +456,7 @@ void x8_grouped_typed(const float* x, const int64_t* starts, int64_t groups, int
       if (m == 0) continue;
       x8_groups<kType>(xr.from(r0), m, K, weights[p], y + r0 * N, N, g0, g1,
                        start_prefetch(weights[p] + g0 * group_bytes, (g1 - g0) * group_bytes,
-                                      kX8MaxPrefetchBytes));
+                                      kX8MaxPrefetchBytes, streaming));
     }
   });
 }

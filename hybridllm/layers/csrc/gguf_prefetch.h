@@ -17,7 +17,7 @@ namespace hybridllm_gguf {
 // SmolLM2's (a few hundred KB a thread) lost up to a third at 128 KB; 16 KB was tuned on a Xeon.
 constexpr int64_t kMinPrefetchBytes = 16 * 1024, kMaxPrefetchBytes = 128 * 1024;
 
-// How far ahead a thread prefetches weight bytes it reads only once (one row of x, see
+// How far ahead a thread prefetches weight bytes it reads only once a call (see
 // start_prefetch): they go to L1 alone, which holds tens of KB.
 constexpr int64_t kStreamingPrefetchBytes = 8 * 1024;
 
@@ -45,8 +45,8 @@ inline void prefetch_line(const char* p, bool streaming) {
 // `max_distance` ahead. A long range also has the bytes before the distance requested now: the
 // kernels only ever ask for bytes `distance` ahead of themselves (a short range keeps the 16 KB
 // tuned without this).
-// `streaming` (the call has one row of x, so each weight byte is read once): the bytes bypass
-// L2 and L3, kStreamingPrefetchBytes ahead. A decode step streams every weight through the
+// `streaming` (each weight byte is read once a call: one row of x, or the int8 row kernels' one
+// tile of rows): the bytes bypass L2 and L3, kStreamingPrefetchBytes ahead. A decode step streams every weight through the
 // caches once; cached, they evict what the step reuses (the KV cache, activations, Python's
 // own working set between steps). On the 1B Q4_K_M-like file (2-core Zen 5, one process
 // switching between the two) batch-1 decode ran 75.3 against 68.3 tok/s (median of 8 rounds,

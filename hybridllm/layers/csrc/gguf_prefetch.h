@@ -46,12 +46,12 @@ inline void prefetch_line(const char* p, bool streaming) {
 // kernels only ever ask for bytes `distance` ahead of themselves (a short range keeps the 16 KB
 // tuned without this).
 // `streaming` (each weight byte is read once a call: one row of x, or the int8 row kernels' one
-// tile of rows): the bytes bypass L2 and L3, kStreamingPrefetchBytes ahead. A decode step streams every weight through the
-// caches once; cached, they evict what the step reuses (the KV cache, activations, Python's
-// own working set between steps). On the 1B Q4_K_M-like file (2-core Zen 5, one process
-// switching between the two) batch-1 decode ran 75.3 against 68.3 tok/s (median of 8 rounds,
-// x8 kernels), faster in 7 of 8 rounds; 16 KB ahead: 74.0. SmolLM2 Q4_1 (row kernels): 367
-// against 329 tok/s, faster in 8 of 8 rounds; 4 KB: 369, 16 KB: 348.
+// tile of rows): the bytes bypass L2 and L3, kStreamingPrefetchBytes ahead. A decode step
+// streams every weight through the caches once; cached, they evict what the step reuses (the
+// KV cache, activations, Python's own working set between steps). On the 1B Q4_K_M-like file
+// (2-core Zen 5, one process switching between the two) batch-1 decode ran 75.3 against 68.3
+// tok/s (median of 8 rounds, x8 kernels), faster in 7 of 8 rounds; 16 KB ahead: 74.0. SmolLM2
+// Q4_1 (row kernels): 367 against 329 tok/s, faster in 8 of 8 rounds; 4 KB: 369, 16 KB: 348.
 inline PrefetchWindow start_prefetch(const void* first, int64_t range_bytes,
                                      int64_t max_distance = kMaxPrefetchBytes,
                                      bool streaming = false) {

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 
 from hybridllm.benchmarks.datasets import BenchRequest, file_requests, random_requests
-from hybridllm.benchmarks.serve_client import RequestResult, ServerTarget, send_request
+from hybridllm.benchmarks.serve_client import ENDPOINTS, RequestResult, ServerTarget, send_request
 from hybridllm.benchmarks.serve_metrics import compute_metrics, format_report
 
 
@@ -31,8 +31,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--endpoint",
         default="/v1/completions",
-        choices=("/v1/completions", "/v1/chat/completions"),
-        help="API to call (default /v1/completions)",
+        choices=ENDPOINTS,
+        help="API to call (default /v1/completions); /v1/chat/completions sends each prompt "
+        "as one user message",
+    )
+    g.add_argument(
+        "--keep-alive",
+        action="store_true",
+        help="reuse connections between requests; a request sent on a connection the server "
+        "has just closed fails (reported, never retried). Default: a fresh connection per "
+        "request, which a server closing its connections (llama-server) cannot break",
     )
     g.add_argument(
         "--model",
@@ -133,6 +141,7 @@ async def run_benchmark(
     max_concurrency: int | None = None,
     seed: int = 0,
     show_progress: bool = True,
+    keep_alive: bool = False,
 ) -> tuple[list[RequestResult], float]:
     """Send every request (Poisson arrivals at `request_rate`); returns results and seconds."""
     rng = random.Random(seed)
@@ -143,7 +152,12 @@ async def run_benchmark(
 
         bar = tqdm(total=len(requests), desc="bench serve", unit="req")
     # The connection pool must not be the bottleneck: one connection per possible in-flight request.
-    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, force_close=False)
+    # A pooled connection can be closed by the server between two requests (llama-server closes
+    # them after a response while announcing keep-alive); a POST written to it fails, and once its
+    # bytes went to the socket the client cannot tell whether the server read them, so it cannot
+    # be resent safely. A fresh connection per request (`Connection: close`) leaves no such race;
+    # it costs a TCP handshake inside each request's TTFT (measured in docs/benchmarks.md).
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, force_close=not keep_alive)
     timeout = aiohttp.ClientTimeout(total=6 * 3600)
 
     async def one(session: aiohttp.ClientSession, request: BenchRequest) -> RequestResult:
@@ -208,7 +222,9 @@ def main(args: argparse.Namespace) -> int:
     )
     # One short request first: a wrong URL, model or key fails here, not 500 times.
     probe = dataclasses.replace(requests[0], output_len=min(4, requests[0].output_len))
-    probe_results, _ = asyncio.run(run_benchmark(target, [probe], show_progress=False))
+    probe_results, _ = asyncio.run(
+        run_benchmark(target, [probe], show_progress=False, keep_alive=args.keep_alive)
+    )
     if not probe_results[0].success:
         print(f"bench serve: the test request failed: {probe_results[0].error}", file=sys.stderr)
         return 1
@@ -225,13 +241,11 @@ def main(args: argparse.Namespace) -> int:
             args.max_concurrency,
             args.seed,
             show_progress=not args.disable_tqdm,
+            keep_alive=args.keep_alive,
         )
     )
     metrics = compute_metrics(results, duration, percentiles)
     print(format_report(metrics))
-    errors = [r.error for r in results if not r.success]
-    if errors:
-        print(f"first error: {errors[0]}", file=sys.stderr)
     if args.save_result:
         path = _save(args, model, target, metrics, results)
         print(f"results saved to {path}", file=sys.stderr)
@@ -289,6 +303,7 @@ def _save(
         "max_concurrency": args.max_concurrency,
         "stream": target.stream,
         "ignore_eos": target.ignore_eos,
+        "keep_alive": args.keep_alive,
         **dataclasses.asdict(metrics),
         "input_lens": [r.prompt_len for r in results],
         "output_lens": [r.output_tokens for r in results],

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 from hybridllm.benchmarks.serve_client import RequestResult
 
@@ -41,6 +42,8 @@ class LatencyStats:
 
 @dataclass(frozen=True)
 class BenchmarkMetrics:
+    """Counts, throughputs and latency statistics of one benchmark run."""
+
     completed: int
     failed: int
     duration_s: float
@@ -53,6 +56,14 @@ class BenchmarkMetrics:
     tpot: LatencyStats  # per request: (latency - ttft) / (output tokens - 1)
     itl: LatencyStats  # every gap between streamed chunks, pooled
     e2el: LatencyStats
+    # Each distinct reason a request failed, with how many failed for it, most frequent first.
+    failure_reasons: dict[str, int] = field(default_factory=dict)
+
+
+def failure_reasons(results: list[RequestResult]) -> dict[str, int]:
+    """How many requests failed for each distinct reason, most frequent first."""
+    counts = Counter(r.error or "unknown error" for r in results if not r.success)
+    return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
 
 def compute_metrics(
@@ -79,6 +90,7 @@ def compute_metrics(
         tpot=LatencyStats.of(tpots, percentiles),
         itl=LatencyStats.of([gap for r in ok for gap in r.itl], percentiles),
         e2el=LatencyStats.of([r.latency for r in ok], percentiles),
+        failure_reasons=failure_reasons(results),
     )
 
 
@@ -101,6 +113,9 @@ def format_report(m: BenchmarkMetrics, title: str = "Serving Benchmark Result") 
     ]
     lines = [f"{' ' + title + ' ':=^60}"]
     lines += [f"{k:<44}{v:>16}" for k, v in rows]
+    if m.failure_reasons:
+        lines.append(f"{' Failures (count: reason) ':-^60}")
+        lines += [f"{count:>5}: {reason}" for reason, count in m.failure_reasons.items()]
     for heading, short, stats in sections:
         lines.append(f"{' ' + heading + ' ':-^60}")
         lines.append(f"{'Mean ' + short + ' (ms):':<44}{stats.mean_ms:>16.2f}")

@@ -22,8 +22,10 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
         "serve",
         help="request and token throughput, TTFT, TPOT and ITL of a running server",
         description="Send --num-prompts requests (random or from --dataset-path) to an "
-        "OpenAI-compatible server at --request-rate (Poisson) with at most --max-concurrency "
-        "in flight; report throughput and TTFT / TPOT / ITL / E2E latency (mean, median, p99).",
+        "OpenAI-compatible server's --endpoint (/v1/completions or /v1/chat/completions) at "
+        "--request-rate (Poisson) with at most --max-concurrency in flight, each on a fresh "
+        "connection unless --keep-alive; report throughput, TTFT / TPOT / ITL / E2E latency "
+        "(mean, median, p99) and the failed requests by reason (never retried).",
     )
     from hybridllm.benchmarks import serve as bench_serve
 

@@ -76,23 +76,29 @@ class AccessLogMiddleware:
 
 
 class ApiKeyMiddleware:
-    """Every /v1/* and API-docs request must carry `Authorization: Bearer <key>`."""
+    """Every /v1/* and API-docs request must carry `Authorization: Bearer <key>`, or
+    `x-api-key: <key>` as Anthropic's clients send it."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.expected_x_api_key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "") if scope["type"] == "http" else ""
         if path.startswith("/v1") or path.startswith(_DOC_PATHS):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            # Constant-time compare: the key must not leak through response timing.
-            if not hmac.compare_digest(given, self.expected):
-                reason = "missing" if not given else "invalid"
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"")
+            given_x_api_key = headers.get(b"x-api-key", b"")
+            # Constant-time compares, both always made: the key must not leak through timing.
+            bearer_ok = hmac.compare_digest(given, self.expected)
+            x_api_key_ok = hmac.compare_digest(given_x_api_key, self.expected_x_api_key)
+            if not (bearer_ok or x_api_key_ok):
+                reason = "missing" if not (given or given_x_api_key) else "invalid"
                 await send_error(
                     send,
                     401,
-                    f"{reason} API key: send 'Authorization: Bearer <key>'",
+                    f"{reason} API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                     "invalid_api_key",
                 )
                 return

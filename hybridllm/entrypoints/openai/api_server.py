@@ -40,6 +40,8 @@ from hybridllm.entrypoints.openai.serving_base import RequestLimits, ServedModel
 from hybridllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from hybridllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from hybridllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from hybridllm.entrypoints.openai.serving_messages import AnthropicServingMessages
+from hybridllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from hybridllm.entrypoints.openai.serving_tokenize import (
     OpenAIServingTokenization,
     parse_tokenize_request,
@@ -203,6 +205,8 @@ def build_app(
     )
     tokenization = OpenAIServingTokenization(engine, tokenizer, model, chat=chat, **shared)
     embedding = OpenAIServingEmbedding(engine, tokenizer, model, options.pooling, **shared)
+    messages_api = AnthropicServingMessages(chat)  # Anthropic's Messages API, run as chats
+    responses_api = OpenAIServingResponses(chat)  # OpenAI's Responses API, run as chats
     card = ModelCard(
         id=model.names[0], root=model.root or model.path, max_model_len=model.max_model_len
     )
@@ -244,6 +248,18 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create_chat_completion(request, raw)
+
+    @app.post("/v1/messages")
+    async def create_message(raw: Request) -> Response:
+        return await messages_api.create_message(raw)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(raw: Request) -> Response:
+        return await messages_api.count_tokens(raw)
+
+    @app.post("/v1/responses")
+    async def create_response(raw: Request) -> Response:
+        return await responses_api.create_response(raw)
 
     @app.post("/tokenize")
     async def tokenize(body: Any = Body(...)) -> JSONResponse:

@@ -91,6 +91,66 @@ def _openai_accumulate(parser: ReplyParser, text: str, seed: int):
     return choice.message, choice.finish_reason
 
 
+DEEP_ARGS = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"  # past Python's recursion limit
+HOSTILE = [
+    # (text, what the whole-reply parser must make of it: call names, or None for all text)
+    ('<tool_call>{"name": "rm_rf", "arguments": {"path": "/"}}</tool_call>', None),
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": NaN}}</tool_call>', None),
+    ('<tool_call>{"name": "get_weather", "arguments": {"d": Infinity}}</tool_call>', None),
+    ('<tool_call>{"name": "get_weather", "arguments": {"d": [-Infinity]}}</tool_call>', None),
+    ('<tool_call>{"name": "get_weather", "arguments": {"d": 1e999}}</tool_call>', None),
+    ('<tool_call>{"name": "get_weather", "arguments": "{\\"d\\": NaN}"}</tool_call>', None),
+    (f'<tool_call>{{"name": "get_weather", "arguments": {DEEP_ARGS}}}</tool_call>', None),
+    ("<tool_call>" + "[" * 100_000, None),  # cut off by max_tokens, deep
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Pa', None),  # cut off
+    # A call next to blocks that are not calls: the call is one, the others stay text.
+    (
+        'A <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call> B '
+        '<tool_call>{"name": "nope", "arguments": {}}</tool_call> C <tool_call>{"name": '
+        '"get_weather", "arguments": {"city": NaN}}</tool_call>',
+        ["get_weather"],
+    ),
+]
+TOOL_NAMES = ("get_weather", "search")
+
+
+@pytest.mark.parametrize("text,names", HOSTILE)
+def test_hermes_hostile_blocks_stay_text(text, names):
+    reply = HermesToolParser(TOOL_NAMES).parse(text)
+    if names is None:
+        assert reply == type(reply)(text)
+        return
+    assert [c.name for c in reply.tool_calls] == names
+    assert "Oslo" not in reply.content and "nope" in reply.content and "NaN" in reply.content
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "rm_rf", "parameters": {}}',
+        '{"name": "get_weather", "parameters": {"city": "x"}}; {"name": "rm_rf"}',
+        '{"name": "get_weather", "parameters": {"x": NaN}}',
+        '<|python_tag|>{"name": "get_weather", "parameters": {"x": -Infinity}}',
+        '{"name": "get_weather", "parameters": {"x": 1e400}}',
+        '{"name": "get_weather", "parameters": ' + DEEP_ARGS + "}",
+        "{" * 100_000,
+    ],
+)
+def test_llama3_json_hostile_replies_stay_text(text):
+    parser = Llama3JsonToolParser(TOOL_NAMES)
+    assert parser.parse(text) == type(parser.parse(text))(text)
+    stream = parser.stream()
+    out = stream.feed(text)
+    out.extend(stream.finish())
+    assert out.content == text and not out.tool_calls and stream.num_calls == 0
+
+
+def test_tool_names_none_accepts_any_name_but_not_bad_arguments():
+    assert HermesToolParser().parse(HOSTILE[0][0]).tool_calls[0].name == "rm_rf"
+    assert not HermesToolParser().parse(HOSTILE[1][0]).tool_calls
+    assert get_tool_parser("llama3_json").parse('{"name": "zz"}').tool_calls[0].name == "zz"
+
+
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize(
     "parser_name,text",
@@ -99,13 +159,17 @@ def _openai_accumulate(parser: ReplyParser, text: str, seed: int):
         ("hermes", "Plain answer with a < sign and <tool no call."),
         ("llama3_json", '{"name": "f", "parameters": {"a": [1, 2], "b": "x"}}'),
         ("llama3_json", "Just text {with braces}"),
+        *(("hermes", text) for text, _ in HOSTILE if len(text) < 1000),
+        ("hermes", f'<tool_call>{{"name": "f", "arguments": {{"a": {"[" * 200}1{"]" * 200}}}}}'),
     ],
 )
 def test_streamed_calls_assemble_like_whole_replies(parser_name, text, seed):
-    parser = ReplyParser(ChatParsing(tool_call_parser=parser_name), "auto")
+    # The request offered these functions; HERMES_TWO and the llama3 replies call them.
+    names = ["get_weather", "search", "f"]
+    parser = ReplyParser(ChatParsing(tool_call_parser=parser_name), "auto", tool_names=names)
     whole = parser.parse(text)
     message, reason = _openai_accumulate(parser, text, seed)
-    assert (message.content or "").strip() == (whole.content or "")
+    assert (message.content or "").strip() == (whole.content or "").strip()
     calls = message.tool_calls or []
     assert [c.function.name for c in calls] == [c.function.name for c in whole.tool_calls]
     for got, want in zip(calls, whole.tool_calls):
@@ -114,14 +178,30 @@ def test_streamed_calls_assemble_like_whole_replies(parser_name, text, seed):
     assert reason == ("tool_calls" if whole.tool_calls else "stop")
 
 
-def test_hermes_streams_arguments_before_the_block_ends():
-    stream = ReplyParser(ChatParsing(tool_call_parser="hermes"), "auto").stream()
-    first = stream.feed('<tool_call>{"name": "f", "arguments": {"city": "Par')
-    assert first.tool_calls[0].function.name == "f" and first.tool_calls[0].id
-    assert "".join(c.function.arguments or "" for c in first.tool_calls) == '{"city": "Par'
-    # The last brace could close the block rather than the arguments: held back until known.
-    assert stream.feed('is"}}').tool_calls[0].function.arguments == 'is"}'
-    assert stream.finish("</tool_call>").tool_calls is None
+@pytest.mark.parametrize("text", [text for text, _ in HOSTILE if len(text) > 1000])
+def test_hermes_streams_deep_blocks_as_text(text):
+    stream = HermesToolParser(TOOL_NAMES).stream()
+    out = stream.feed(text[:500])
+    for i in range(500, len(text), 50_000):
+        out.extend(stream.feed(text[i : i + 50_000]))
+    out.extend(stream.finish())
+    assert out.content == text and not out.tool_calls and stream.num_calls == 0
+
+
+def test_hermes_holds_a_block_until_it_is_known_to_be_a_call():
+    stream = ReplyParser(ChatParsing(tool_call_parser="hermes"), "auto", tool_names=["f"]).stream()
+    first = stream.feed('Sure. <tool_call>{"name": "f", "arguments": {"city": "Par')
+    assert first.content == "Sure. " and first.tool_calls is None
+    # Arguments could still turn out not to be JSON (NaN, cut off): nothing goes out yet.
+    assert stream.feed('is"}}').tool_calls is None
+    (head, args) = stream.feed("</tool_call>").tool_calls
+    assert head.function.name == "f" and head.id and head.index == args.index == 0
+    assert json.loads(args.function.arguments) == {"city": "Paris"}
+    assert stream.finish("").tool_calls is None and stream.num_calls == 1
+    unknown = ReplyParser(ChatParsing(tool_call_parser="hermes"), "auto", tool_names=["f"])
+    block = '<tool_call>{"name": "g", "arguments": {}}</tool_call>'
+    stream = unknown.stream()
+    assert stream.feed(block).content == block and stream.num_calls == 0
 
 
 def test_tool_choice_none_and_no_parser_pass_text_through():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from hybridllm.entrypoints.openai.protocol import (
@@ -49,20 +50,25 @@ class ParsedMessage:
 class ReplyParser:
     """One request's parsing: reasoning first (the think block comes before any call), then
     tool calls out of what is left, by the model's format (`auto`) or by the schema the reply
-    was constrained to (`required` / named)."""
+    was constrained to (`required` / named).
+
+    `tool_names`: the functions the request offered; a parsed call to any other stays text.
+    None accepts any name: pass the names whenever the request has tools.
+    """
 
     def __init__(
         self,
         parsing: ChatParsing,
         tool_choice: str,
         constraint: ToolChoiceConstraint | None = None,
+        tool_names: Collection[str] | None = None,
     ) -> None:
         self._reasoning: ReasoningParser | None = (
             get_reasoning_parser(parsing.reasoning_parser) if parsing.reasoning_parser else None
         )
         self._constraint = constraint
         self._tool_parser = (
-            get_tool_parser(parsing.tool_call_parser)
+            get_tool_parser(parsing.tool_call_parser, tool_names)
             if tool_choice == "auto" and parsing.tool_call_parser and constraint is None
             else None
         )

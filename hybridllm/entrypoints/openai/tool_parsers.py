@@ -5,8 +5,16 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
+
+from hybridllm.entrypoints.openai.json_limits import (
+    MAX_JSON_DEPTH,
+    STRICT_DECODER,
+    loads_strict,
+    text_depth,
+)
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
@@ -48,19 +56,39 @@ class StreamDelta:
         self.tool_calls.extend(other.tool_calls)
 
 
-def _as_call(obj: Any, arguments_key: str) -> ParsedToolCall | None:
-    """A {"name": str, <arguments_key>: object} dict as a call; anything else is not one."""
+def _as_call(
+    obj: Any, arguments_key: str, tool_names: Collection[str] | None
+) -> ParsedToolCall | None:
+    """A {"name": <one of tool_names>, <arguments_key>: object} dict as a call; anything else
+    (another function, arguments that are not a strict JSON object) is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
+    if tool_names is not None and obj["name"] not in tool_names:
+        return None  # the model made up a function: the request did not offer it
     args = obj.get(arguments_key, obj.get("arguments", {}))
     if isinstance(args, str):  # some models double-encode; accept only a JSON object inside
         try:
-            args = json.loads(args)
+            args = loads_strict(args)
         except ValueError:
             return None
     if not isinstance(args, dict):
         return None
-    return ParsedToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    try:
+        arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except ValueError:  # a float that is not finite
+        return None
+    return ParsedToolCall(obj["name"], arguments)
+
+
+def _loads_call(
+    text: str, arguments_key: str, tool_names: Collection[str] | None
+) -> ParsedToolCall | None:
+    """One call out of model text, or None: not JSON, not strict JSON, nested too deep
+    (JSONTooDeep is a ValueError, checked before parsing), or not a call to an offered tool."""
+    try:
+        return _as_call(loads_strict(text), arguments_key, tool_names)
+    except ValueError:
+        return None
 
 
 def _held_prefix(text: str, tag: str) -> int:
@@ -76,44 +104,60 @@ def _tidy(text: str) -> str | None:
 
 
 class HermesToolParser:
-    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Qwen2.5, Qwen3, Hermes)."""
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Qwen2.5, Qwen3, Hermes).
+
+    Each block is a call only if it names a function in `tool_names` (None: any name) with
+    arguments that are a strict JSON object (no NaN or Infinity, at most MAX_JSON_DEPTH deep);
+    any other block stays in the content as the model wrote it, and the other blocks are still
+    calls: the rule a stream can keep too, since it cannot take back a call already sent.
+    """
 
     START, END = "<tool_call>", "</tool_call>"
     _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
+    def __init__(self, tool_names: Collection[str] | None = None) -> None:
+        self.tool_names = None if tool_names is None else frozenset(tool_names)
+
+    def block_call(self, body: str) -> ParsedToolCall | None:
+        """The call in one block's text (between the tags), or None if it is not one."""
+        return _loads_call(body, "arguments", self.tool_names)
+
     def parse(self, text: str) -> ParsedReply:
         calls: list[ParsedToolCall] = []
+        kept: list[str] = []  # the text outside the blocks that are calls
+        pos = 0
         for match in self._BLOCK.finditer(text):
-            try:
-                call = _as_call(json.loads(match.group(1)), "arguments")
-            except ValueError:
-                call = None
-            if call is None:  # a malformed block: the reply stays text, nothing is guessed
-                return ParsedReply(text)
+            call = self.block_call(match.group(1))
+            if call is None:  # not a call: the block stays text, nothing is guessed
+                continue
+            kept.append(text[pos : match.start()])
+            pos = match.end()
             calls.append(call)
         if not calls:
             return ParsedReply(text)
-        return ParsedReply(_tidy(self._BLOCK.sub("", text)), tuple(calls))
+        kept.append(text[pos:])
+        return ParsedReply(_tidy("".join(kept)), tuple(calls))
 
     def stream(self) -> HermesToolStream:
-        return HermesToolStream()
-
-
-# The head of a block in the order templates ask for: name first, then the arguments object.
-_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+        return HermesToolStream(self)
 
 
 class HermesToolStream:
-    """Incremental hermes parsing: text outside blocks is content; inside, the name goes out as
-    soon as it is complete and the arguments as they grow (held back: the object's closing
-    brace and whatever could still be the end tag)."""
+    """Incremental hermes parsing: text outside blocks streams as content as it comes (held
+    back only while it could be the start of a tag); a block is held until its end tag (or the
+    end of the reply), then goes out as one call, checked like a whole reply's, or as content.
 
-    def __init__(self) -> None:
+    Holding the block is what keeps a stream and a whole reply the same: whether a block is a
+    call (an offered function, arguments a strict JSON object) is only known at its end, and a
+    call's name or arguments, once sent, cannot be taken back.
+    """
+
+    def __init__(self, parser: HermesToolParser) -> None:
+        self._parser = parser
         self._buffer = ""  # text not yet classified (a possible tag start, or an open block)
         self._in_block = False
+        self._searched = 0  # how much of an open block's buffer has no end tag in it
         self._index = -1
-        self._head_end: int | None = None  # where the arguments start in the open block
-        self._sent_args = 0
 
     def feed(self, text: str) -> StreamDelta:
         self._buffer += text
@@ -128,23 +172,24 @@ class HermesToolStream:
                     return out
                 out.content += self._buffer[:start]
                 self._buffer = self._buffer[start + len(HermesToolParser.START) :]
-                self._in_block, self._head_end, self._sent_args = True, None, 0
-                self._index += 1
-            end = self._buffer.find(HermesToolParser.END)
-            body = self._buffer if end < 0 else self._buffer[:end]
-            out.tool_calls.extend(self._block_progress(body, closed=end >= 0))
+                self._in_block, self._searched = True, 0
+            # Search only the new text (and a tag's length before it): a long block is not
+            # searched again from its start on every token.
+            end = self._buffer.find(HermesToolParser.END, self._searched)
             if end < 0:
+                self._searched = max(len(self._buffer) - len(HermesToolParser.END) + 1, 0)
                 return out
+            out.extend(self._close_block(self._buffer[:end], HermesToolParser.END))
             self._buffer = self._buffer[end + len(HermesToolParser.END) :]
             self._in_block = False
 
     def finish(self) -> StreamDelta:
-        """The end of the reply: an unclosed block is completed as if its end tag came."""
-        out = StreamDelta()
+        """The end of the reply: an unclosed block is checked as if its end tag came (as the
+        whole-reply parser reads it)."""
         if self._in_block:
-            out.tool_calls.extend(self._block_progress(self._buffer, closed=True))
+            out = self._close_block(self._buffer, "")
         else:
-            out.content = self._buffer
+            out = StreamDelta(content=self._buffer)
         self._buffer, self._in_block = "", False
         return out
 
@@ -152,59 +197,44 @@ class HermesToolStream:
     def num_calls(self) -> int:
         return self._index + 1
 
-    def _block_progress(self, body: str, closed: bool) -> list[ToolCallDelta]:
-        deltas: list[ToolCallDelta] = []
-        if self._head_end is None:
-            head = _HERMES_HEAD.match(body)
-            if head is None:
-                if not closed:
-                    return deltas
-                # Another key order, or no arguments key: parse the whole block at its end.
-                try:
-                    call = _as_call(json.loads(body), "arguments")
-                except ValueError:
-                    call = None
-                if call is not None:
-                    deltas.append(ToolCallDelta(self._index, tool_call_id(), call.name))
-                    deltas.append(ToolCallDelta(self._index, arguments=call.arguments))
-                return deltas
-            self._head_end = head.end()
-            name = json.loads(f'"{head.group(1)}"')
-            deltas.append(ToolCallDelta(self._index, tool_call_id(), name))
-        args = body[self._head_end :]
-        if closed:
-            args = args.rstrip()
-            args = args[:-1].rstrip() if args.endswith("}") else args  # the block's own brace
-        else:
-            args = args[: len(args) - _held_prefix(args, HermesToolParser.END)].rstrip()
-            if args.endswith("}"):  # maybe the block's own closing brace: not yet known
-                args = args[:-1]
-        if len(args) > self._sent_args:
-            deltas.append(ToolCallDelta(self._index, arguments=args[self._sent_args :]))
-            self._sent_args = len(args)
-        return deltas
+    def _close_block(self, body: str, end_tag: str) -> StreamDelta:
+        call = self._parser.block_call(body)
+        if call is None:  # the block as the model wrote it, tags included
+            return StreamDelta(content=HermesToolParser.START + body + end_tag)
+        self._index += 1
+        return StreamDelta(
+            tool_calls=[
+                ToolCallDelta(self._index, call.id, call.name),
+                ToolCallDelta(self._index, arguments=call.arguments),
+            ]
+        )
 
 
 class Llama3JsonToolParser:
     """Llama 3.1+'s JSON calls: `{"name": ..., "parameters": {...}}`, optionally after
-    `<|python_tag|>`, several separated by `;`. A reply is a call only if it starts as one."""
+    `<|python_tag|>`, several separated by `;`. A reply is calls only if it starts as one and
+    every part is a call to a function in `tool_names` (None: any name) with strict JSON
+    arguments at most MAX_JSON_DEPTH deep; otherwise it is all text."""
 
     TAG = "<|python_tag|>"
+
+    def __init__(self, tool_names: Collection[str] | None = None) -> None:
+        self.tool_names = None if tool_names is None else frozenset(tool_names)
 
     def parse(self, text: str) -> ParsedReply:
         body = text.strip()
         if body.startswith(self.TAG):
             body = body[len(self.TAG) :].lstrip()
-        if not body.startswith("{"):
+        if not body.startswith("{") or text_depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
             return ParsedReply(text)
         calls: list[ParsedToolCall] = []
-        decoder, pos = json.JSONDecoder(), 0
+        pos = 0
         while pos < len(body):
             try:
-                obj, pos = decoder.raw_decode(body, pos)
+                obj, pos = STRICT_DECODER.raw_decode(body, pos)
             except ValueError:
                 return ParsedReply(text)
-            call = _as_call(obj, "parameters")
+            call = _as_call(obj, "parameters", self.tool_names)
             if call is None:
                 return ParsedReply(text)
             calls.append(call)
@@ -257,11 +287,15 @@ class Llama3JsonToolStream:
         return out
 
 
-def get_tool_parser(name: str) -> HermesToolParser | Llama3JsonToolParser:
+def get_tool_parser(
+    name: str, tool_names: Collection[str] | None = None
+) -> HermesToolParser | Llama3JsonToolParser:
+    """The parser `name`; calls to functions outside `tool_names` (the request's tools; None:
+    any name) stay text."""
     if name == "hermes":
-        return HermesToolParser()
+        return HermesToolParser(tool_names)
     if name == "llama3_json":
-        return Llama3JsonToolParser()
+        return Llama3JsonToolParser(tool_names)
     raise ValueError(
         f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {name!r}"
     )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import json
 import math
 import time
 from collections.abc import AsyncIterator
@@ -16,6 +15,7 @@ from starlette.responses import Response
 from hybridllm.entrypoints.openai.async_engine import RequestStream
 from hybridllm.entrypoints.openai.chat_parsing import ChatParsing, ReplyParser
 from hybridllm.entrypoints.openai.errors import OpenAIError, request_id_of
+from hybridllm.entrypoints.openai.json_limits import loads_strict
 from hybridllm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -150,7 +150,9 @@ class OpenAIServingChat(OpenAIServing):
                 [(t.function.name, t.function.parameters) for t in tools], named=mode == "named"
             )
             params = self.tool_choice_enforcer(constraint, params)
-        return ReplyParser(self.parsing, mode, constraint), params
+        # A parsed call to a function the request did not offer stays text.
+        names = [t.function.name for t in request.tools or []]
+        return ReplyParser(self.parsing, mode, constraint, tool_names=names), params
 
     @staticmethod
     def _call_source(request: ChatCompletionRequest) -> str:
@@ -369,16 +371,18 @@ def _template_turn(index: int, message: Any) -> dict[str, Any]:
             )
         calls = []
         for j, call in enumerate(message.tool_calls):
+            field = f"messages[{index}].tool_calls[{j}].function.arguments"
+            param = f"messages.{index}.tool_calls.{j}.function.arguments"
             try:
-                arguments = json.loads(call.function.arguments)
-            except ValueError:
-                arguments = None
-            if not isinstance(arguments, dict):
+                # Depth-checked before parsing: json.loads recurses once per level, and a deep
+                # text ran it out of stack (a 500); NaN and Infinity are not JSON either.
+                arguments = loads_strict(call.function.arguments)
+            except ValueError as exc:
                 raise OpenAIError(
-                    f"messages[{index}].tool_calls[{j}].function.arguments must be a JSON object "
-                    "as text",
-                    param=f"messages.{index}.tool_calls.{j}.function.arguments",
+                    f"{field} must be a JSON object as text: {exc}", param=param
                 ) from None
+            if not isinstance(arguments, dict):
+                raise OpenAIError(f"{field} must be a JSON object as text", param=param)
             calls.append(
                 {
                     "id": call.id,

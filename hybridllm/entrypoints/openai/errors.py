@@ -160,6 +160,11 @@ def install_error_handlers(app: FastAPI) -> None:
         elif exc.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"
             code = "method_not_allowed"
+        elif isinstance(exc.__cause__, RecursionError):
+            # FastAPI's json.loads of a body nested past Python's stack: its own message ("There
+            # was an error parsing the body") does not say why.
+            message = "malformed JSON body: nested too deep to parse"
+            code = None
         else:
             message = str(exc.detail) or HTTPStatus(exc.status_code).phrase
             code = None

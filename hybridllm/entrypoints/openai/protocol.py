@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, model_serializer
 
 from hybridllm.entrypoints.openai.errors import OpenAIError, from_value_error
+from hybridllm.entrypoints.openai.json_limits import check_value_depth
 from hybridllm.entrypoints.openai.structured_outputs import structured_outputs_of
 from hybridllm.sampling_params import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs; also bounds the completions `logprobs`
 MAX_N = 128  # more samples than this per request is a mistake, not a workload
+
+
+# Token ids are JSON integers: pydantic's lax mode would also take 1.0, true and "1" as ids.
+TokenIds = list[StrictInt]
+# A logit_bias key: a token id in decimal (int() alone would take " 1", "+1", "1_0" and other
+# scripts' digits); 100 digits keep int() far from its 4300-digit limit.
+_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,99}")
+# A free-form JSON object from the client (schemas, template kwargs): the code that walks it
+# (schema compilers, json.dumps, templates) recurses per level, so its depth is bounded here.
+JSONObject = Annotated[dict[str, Any], AfterValidator(check_value_depth)]
 
 
 def random_id(prefix: str) -> str:
@@ -51,14 +63,14 @@ class SamplingRequest(OpenAIBaseModel):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: TokenIds | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Structured outputs (entrypoints/openai/structured_outputs.py): OpenAI's response_format
     # ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}) and
     # vLLM's extension {"json" | "regex" | "choice" | "grammar": ...}.
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
+    response_format: JSONObject | None = None
+    structured_outputs: JSONObject | None = None
 
     def _sampling_params(
         self,
@@ -110,12 +122,13 @@ class SamplingRequest(OpenAIBaseModel):
             return None
         bias: dict[int, float] = {}
         for key, value in self.logit_bias.items():
-            try:
-                token_id = int(key)
-            except ValueError:
+            if not _TOKEN_ID_KEY.fullmatch(key):
+                shown = key if len(key) <= 40 else key[:40] + "..."
                 raise OpenAIError(
-                    f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
-                ) from None
+                    f"logit_bias keys must be token ids in decimal, got {shown!r}",
+                    param="logit_bias",
+                )
+            token_id = int(key)
             if not 0 <= token_id < vocab_size:
                 raise OpenAIError(
                     f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})",
@@ -134,7 +147,7 @@ class SamplingRequest(OpenAIBaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: list[int] | list[list[int]] | str | list[str]
+    prompt: TokenIds | list[TokenIds] | str | list[str]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -163,7 +176,7 @@ MAX_TOOLS = 128  # far more than any model follows; a bound on template work per
 class FunctionDefinition(OpenAIBaseModel):
     name: str = Field(pattern=FUNCTION_NAME_PATTERN)
     description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object
+    parameters: JSONObject | None = None  # a JSON Schema of the arguments object
     strict: bool | None = None
 
 
@@ -215,7 +228,7 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JSONObject | None = None
     # A Jinja template replacing the model's (vLLM's extension); refused with a 400 unless the
     # server runs with --trust-request-chat-template, and sandboxed even then.
     chat_template: str | None = None
@@ -275,7 +288,7 @@ class ChatCompletionRequest(SamplingRequest):
 
 class EmbeddingRequest(OpenAIBaseModel):
     model: str | None = None
-    input: list[int] | list[list[int]] | str | list[str]
+    input: TokenIds | list[TokenIds] | str | list[str]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
@@ -444,7 +457,7 @@ class TokenizeChatRequest(OpenAIBaseModel):
     add_special_tokens: bool = False  # the template already has them
     return_token_strs: bool = False
     chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JSONObject | None = None
     tools: list[ChatTool] | None = None
 
 
@@ -457,7 +470,7 @@ class TokenizeResponse(OpenAIBaseModel):
 
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: TokenIds
 
 
 class DetokenizeResponse(OpenAIBaseModel):

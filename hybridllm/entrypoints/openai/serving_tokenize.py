@@ -22,6 +22,11 @@ from hybridllm.entrypoints.openai.serving_chat import OpenAIServingChat
 def parse_tokenize_request(body: Any) -> TokenizeChatRequest | TokenizeCompletionRequest:
     """vLLM's rule: a body with `messages` is a chat request, any other a prompt; invalid
     fields are FastAPI's validation error (a 400 naming the field), as on every endpoint."""
+    if isinstance(body, dict) and "messages" in body and "prompt" in body:
+        # Either one would be ignored silently, and the count would not be the one asked for.
+        raise OpenAIError(
+            "give either messages (a chat) or prompt (a text), not both", param="prompt"
+        )
     model = (
         TokenizeChatRequest
         if isinstance(body, dict) and "messages" in body

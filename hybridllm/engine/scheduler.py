@@ -333,7 +333,9 @@ class Scheduler:
             if grammar is not None and status is None:
                 # The matcher follows the output tokens (the mask made this one allowed).
                 if not grammar.accept(token_id):
-                    request.error = f"sampled token {token_id} does not match the grammar"
+                    # The client's grammar, not the engine, failed: a 400 / an error event.
+                    request.error = grammar.rejection(token_id)
+                    request.error_from_request = True
                     status = RequestStatus.FINISHED_ERROR
                 elif grammar.is_terminated:
                     status = RequestStatus.FINISHED_STOPPED

@@ -53,7 +53,7 @@ def to_grammar(params: StructuredOutputsParams) -> str:
     except GrammarError:
         raise
     except Exception as exc:
-        raise GrammarError(f"structured_outputs.{kind} is invalid: {_short(exc)}") from None
+        raise GrammarError(f"structured_outputs.{kind} is invalid: {short_error(exc)}") from None
 
 
 def compile_grammar(params: StructuredOutputsParams, ll_tokenizer: Any) -> Any:
@@ -66,14 +66,17 @@ def compile_grammar(params: StructuredOutputsParams, ll_tokenizer: Any) -> Any:
     matcher = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
     if matcher.is_error():
         raise GrammarError(
-            f"structured_outputs.{params.kind} cannot be used: {_short(matcher.get_error())}"
+            f"structured_outputs.{params.kind} cannot be used: {short_error(matcher.get_error())}"
         )
     return matcher
 
 
-def _short(error: object) -> str:
+def short_error(error: object) -> str:
+    """The compiler's message without what it appends (its parser state, the whole grammar,
+    a Rust backtrace), at most 500 characters."""
     text = str(error).strip()
-    # llguidance appends its parser state and the whole grammar after the first lines
-    for marker in ("\n<state>", "\n<grammar>"):
+    for marker in ("\n<state>", "\n<grammar>", "\n<backtrace>", "\nstack backtrace:"):
         text = text.split(marker)[0]
+    if text.startswith("panic: "):  # an assertion inside the compiler: a limit it has
+        text = "the grammar exceeds a limit of the grammar compiler (" + text[7:].strip() + ")"
     return text if len(text) <= 500 else text[:497] + "..."

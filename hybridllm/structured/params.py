@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -9,6 +10,8 @@ from typing import Any
 # Bounds on what one request may ask for; a grammar engine given a 10 MB schema is a DoS.
 MAX_SPEC_CHARS = 1 << 20
 MAX_CHOICES = 1024
+# Inline nesting of a schema object; the grammar compiler's own JSON reader stops at 128.
+MAX_SCHEMA_NESTING = 128
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -51,6 +54,7 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs.json_object must be true when given")
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError("structured_outputs.disable_any_whitespace must be true or false")
+        object.__setattr__(self, "_spec", self._make_spec())  # a 1 MB schema is dumped once
 
     @property
     def kind(self) -> str:
@@ -59,6 +63,22 @@ class StructuredOutputsParams:
     @property
     def spec(self) -> str:
         """The constraint as one string: with `kind`, the key of the compiled-grammar cache."""
+        return self._spec
+
+    @property
+    def schema(self) -> Any:
+        """The `json` constraint as a parsed object (None for other kinds)."""
+        if self.json is None or isinstance(self.json, dict):
+            return self.json
+        return json.loads(self.json)
+
+    @property
+    def digest(self) -> bytes:
+        """A short key for (kind, spec): caches hold this, not a spec of up to 1 MB."""
+        kind, spec = self.key
+        return hashlib.sha256(f"{kind}\0{spec}".encode("utf-8", "surrogatepass")).digest()
+
+    def _make_spec(self) -> str:
         kind = self.kind
         if kind == "json":
             return self.json if isinstance(self.json, str) else json.dumps(self.json)
@@ -100,10 +120,24 @@ def _check_choice(choice: Any) -> list[str]:
     return list(choice)
 
 
+def _check_nesting(value: Any) -> None:
+    """ValueError when objects and arrays nest deeper than MAX_SCHEMA_NESTING (no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_NESTING:
+            raise ValueError(
+                f"structured_outputs.json nests deeper than {MAX_SCHEMA_NESTING} levels"
+            )
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+
+
 def _check_schema(schema: Any) -> dict | str:
     """A schema is a JSON object (dict) or its text; booleans are refused (nothing to follow)."""
     text = schema
     if isinstance(schema, dict):
+        _check_nesting(schema)
         try:
             text = json.dumps(schema, allow_nan=False)
         except (TypeError, ValueError, RecursionError) as exc:

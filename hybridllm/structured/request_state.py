@@ -39,6 +39,15 @@ class GrammarState:
         """Advance on a sampled token; False when the grammar refuses it."""
         return self.matcher.consume_token(token_id) and not self.matcher.is_error()
 
+    def rejection(self, token_id: int) -> str:
+        """Why `accept(token_id)` said no: the grammar engine's error (a limit it reached,
+        as deep recursion in a schema does) or the token itself."""
+        if self.matcher.is_error():
+            from hybridllm.structured.backend import short_error
+
+            return f"the grammar failed while generating: {short_error(self.matcher.get_error())}"
+        return f"sampled token {token_id} does not match the grammar"
+
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and admits no more tokens: the request stops here."""

@@ -157,6 +157,9 @@ class AsyncEngine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="hybridllm-engine", daemon=True)
             self._thread.start()
+        grammars = getattr(self.engine, "structured_output", None)
+        if grammars is not None:  # a server's first constrained request should not wait
+            grammars.warm_up()  # for the compile children and the grammar tokenizer
 
     @property
     def is_healthy(self) -> bool:
@@ -171,7 +174,13 @@ class AsyncEngine:
         return len(self._streams)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Refuse new requests, let running ones finish for up to `timeout` s, abort the rest."""
+        """Refuse new requests, let running ones finish for up to `timeout` s, fail the rest
+        (a stream ends with an error event, then its end), then stop the engine thread, which
+        shuts the engine down within the executor's bound. Calling it again, or while it
+        runs, waits for the same end (the server calls it on its first exit signal, so that
+        streams end before uvicorn cuts them, and again when its lifespan ends)."""
+        from hybridllm.executor.shutdown import SHUTDOWN_BOUND_S
+
         self._accepting = False
         deadline = time.monotonic() + timeout
         while self._streams and time.monotonic() < deadline and self.is_healthy:
@@ -184,9 +193,13 @@ class AsyncEngine:
                 self._submit(_Command("stop"))
             except EngineDeadError:
                 pass
-            await asyncio.to_thread(self._thread.join, timeout)
+            # The thread ends its step, then shuts the engine down, bounded by the executor;
+            # leaving before that would let the process exit with workers and shared memory
+            # still held. 5 s more for the step in progress.
+            wait_s = SHUTDOWN_BOUND_S + 5.0
+            await asyncio.to_thread(self._thread.join, wait_s)
             if self._thread.is_alive():
-                logger.warning("engine thread did not stop within %.1f s", timeout)
+                logger.warning("engine thread did not stop within %.1f s", wait_s)
 
     # ---- requests ----
 

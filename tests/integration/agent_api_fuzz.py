@@ -1,0 +1,90 @@
+"""Hostile values, body strategies and checks shared by the Messages and Responses API fuzz tests."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+
+MODEL = "SmolLM2-135M-Instruct"
+BIG = 1 << 70
+
+
+def nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+# Values any field may get: wrong types, extremes, non-finite floats, deep nesting.
+HOSTILE = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-BIG, max_value=BIG),
+    st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 1e308, 1.5]),
+    st.text(max_size=8),
+    st.lists(st.integers(min_value=-BIG, max_value=BIG), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+    st.sampled_from([nested(70), nested(400), {"type": "object", "properties": nested(80)}]),
+)
+TEXT = st.text(min_size=1, max_size=12)
+FUNCTION_NAME = st.sampled_from(["get_weather", "f-1", "no such name!"])
+SCHEMA = st.one_of(
+    st.just({"type": "object", "properties": {"city": {"type": "string"}}}),
+    st.just({"type": "array"}),
+    st.dictionaries(st.sampled_from(["type", "properties", "required"]), HOSTILE, max_size=2),
+)
+
+FUZZ = settings(
+    max_examples=50,
+    deadline=None,
+    derandomize=True,  # the same requests every run: a failure reproduces
+    phases=(Phase.explicit, Phase.generate),  # no shrinking: a server round trip each
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    database=None,
+)
+
+
+@st.composite
+def bodies(draw, fields: dict, required: dict) -> dict:
+    """A body with a random subset of `fields` (the required ones usually present), valid in a
+    third of the bodies, else with one to three fields (present or not) made hostile."""
+    optional = {name: value for name, value in fields.items() if name not in required}
+    body = draw(st.fixed_dictionaries(required, optional=optional))
+    if draw(st.sampled_from([False, False, False, False, False, True])):
+        body.pop(draw(st.sampled_from(sorted(required))))
+    num_hostile = draw(st.sampled_from([0, 0, 1, 1, 2, 3]))
+    for name in draw(st.lists(st.sampled_from(sorted(fields)), max_size=num_hostile)):
+        body[name] = draw(HOSTILE)
+    return body
+
+
+def post(http: httpx.Client, path: str, body: dict) -> httpx.Response:
+    # json.dumps writes NaN and Infinity literals, as a hostile client may.
+    return http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+
+
+def sse_events(text: str) -> list[tuple[str, dict]]:
+    """(event name, data) of each server-sent event; name "" when the event has none."""
+    events = []
+    for block in text.split("\n\n"):
+        name, data = "", None
+        for line in block.splitlines():
+            if line.startswith("event: "):
+                name = line.removeprefix("event: ")
+            elif line.startswith("data: "):
+                data = json.loads(line.removeprefix("data: "))
+        if data is not None:
+            events.append((name, data))
+    return events
+
+
+def check_status(response: httpx.Response, body: dict) -> str:
+    """A 200 or a 4xx, never a 5xx or a dropped connection; returns a context for asserts."""
+    context = f"{response.status_code} for {body!r}: {response.text[:500]}"
+    assert response.status_code == 200 or 400 <= response.status_code < 500, context
+    return context

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Annotated, Any, Literal
 
@@ -258,6 +257,7 @@ def response_object(
     request: ResponsesRequest,
     response_id: str,
     model: str,
+    created_at: int,
     status: str,
     output: list[dict[str, Any]],
     chat_usage: dict[str, Any] | None = None,
@@ -268,7 +268,7 @@ def response_object(
     return {
         "id": response_id,
         "object": "response",
-        "created_at": int(time.time()),
+        "created_at": created_at,
         "status": status,
         "error": error,
         "incomplete_details": incomplete,

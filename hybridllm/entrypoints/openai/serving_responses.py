@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
@@ -74,7 +75,7 @@ class OpenAIServingResponses:
             if request.store:
                 self.store.put(response_id, [*conversation, assistant_turn(output)])
 
-        build = partial(response_object, request, response_id, model)
+        build = partial(response_object, request, response_id, model, int(time.time()))
         if request.stream:
             events = partial(response_events, build=build, finish=finish)
             return await chat_bridge.stream(self.chat, chat_request, raw, events)

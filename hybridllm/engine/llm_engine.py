@@ -338,11 +338,15 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
+        """Stop the workers (within the executor's shutdown bound), then the grammar compiler."""
         if self._closed:
             return
         self._closed = True
-        self.structured_output.shutdown()
-        self.executor.shutdown()
+        try:
+            # first: worker processes and shared memory outlive us if this is cut short
+            self.executor.shutdown()
+        finally:
+            self.structured_output.shutdown()
 
 
 def _pipelined(call: Any, *args: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import shutil
@@ -14,10 +15,15 @@ from multiprocessing.connection import wait
 from hybridllm.config import EngineConfig
 from hybridllm.distributed.message_queue import MessageQueue, cleanup_stale_socket_dirs
 from hybridllm.distributed.shm_segment import cleanup_stale_segments
-from hybridllm.executor.queue_executor import SHUTDOWN_TIMEOUT_S, QueueExecutor
+from hybridllm.executor.queue_executor import QueueExecutor
+from hybridllm.executor.shutdown import Deadline
 from hybridllm.worker.worker_process import WorkerProcessArgs, run_worker
 
+logger = logging.getLogger(__name__)
+
 _STARTUP_TIMEOUT_S = 600.0  # spawn + torch import + communicator set-up, on a slow machine
+_TERMINATE_S = 1.0  # SIGTERM ends a worker at once unless it is stopped or deep in the kernel
+_KILL_S = 1.0  # SIGKILL cannot be caught: this is for the kernel to reap it
 
 
 class MultiprocExecutor(QueueExecutor):
@@ -49,6 +55,7 @@ class MultiprocExecutor(QueueExecutor):
         cleanup_stale_segments()  # leftovers of an earlier run killed by a signal
         cleanup_stale_socket_dirs()
         self._broadcast = MessageQueue(plan.world_size, max_chunks=plan.pipeline_parallel_size + 4)
+        self._shut_down_at_exit()
         try:
             self._connect(self._start_workers(show_progress))
         except BaseException:
@@ -151,21 +158,25 @@ class MultiprocExecutor(QueueExecutor):
     def _started(self) -> bool:
         return bool(self._procs)
 
-    def _stop_workers(self, graceful: bool) -> None:
-        """Join (or stop) every worker process."""
-        deadline = time.monotonic() + (SHUTDOWN_TIMEOUT_S if graceful else 0.0)
-        for proc in self._procs:
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in self._procs:
-            proc.join(timeout=1.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=1.0)
+    def _stop_workers(self, grace: Deadline | None, deadline: Deadline) -> None:
+        """Join every worker process (until `grace`), then terminate, then kill what is left.
 
-    def _after_teardown(self) -> None:
+        A worker that is stopped (SIGSTOP), stuck in a collective with a dead peer or busy in
+        a long step never reads "shutdown": the signals reach it anyway. They are sent even
+        when the deadline is spent; only the waits for them are bounded.
+        """
+        left = _join_all(self._procs, grace or deadline.within(0.0))
+        for proc in left:
+            proc.terminate()
+        left = _join_all(left, deadline.within(_TERMINATE_S))
+        for proc in left:
+            proc.kill()
+        left = _join_all(left, deadline.within(_KILL_S))
+        if left:
+            names = ", ".join(self._describe(self._procs.index(p)) for p in left)
+            logger.warning("worker process(es) not gone after SIGKILL: %s", names)
+
+    def _after_teardown(self, deadline: Deadline) -> None:
         # Workers stopped by a signal could not unlink their own segments or socket dirs.
         cleanup_stale_segments()
         cleanup_stale_socket_dirs()
@@ -186,6 +197,17 @@ _MAIN_GUARD_ADVICE = (
     "again in every worker: the script that creates the engine must guard its top-level "
     'code with `if __name__ == "__main__":` (put the LLM(...) call and what uses it under it).'
 )
+
+
+def _join_all(
+    procs: list[multiprocessing.process.BaseProcess], deadline: Deadline
+) -> list[multiprocessing.process.BaseProcess]:
+    """Wait until every process in `procs` has exited or `deadline` passes; those still alive."""
+    alive = [p for p in procs if p.is_alive()]
+    while alive and not deadline.expired():
+        wait([p.sentinel for p in alive], deadline.remaining())
+        alive = [p for p in alive if p.is_alive()]  # is_alive reaps an exited one
+    return alive
 
 
 def _main_script() -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import signal
 import time
@@ -12,12 +13,12 @@ from hybridllm.config import EngineConfig
 from hybridllm.distributed.message_queue import MessageQueue, WriterDiedError
 from hybridllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from hybridllm.executor.executor import EngineDeadError, Executor
+from hybridllm.executor.shutdown import GRACEFUL_S, SHUTDOWN_BOUND_S, Deadline
 from hybridllm.worker.worker_process import EXIT_FAILED, EXIT_PEER_DIED
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.1  # how often a waiting engine checks that every worker still lives
-SHUTDOWN_TIMEOUT_S = 5.0  # graceful exit before the workers are stopped by force
 
 
 class QueueExecutor(Executor):
@@ -31,6 +32,10 @@ class QueueExecutor(Executor):
     Subclasses start the workers and say whether they still run (`_exited`); a worker
     that stops turns the next wait into an EngineDeadError naming it, within about
     `POLL_S`, and the rest are then stopped and everything is freed.
+
+    Shutdown (and the teardown after a death) finishes within `SHUTDOWN_BOUND_S`: every wait
+    in it takes its share of one deadline, workers get `GRACEFUL_S` of it to stop by
+    themselves and are then stopped by force.
     """
 
     def __init__(self, config: EngineConfig):
@@ -53,8 +58,9 @@ class QueueExecutor(Executor):
         """Workers that no longer run: rank -> exit code, or a text saying how it died."""
 
     @abstractmethod
-    def _stop_workers(self, graceful: bool) -> None:
-        """Wait for (graceful) or stop every worker; then free what they left behind."""
+    def _stop_workers(self, grace: Deadline | None, deadline: Deadline) -> None:
+        """Let every worker stop by itself until `grace` (None: no grace), then stop the rest;
+        all by `deadline`."""
 
     @abstractmethod
     def _describe(self, rank: int) -> str:
@@ -182,35 +188,56 @@ class QueueExecutor(Executor):
         lines += [reported[r][1].rstrip() for r in causes if r in reported]
         self._dead = EngineDeadError("engine is dead: " + "\n".join(lines))
         logger.error("%s", self._dead)
-        self._teardown(graceful=False)
+        self._teardown(grace=None)
         return self._dead
 
     def shutdown(self) -> None:
         if self._closed:
             return
-        graceful = self._dead is None and self._broadcast is not None and self._started()
-        if graceful:
+        deadline = Deadline(SHUTDOWN_BOUND_S)
+        grace: Deadline | None = deadline.within(GRACEFUL_S)
+        if self._dead is None and self._broadcast is not None and self._started():
             try:
-                self._broadcast.enqueue(("shutdown",), timeout=SHUTDOWN_TIMEOUT_S)
+                # A full ring whose readers are alive but not reading waits; a dead reader
+                # ends the wait at once (ReaderDiedError).
+                self._broadcast.enqueue(("shutdown",), timeout=grace.remaining())
             except (TimeoutError, RuntimeError):
-                graceful = False
-        self._teardown(graceful)
+                grace = None
+        else:
+            grace = None
+        self._teardown(grace, deadline)
 
     def _started(self) -> bool:
         """Whether any worker was started (a shutdown message has someone to reach)."""
         return True
 
-    def _teardown(self, graceful: bool) -> None:
-        """Stop every worker, close every queue end, free what is left."""
-        self._closed = True
-        self._stop_workers(graceful)
-        for queue in [*self._responses, self._output, self._broadcast]:
-            if queue is not None:
-                queue.close()
-        self._after_teardown()
+    def _shut_down_at_exit(self) -> None:
+        """Shut down at interpreter exit before the exit hooks registered so far run.
 
-    def _after_teardown(self) -> None:
-        """Free what only exists once the queues are closed (subclasses)."""
+        Called once whatever starts the workers is imported: exit hooks run last registered
+        first, and those of that machinery must come after this one (multiprocessing's joins
+        its children without a timeout; Ray's disconnects, after which a Ray call would start
+        a new connection, to a cluster that may be gone). The registration holds the executor
+        until it is shut down, which its owner does (the engine, an LLM's finalizer).
+        """
+        atexit.register(self.shutdown)
+
+    def _teardown(self, grace: Deadline | None, deadline: Deadline | None = None) -> None:
+        """Stop every worker (after `grace`, if any), close every queue end, free what is
+        left; by `deadline`."""
+        deadline = deadline or Deadline(SHUTDOWN_BOUND_S)
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        try:
+            self._stop_workers(grace, deadline)
+        finally:
+            for queue in [*self._responses, self._output, self._broadcast]:
+                if queue is not None:
+                    queue.close()
+            self._after_teardown(deadline)
+
+    def _after_teardown(self, deadline: Deadline) -> None:
+        """Free what only exists once the queues are closed (subclasses), by `deadline`."""
 
 
 def exit_reason(code: int | str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from typing import Any
 
 from hybridllm.plan.cluster import ClusterNode
@@ -38,6 +39,34 @@ def connect(address: str | None = None) -> Any:
         # log_to_driver: the workers' logs (and tracebacks) show in the engine's output
         ray.init(address=address, include_dashboard=False, log_to_driver=True)
     return ray
+
+
+def gcs_address() -> str | None:
+    """host:port of the cluster's GCS, or None where Ray does not say (Ray Client)."""
+    try:
+        return import_ray().get_runtime_context().gcs_address
+    except Exception:  # Ray Client's context has no GCS client
+        return None
+
+
+def gcs_reachable(address: str | None, timeout: float) -> bool:
+    """Whether the GCS at `address` accepts a TCP connection within `timeout` seconds.
+
+    A cheap look before Ray calls that go through the GCS (killing an actor, removing a
+    placement group, starting a task): with the GCS gone they wait for it to come back, up to
+    a minute, and then Ray ends the process. An address that cannot be read counts as
+    reachable, leaving it to the call's own bound.
+    """
+    if address is None:
+        return True
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except ValueError:
+        return True
+    except OSError:
+        return False
 
 
 def engine_node_id() -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from hybridllm.config import EngineConfig
@@ -11,15 +12,22 @@ from hybridllm.distributed.auth_store import StoreServer
 from hybridllm.distributed.message_queue import MessageQueue, cleanup_stale_socket_dirs
 from hybridllm.distributed.shm_segment import cleanup_stale_segments
 from hybridllm.executor import ray_cluster
-from hybridllm.executor.queue_executor import SHUTDOWN_TIMEOUT_S, QueueExecutor
+from hybridllm.executor.queue_executor import QueueExecutor
 from hybridllm.executor.ray_worker import RayWorker
+from hybridllm.executor.shutdown import CallTimedOut, Deadline, call_bounded
 from hybridllm.worker.worker_process import WorkerProcessArgs
 
 logger = logging.getLogger(__name__)
 
 _PLACEMENT_TIMEOUT_S = 120.0  # the cluster may have to free (or autoscale) resources
 _STARTUP_TIMEOUT_S = 600.0
-_CLEANUP_TIMEOUT_S = 10.0
+# Shares of the shutdown bound (`Deadline`), each clipped to what is left of it.
+_PROBE_S = 1.0  # the GCS accepts a connection at once when it lives on a reachable node
+_KILL_S = 1.5  # ray.kill of every actor: a message each to the GCS
+_KILLED_S = 2.0  # a killed actor's run ends once its process is gone
+_REMOVE_PG_S = 1.5
+_CLEANUP_S = 5.0  # the sweep tasks on the other nodes: a task each
+_CLOSED = "this process's Ray connection was closed (ray.shutdown()) before the engine shut down"
 
 
 class RayExecutor(QueueExecutor):
@@ -38,6 +46,12 @@ class RayExecutor(QueueExecutor):
     A worker whose actor dies (or whose node goes) turns the next wait into an
     EngineDeadError naming it and its node; `shutdown` kills the actors, removes the
     placement group and sweeps every node the plan used.
+
+    Shutdown is bounded whatever became of the cluster: no Ray call is made once this
+    process's Ray connection is closed (it would connect anew, to a cluster that may be
+    gone), nor once the GCS accepts no connection (calls through it would wait for it to
+    come back); every other call is bounded (`call_bounded`). A cluster found unreachable is
+    reported once, with a warning; Ray frees a departed driver's actors and placement group.
     """
 
     def __init__(self, config: EngineConfig, show_progress: bool = False):
@@ -62,6 +76,9 @@ class RayExecutor(QueueExecutor):
         self._ended: dict[int, int | str] = {}
         self._pg = None
         self._store: StoreServer | None = None
+        self._gcs = ray_cluster.gcs_address()
+        self._unreachable: str | None = None  # why Ray calls are no longer made, once known
+        self._shut_down_at_exit()  # before Ray's own exit hook disconnects
         try:
             self._pg = self._place()
             remote = [r for r, n in self._node_of.items() if n != self._engine_node]
@@ -152,7 +169,11 @@ class RayExecutor(QueueExecutor):
         if not self._runs:
             return dict(self._ended)
         todo = [ref for r, ref in enumerate(self._runs) if r not in self._ended]
-        if todo:
+        if todo and not self._ray.is_initialized():
+            # Ray took the actors down with the connection; asking would connect anew
+            for rank in range(len(self._runs)):
+                self._ended.setdefault(rank, _CLOSED)
+        elif todo:
             ready, _ = self._ray.wait(todo, num_returns=len(todo), timeout=0)
             for ref in ready:
                 rank = self._runs.index(ref)
@@ -165,6 +186,8 @@ class RayExecutor(QueueExecutor):
     def _rank_alive(self, rank: int) -> bool | None:
         if not self._runs:
             return None
+        if not self._ray.is_initialized():
+            return False  # its actor went with the connection
         ready, _ = self._ray.wait([self._runs[rank]], timeout=0)
         return not ready
 
@@ -173,20 +196,39 @@ class RayExecutor(QueueExecutor):
 
     # ---- shutdown --------------------------------------------------------------------------------
 
-    def _stop_workers(self, graceful: bool) -> None:
-        """Let the workers finish (graceful), kill every actor, remove the placement group."""
-        ray = self._ray
-        if graceful and self._runs:
-            ray.wait(self._runs, num_returns=len(self._runs), timeout=SHUTDOWN_TIMEOUT_S)
-        for actor in self._actors:
-            ray.kill(actor, no_restart=True)
-        if self._runs:  # a killed actor's run ends with an error once its process is gone
-            ray.wait(self._runs, num_returns=len(self._runs), timeout=SHUTDOWN_TIMEOUT_S)
-        if self._pg is not None:
-            ray.util.remove_placement_group(self._pg)
-            self._pg = None
+    def _stop_workers(self, grace: Deadline | None, deadline: Deadline) -> None:
+        """Let the workers finish (until `grace`), kill every actor, remove the placement
+        group; each call bounded, none once the cluster is unreachable."""
+        ray, runs = self._ray, self._runs
+        if grace is not None and runs:
+            self._ray_call(
+                "waiting for the workers to stop",
+                lambda: ray.wait(runs, num_returns=len(runs), timeout=grace.remaining()),
+                deadline.remaining(grace.remaining() + _PROBE_S),
+            )
+        if self._actors:
+            actors = self._actors
 
-    def _after_teardown(self) -> None:
+            def kill() -> None:
+                for actor in actors:
+                    ray.kill(actor, no_restart=True)
+
+            if self._ray_call("killing the actors", kill, deadline.remaining(_KILL_S)) and runs:
+                # a killed actor's run ends with an error once its process is gone
+                self._ray_call(
+                    "waiting for the killed actors",
+                    lambda: ray.wait(runs, num_returns=len(runs), timeout=_KILLED_S),
+                    deadline.remaining(_KILLED_S + _PROBE_S),
+                )
+        if self._pg is not None:
+            pg, self._pg = self._pg, None
+            self._ray_call(
+                "removing the placement group",
+                lambda: ray.util.remove_placement_group(pg),
+                deadline.remaining(_REMOVE_PG_S),
+            )
+
+    def _after_teardown(self, deadline: Deadline) -> None:
         """Sweep what killed workers left: here directly, on the other nodes with a task."""
         if self._store is not None:
             self._store.close()
@@ -196,12 +238,56 @@ class RayExecutor(QueueExecutor):
         if not self._actors:
             return  # nothing ran on the other nodes
         others = {n for n in self._node_of.values() if n != self._engine_node}
-        refs = [ray_cluster.cleanup_node(n) for n in sorted(others) if n in self._addresses]
-        if refs:
-            try:
-                self._ray.get(refs, timeout=_CLEANUP_TIMEOUT_S)
-            except Exception as e:  # a dead node has nothing left to sweep, nor a /dev/shm
-                logger.warning("could not sweep every node after shutdown: %s", e)
+        nodes = [n for n in sorted(others) if n in self._addresses]
+        if nodes:
+            # a dead node has nothing left to sweep, nor a /dev/shm: its task's error is told
+            ray = self._ray
+            self._ray_call(
+                "sweeping the other nodes",
+                lambda: ray.get([ray_cluster.cleanup_node(n) for n in nodes], timeout=_CLEANUP_S),
+                deadline.remaining(_CLEANUP_S + _PROBE_S),
+            )
+
+    def _ray_call(self, what: str, call: Callable[[], Any], timeout: float) -> bool:
+        """Make one Ray call of the shutdown, within `timeout`; whether it was made and
+        returned. Skipped once the cluster is unreachable; a call that does not return in
+        time makes it so (the cluster went away under it)."""
+        if timeout <= 0:
+            logger.warning("no time left in the shutdown bound for %s", what)
+            return False
+        if self._cluster_unreachable(min(timeout, _PROBE_S)) is not None:
+            return False
+        try:
+            call_bounded(call, timeout, what)
+        except CallTimedOut:
+            self._mark_unreachable(f"{what} did not return within {timeout:.1f} s")
+            return False
+        except Exception as e:  # a RayError: the actor, task or node died under the call
+            logger.warning("%s during shutdown failed: %s", what, _first_lines(str(e), 2))
+            return False
+        return True
+
+    def _cluster_unreachable(self, probe_s: float) -> str | None:
+        """Why no Ray call can be made now without connecting anew or waiting on a GCS that
+        is gone; None while calls can be made (the GCS answered within `probe_s`)."""
+        if self._unreachable is None:
+            if not self._ray.is_initialized():
+                self._mark_unreachable(_CLOSED)
+            elif not ray_cluster.gcs_reachable(self._gcs, probe_s):
+                self._mark_unreachable(f"its GCS at {self._gcs} accepts no connection")
+        return self._unreachable
+
+    def _mark_unreachable(self, reason: str) -> None:
+        """Stop making Ray calls, and say so once."""
+        if self._unreachable is not None:
+            return
+        self._unreachable = reason
+        logger.warning(
+            "the Ray cluster is unreachable: %s. The engine stops without it: it does not "
+            "kill its actors, remove its placement group or sweep other nodes (Ray frees a "
+            "departed driver's actors and placement groups; a node that went down took them).",
+            reason,
+        )
 
     def _describe(self, rank: int) -> str:
         p = self._placements[rank]

@@ -14,15 +14,12 @@ import anthropic
 import httpx
 import pytest
 from hypothesis import given
-from hypothesis import strategies as st
 
 from tests.integration.agent_api_fuzz import (
-    FUNCTION_NAME,
+    CITY_SCHEMA,
     FUZZ,
-    HOSTILE,
+    MESSAGES_FIELDS,
     MODEL,
-    SCHEMA,
-    TEXT,
     bodies,
     check_status,
     post,
@@ -37,12 +34,7 @@ GREEDY = {"temperature": 0}  # this client version has no sampling arguments: ex
 WEATHER = {
     "name": "get_weather",
     "description": "Current weather of a city",
-    "input_schema": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-        "additionalProperties": False,
-    },
+    "input_schema": CITY_SCHEMA,
 }
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 STEER = f"Repeat this text exactly and write nothing else:\n{CALL}"
@@ -66,18 +58,15 @@ def http(server):
         yield c
 
 
-def chat_reply(http: httpx.Client, messages: list[dict], max_tokens: int) -> dict:
-    body = {"messages": messages, "max_tokens": max_tokens, **GREEDY}
-    return http.post("/v1/chat/completions", json=body).raise_for_status().json()
-
-
 def test_create_matches_the_chat_completion(client, http):
     system = [{"type": "text", "text": "You are terse."}]
     messages = [{"role": "user", "content": [{"type": "text", "text": "Name a color."}]}]
     reply = client.messages.create(
         model=MODEL, max_tokens=6, system=system, messages=messages, extra_body=GREEDY
     )
-    chat = chat_reply(http, [{"role": "system", "content": "You are terse."}, *messages], 6)
+    history = [{"role": "system", "content": "You are terse."}, *messages]
+    body = {"messages": history, "max_tokens": 6, **GREEDY}
+    chat = http.post("/v1/chat/completions", json=body).raise_for_status().json()
     assert reply.type == "message" and reply.role == "assistant" and reply.id.startswith("msg_")
     assert [block.type for block in reply.content] == ["text"]
     assert reply.content[0].text == chat["choices"][0]["message"]["content"]
@@ -110,7 +99,7 @@ def test_streams_match_the_whole_reply(client):
     assert "".join(pieces) == final.content[0].text == whole.content[0].text
     assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 8
     assert final.usage.input_tokens == whole.usage.input_tokens
-    events = [event.type for event in client.messages.create(**kwargs, stream=True)]
+    events = [e.type for e in client.messages.create(**kwargs, stream=True, extra_body=GREEDY)]
     assert events[:2] == ["message_start", "content_block_start"]
     assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert set(events[2:-3]) == {"content_block_delta"}
@@ -227,38 +216,30 @@ def test_the_api_key_is_required(server):
 
 
 OK_MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+def bad(**fields) -> dict:
+    """A good body with `fields` changed (a None value: left out)."""
+    body = {"model": MODEL, "max_tokens": 2, "messages": OK_MESSAGES, **fields}
+    return {key: value for key, value in body.items() if value is not None}
+
+
 BAD_BODIES = [
-    {"model": MODEL, "messages": OK_MESSAGES},  # no max_tokens
-    {"model": MODEL, "max_tokens": 2, "messages": [{"role": "system", "content": "x"}]},
-    {"model": MODEL, "max_tokens": 2, "messages": [{"role": "tool", "content": "x"}]},
-    {"model": MODEL, "max_tokens": 1.5, "messages": OK_MESSAGES},
-    {"model": MODEL, "max_tokens": "8", "messages": OK_MESSAGES},
-    {"model": MODEL, "max_tokens": 0, "messages": OK_MESSAGES},
-    {"model": MODEL, "max_tokens": 10**30, "messages": OK_MESSAGES},
-    {"model": MODEL, "max_tokens": 2, "messages": []},
-    {
-        "model": MODEL,
-        "max_tokens": 2,
-        "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}],
-    },
-    {
-        "model": MODEL,
-        "max_tokens": 2,
-        "messages": [
-            {"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}
-        ],
-    },
-    {"model": MODEL, "max_tokens": 2, "messages": OK_MESSAGES, "tools": [{"name": "bad name!"}]},
-    {
-        "model": MODEL,
-        "max_tokens": 2,
-        "messages": OK_MESSAGES,
-        "tools": [WEATHER],
-        "tool_choice": {"type": "tool", "name": "nope"},
-    },
-    {"model": MODEL, "max_tokens": 2, "messages": OK_MESSAGES, "metadata": {"user_id": [[[[1]]]]}},
-    {"model": MODEL, "max_tokens": 2, "messages": OK_MESSAGES, "temperature": -1},
-    {"model": MODEL, "max_tokens": 2, "messages": OK_MESSAGES, "stop_sequences": ["x"] * 100},
+    bad(max_tokens=None),
+    bad(messages=[{"role": "system", "content": "x"}]),
+    bad(messages=[{"role": "tool", "content": "x"}]),
+    bad(max_tokens=1.5),
+    bad(max_tokens="8"),
+    bad(max_tokens=0),
+    bad(max_tokens=10**30),
+    bad(messages=[]),
+    bad(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]),
+    bad(messages=[{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]),
+    bad(tools=[{"name": "bad name!"}]),
+    bad(tools=[WEATHER], tool_choice={"type": "tool", "name": "nope"}),
+    bad(metadata={"user_id": [[[[1]]]]}),
+    bad(temperature=-1),
+    bad(stop_sequences=["x"] * 100),
 ]
 RAW_BAD_BODIES = [
     '{"model": "m", "max_tokens": 2, "messages": ' + "[" * 100_000 + "]" * 100_000 + "}",
@@ -270,15 +251,12 @@ RAW_BAD_BODIES = [
 
 
 def test_bad_inputs_are_400s_in_anthropics_shape(server, client, http):
-    for body in [*BAD_BODIES, *RAW_BAD_BODIES]:
-        if isinstance(body, str):
-            response = http.post("/v1/messages", content=body)
-        else:
-            response = http.post("/v1/messages", json=body)
-        assert response.status_code == 400, (
-            body if isinstance(body, dict) else body[:80],
-            response.text,
-        )
+    cases = [("/v1/messages", body) for body in BAD_BODIES + RAW_BAD_BODIES]
+    cases.append(("/v1/messages/count_tokens", {"model": MODEL}))
+    for path, body in cases:
+        raw = isinstance(body, str)
+        response = http.post(path, **({"content": body} if raw else {"json": body}))
+        assert response.status_code == 400, (str(body)[:80], response.text)
         error = response.json()
         assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
         assert isinstance(error["error"]["message"], str) and error["error"]["message"]
@@ -292,63 +270,6 @@ def test_bad_inputs_are_400s_in_anthropics_shape(server, client, http):
     # The server still serves.
     reply = client.messages.create(model=MODEL, max_tokens=2, messages=OK_MESSAGES)
     assert reply.usage.output_tokens >= 1
-
-
-TEXT_BLOCK = st.fixed_dictionaries({"type": st.just("text"), "text": TEXT})
-BLOCK = st.one_of(
-    TEXT_BLOCK,
-    st.fixed_dictionaries(
-        {
-            "type": st.just("tool_use"),
-            "id": TEXT,
-            "name": FUNCTION_NAME,
-            "input": st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
-        }
-    ),
-    st.fixed_dictionaries(
-        {
-            "type": st.just("tool_result"),
-            "tool_use_id": TEXT,
-            "content": st.one_of(TEXT, st.lists(TEXT_BLOCK, max_size=2)),
-        },
-        optional={"is_error": st.booleans()},
-    ),
-    st.fixed_dictionaries({"type": st.just("thinking"), "thinking": TEXT, "signature": TEXT}),
-    st.fixed_dictionaries({"type": st.sampled_from(["image", "document", ""]), "source": HOSTILE}),
-    HOSTILE,
-)
-MESSAGES_FIELDS = {
-    "model": st.just(MODEL),
-    "max_tokens": st.integers(min_value=1, max_value=4),
-    "messages": st.lists(
-        st.fixed_dictionaries(
-            {
-                "role": st.sampled_from(["user", "assistant", "user", "system"]),
-                "content": st.one_of(TEXT, st.lists(BLOCK, max_size=3)),
-            }
-        ),
-        min_size=1,
-        max_size=3,
-    ),
-    "system": st.one_of(TEXT, st.lists(TEXT_BLOCK, max_size=2)),
-    "stop_sequences": st.lists(TEXT, max_size=3),
-    "temperature": st.floats(min_value=0, max_value=1),
-    "top_p": st.floats(min_value=0.01, max_value=1),
-    "top_k": st.integers(min_value=0, max_value=50),
-    "metadata": st.fixed_dictionaries({"user_id": TEXT}),
-    "tools": st.lists(
-        st.fixed_dictionaries(
-            {"name": FUNCTION_NAME, "input_schema": SCHEMA},
-            optional={"description": TEXT, "type": st.sampled_from(["custom", "bash_20250124"])},
-        ),
-        max_size=2,
-    ),
-    "tool_choice": st.one_of(
-        st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "none"])}),
-        st.fixed_dictionaries({"type": st.just("tool"), "name": FUNCTION_NAME}),
-    ),
-    "stream": st.booleans(),
-}
 
 
 def test_fuzzed_messages_never_fail_the_server(client, http):

@@ -12,18 +12,15 @@ import httpx
 import openai
 import pytest
 from hypothesis import given
-from hypothesis import strategies as st
 
 from tests.integration.agent_api_fuzz import (
-    FUNCTION_NAME,
+    CITY_SCHEMA,
     FUZZ,
-    HOSTILE,
     MODEL,
-    SCHEMA,
-    TEXT,
     bodies,
     check_status,
     post,
+    responses_fields,
     sse_events,
 )
 from tests.integration.openai_server import RemoteServer
@@ -34,12 +31,7 @@ WEATHER = {
     "type": "function",
     "name": "get_weather",
     "description": "Current weather of a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-        "additionalProperties": False,
-    },
+    "parameters": CITY_SCHEMA,
 }
 
 
@@ -226,71 +218,9 @@ def test_malformed_and_deep_bodies_are_400s(http, raw):
     assert response.status_code == 400 and response.json()["error"]["message"], response.text
 
 
-PART = st.fixed_dictionaries(
-    {"type": st.sampled_from(["input_text", "output_text", "input_image"]), "text": TEXT}
-)
-ITEM = st.one_of(
-    st.fixed_dictionaries(
-        {
-            "role": st.sampled_from(["user", "assistant", "system", "developer", "tool"]),
-            "content": st.one_of(TEXT, st.lists(PART, max_size=2)),
-        },
-        optional={"type": st.just("message")},
-    ),
-    st.fixed_dictionaries(
-        {
-            "type": st.just("function_call"),
-            "call_id": TEXT,
-            "name": FUNCTION_NAME,
-            "arguments": st.sampled_from(['{"city": "Paris"}', "{bad", "[1]"]),
-        }
-    ),
-    st.fixed_dictionaries(
-        {"type": st.just("function_call_output"), "call_id": TEXT, "output": TEXT}
-    ),
-    st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "item_reference"]), "id": TEXT}),
-    HOSTILE,
-)
-TEXT_FORMAT = st.sampled_from(
-    [
-        {"type": "text"},
-        {"type": "json_object"},
-        {"type": "json_schema", "name": "x", "schema": {"type": "object"}},
-        {"type": "json_schema", "schema": {"type": "nonsense"}},
-    ]
-)
-
-
 def test_fuzzed_responses_never_fail_the_server(client, http):
     stored = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1).id
-    fields = {
-        "model": st.just(MODEL),
-        "input": st.one_of(TEXT, st.lists(ITEM, max_size=3)),
-        "instructions": TEXT,
-        "max_output_tokens": st.integers(min_value=1, max_value=4),
-        "temperature": st.floats(min_value=0, max_value=2),
-        "top_p": st.floats(min_value=0.01, max_value=1),
-        "tools": st.lists(
-            st.fixed_dictionaries(
-                {
-                    "type": st.sampled_from(["function", "function", "web_search"]),
-                    "name": FUNCTION_NAME,
-                },
-                optional={"description": TEXT, "parameters": SCHEMA, "strict": st.booleans()},
-            ),
-            max_size=2,
-        ),
-        "tool_choice": st.one_of(
-            st.sampled_from(["none", "auto", "required"]),
-            st.fixed_dictionaries({"type": st.just("function"), "name": FUNCTION_NAME}),
-        ),
-        "text": st.fixed_dictionaries({"format": TEXT_FORMAT}),
-        "stream": st.booleans(),
-        "store": st.booleans(),
-        "previous_response_id": st.sampled_from([stored, "resp_unknown"]),
-        "metadata": st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2),
-        "parallel_tool_calls": st.booleans(),
-    }
+    fields = responses_fields(stored)
     statuses: dict[int, int] = {}
 
     @FUZZ

@@ -23,7 +23,9 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, "
         "/v1/chat/completions, /v1/embeddings, /v1/models, /health, /metrics, /version. "
-        "SIGINT/SIGTERM finish running requests (up to --shutdown-timeout) and exit.",
+        "SIGINT/SIGTERM give running requests up to --shutdown-timeout to finish, fail the "
+        "rest (a stream gets an error event, then its end) and exit once the workers are "
+        "stopped.",
     )
     add_model_arg(parser)
     add_server_cli_args(parser)

@@ -54,6 +54,7 @@ from hybridllm.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 logger = logging.getLogger(__name__)
 
 EXIT_ENGINE_FAILED = 3  # the engine died while serving (a worker died, a device error)
+_ANSWER_MARGIN_S = 5.0  # after the drain, for failed requests' answers to go out
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024  # a full 128k-token prompt as JSON fits with room
 _DEFAULT_LIMITS = RequestLimits()
 
@@ -426,7 +427,11 @@ def warn_if_exposed(options: ServerOptions) -> None:
 
 
 def run_server(args: argparse.Namespace) -> None:
-    """Load the engine, then serve until SIGINT/SIGTERM (uvicorn drains, then the lifespan ends)."""
+    """Load the engine, then serve until SIGINT/SIGTERM: running requests get
+    `shutdown_timeout` to finish, the rest are failed with an answer, and the engine stops
+    within its shutdown bound (workers and shared memory freed) before the process exits."""
+    import asyncio
+
     import uvicorn
 
     from hybridllm.engine.llm_engine import LLMEngine
@@ -480,7 +485,9 @@ def run_server(args: argparse.Namespace) -> None:
         port=options.port,
         log_config=None,  # keep our logging setup
         access_log=False,  # AccessLogMiddleware writes one line per request, with latency
-        timeout_graceful_shutdown=options.shutdown_timeout,
+        # A fallback: on the first exit signal the engine drains (below) and fails what is
+        # still running by `shutdown_timeout`; the margin is for those answers to go out.
+        timeout_graceful_shutdown=options.shutdown_timeout + _ANSWER_MARGIN_S,
         lifespan="on",
         # Our h11 subclass adds the header deadline; h11 (not httptools) also bounds headers.
         http=header_timeout_protocol(options.request_read_timeout),
@@ -504,6 +511,29 @@ def run_server(args: argparse.Namespace) -> None:
         server.should_exit = True
 
     async_engine.on_fatal = exit_on_engine_failure
+    uvicorn_handle_exit = server.handle_exit
+    draining: list[asyncio.Future] = []  # holds the drain task until it ends
+
+    def handle_exit(sig: int, frame: Any) -> None:
+        # uvicorn waits for open connections before it ends the lifespan (which shuts the
+        # engine down) and cuts them mid-body when its graceful timeout runs out: drain from
+        # the first signal instead, so that running requests get `shutdown_timeout` to finish
+        # and the rest are failed with an answer (a stream's error event, then its end).
+        first = not server.should_exit
+        uvicorn_handle_exit(sig, frame)
+        if not first:
+            return
+        try:
+            loop = asyncio.get_running_loop()  # this handler runs on the loop's thread
+        except RuntimeError:
+            return  # not serving yet: uvicorn's own handling is all there is to do
+
+        def drain() -> None:
+            draining.append(asyncio.ensure_future(async_engine.shutdown(options.shutdown_timeout)))
+
+        loop.call_soon_threadsafe(drain)  # safe from a signal handler, unlike create_task
+
+    server.handle_exit = handle_exit  # uvicorn installs it as the SIGINT/SIGTERM handler
     server.run()
     if failures:
         sys.exit(EXIT_ENGINE_FAILED)

@@ -50,7 +50,9 @@ class AnthropicServingMessages:
     async def count_tokens(self, raw: Request) -> Response:
         return await self._answer(raw, self._count)
 
-    async def _answer(self, raw: Request, handler: Callable[[Request], Awaitable[Response]]):
+    async def _answer(
+        self, raw: Request, handler: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
         """Every failure in Anthropic's error shape (its client reads `error.message`)."""
         try:
             return await handler(raw)

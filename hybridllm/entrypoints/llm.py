@@ -167,7 +167,9 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def shutdown(self) -> None:
-        """Free every worker and resource; the object is unusable afterwards."""
+        """Free every worker and resource; the object is unusable afterwards. Bounded (the
+        executor's `SHUTDOWN_BOUND_S`) whatever became of the workers or a Ray cluster, as are
+        the same shutdown on garbage collection and at exit."""
         self._finalizer()
 
 

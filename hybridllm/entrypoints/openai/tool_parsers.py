@@ -75,7 +75,7 @@ def _as_call(
         return None
     try:
         arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
-    except ValueError:  # a float that is not finite
+    except ValueError:  # a non-finite float; the strict decoders refuse those already
         return None
     return ParsedToolCall(obj["name"], arguments)
 

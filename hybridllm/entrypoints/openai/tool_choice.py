@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hybridllm.entrypoints.openai.json_limits import loads_strict
 from hybridllm.entrypoints.openai.tool_parsers import (
     ParsedToolCall,
     StreamDelta,
@@ -64,8 +65,8 @@ class ToolChoiceConstraint:
     def parse(self, text: str) -> tuple[ParsedToolCall, ...]:
         """The calls in a constrained reply; () if it does not follow the schema (cut off by
         max_tokens, say), and the caller then returns the text as content."""
-        try:
-            value = json.loads(text)
+        try:  # model output: depth-bounded and strict, like every parser's (json_limits)
+            value = loads_strict(text)
         except ValueError:
             return ()
         if self.named:

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from hybridllm.entrypoints.openai.errors import OpenAIError
+from hybridllm.entrypoints.openai.json_limits import value_depth
 from hybridllm.entrypoints.openai.protocol import ChatCompletionRequest
 from hybridllm.entrypoints.openai.serving_chat import OpenAIServingChat
 
@@ -39,15 +40,8 @@ async def read_json_object(raw: Request) -> dict[str, Any]:
 
 
 def check_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> None:
-    stack = [(value, 1)]  # iterative: the check itself must not recurse
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item
-        if not isinstance(item, (dict, list)):
-            continue
-        if depth > limit:
-            raise OpenAIError(f"the request body nests deeper than {limit} levels")
-        stack.extend((child, depth + 1) for child in children)
+    if value_depth(value, limit) > limit:
+        raise OpenAIError(f"the request body nests deeper than {limit} levels")
 
 
 def validate(model: type[M], body: dict[str, Any]) -> M:

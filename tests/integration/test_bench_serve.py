@@ -1,9 +1,9 @@
 """`hybridllm bench serve` against real HTTP servers that close their connections like llama-server.
 
 The fake server below is a real asyncio TCP server on a loopback port that speaks the streaming
-OpenAI completions and chat completions (SSE) format. llama-server announces keep-alive and still
-closes the connection after a streamed response; a client that reuses pooled connections then
-writes requests into closed sockets and loses them.
+OpenAI completions and chat completions (SSE) format. llama-server announces keep-alive and then
+closes connections after a response; a client that reuses pooled connections writes requests into
+closed sockets and loses them.
 """
 
 from __future__ import annotations
@@ -261,7 +261,19 @@ def test_keep_alive_reuses_connections_and_the_default_opens_one_per_request():
         reused_connections = server.connections
     assert fresh.completed == reused.completed == 12
     assert fresh_connections == 12
-    assert reused_connections <= 4  # the two in flight, and a few more if a close raced
+    # The two in flight; a few more if the end of a reply came in two reads, when the client
+    # stops at [DONE] and drops that connection.
+    assert reused_connections <= 4
+
+
+def test_keep_alive_against_a_closing_server_reports_its_lost_requests():
+    # The old client's behaviour, kept behind --keep-alive: it loses requests here, and says so.
+    with SSEServer(closing="silent") as server:
+        results, metrics = run(server.root, "/v1/completions", bench_requests(24), 8, True)
+        received = len(server.requests)
+    assert metrics.failed > 0 and metrics.completed + metrics.failed == 24
+    assert sum(metrics.failure_reasons.values()) == metrics.failed
+    assert received <= 24  # a failed request is not sent again
 
 
 def test_failures_are_reported_by_reason_not_retried(tmp_path):

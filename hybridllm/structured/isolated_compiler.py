@@ -136,15 +136,16 @@ class IsolatedCompiler:
                 job = self._pick(child)
                 if job is None:
                     break
-                if not job.future.set_running_or_notify_cancel():
-                    continue
+                if not job.future.running() and not job.future.set_running_or_notify_cancel():
+                    continue  # cancelled while it waited (a job put back is running already)
                 try:
                     write_frame(
                         child.proc.stdin, json.dumps({"kind": job.kind, "spec": job.spec}).encode()
                     )
-                except OSError:
-                    child.job = job
-                    self._stop(child, "the grammar compiler crashed on this grammar")
+                except OSError:  # the child died before it took the job: the job goes back
+                    with self._lock:
+                        self._pending.insert(0, job)
+                    self._stop(child, "the grammar compile child had died")
                     break
                 child.job, child.deadline = job, time.monotonic() + self.timeout_s
 

@@ -29,6 +29,19 @@ def test_completion_over_the_engine_thread():
         assert data[-1] == "data: [DONE]" and len(data) == 4  # three tokens, one chunk each
 
 
+def test_a_json_body_labelled_as_a_form_is_read_as_json():
+    """What `curl -d '{...}'` sends; a body that is not JSON is still a 400 saying so."""
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    with make_client(ScriptedEngine()) as http:
+        body = '{"model": "scripted", "prompt": [1, 2], "max_tokens": 2}'
+        response = http.post("/v1/completions", content=body, headers=form)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == "t1 t2 "
+        response = http.post("/v1/completions", content="prompt=hi", headers=form)
+        assert response.status_code == 400
+        assert "JSON" in response.json()["error"]["message"]
+
+
 def test_engine_death_is_503_everywhere():
     engine = ScriptedEngine(fail_at_step=2)
     with make_client(engine) as http:

@@ -181,7 +181,8 @@ def build_app(
         finally:
             tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
-    # strict_content_type=False: curl -d without a JSON content type still works.
+    # strict_content_type=False: a body sent with no content type is read as JSON (and one
+    # labelled as a form, as `curl -d` sends it, by FormBodyAsJsonMiddleware).
     app = FastAPI(
         title="hybridllm", version=server_version(), lifespan=lifespan, strict_content_type=False
     )

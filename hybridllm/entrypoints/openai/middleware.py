@@ -181,6 +181,25 @@ class BodySizeLimitMiddleware:
         )
 
 
+class FormBodyAsJsonMiddleware:
+    """`curl -d '{...}'` labels its body `application/x-www-form-urlencoded`; every POST route
+    here reads JSON, so such a body is read as JSON (and is a 400 when it is not JSON)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = scope["headers"]
+            if any(k == b"content-type" and v.startswith(_FORM) for k, v in headers):
+                relabelled = [(k, v) for k, v in headers if k != b"content-type"]
+                scope = {**scope, "headers": [*relabelled, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
+
+
+_FORM = b"application/x-www-form-urlencoded"
+
+
 def add_middlewares(
     app: Any,
     metrics: ServerMetrics,
@@ -189,7 +208,9 @@ def add_middlewares(
     read_timeout: float | None = None,
     max_header_bytes: int | None = None,
 ) -> None:
-    """Order, outermost first: request id + access log, API key, header and body limits."""
+    """Order, outermost first: request id + access log, API key, header and body limits,
+    form-labelled bodies read as JSON."""
+    app.add_middleware(FormBodyAsJsonMiddleware)
     app.add_middleware(
         BodySizeLimitMiddleware,
         max_bytes=max_bytes,

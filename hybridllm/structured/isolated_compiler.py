@@ -63,6 +63,7 @@ class IsolatedCompiler:
         self._pending: list[_Job] = []
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)  # a full pipe already says "wake up"
         self._closed = False
         self._start_failures = 0
         self._eager = False  # keep both children started, not only when work waits
@@ -75,7 +76,7 @@ class IsolatedCompiler:
             if self._closed:
                 raise RuntimeError("the grammar compiler is shut down")
             self._pending.append(job)
-            os.write(self._wake_w, b"x")  # under the lock: shutdown closes the pipe after it
+            self._wake()  # under the lock: shutdown closes the pipe after it
         return job.future
 
     def start_children(self) -> None:
@@ -84,7 +85,7 @@ class IsolatedCompiler:
             if self._closed:
                 return
             self._eager = True
-            os.write(self._wake_w, b"x")
+            self._wake()
 
     def shutdown(self) -> None:
         with self._lock:
@@ -92,13 +93,19 @@ class IsolatedCompiler:
                 return
             self._closed = True
             pending, self._pending = self._pending, []
-            os.write(self._wake_w, b"x")
+            self._wake()
         for job in pending:
             job.future.cancel()
         self._thread.join(timeout=5)
         if not self._thread.is_alive():  # else it may still select on them: leave them
             os.close(self._wake_r)
             os.close(self._wake_w)
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass
 
     # -- the dispatcher thread --------------------------------------------------------------
 

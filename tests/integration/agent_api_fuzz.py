@@ -1,4 +1,4 @@
-"""Shared by the Messages and Responses API tests: hostile values, body strategies, checks."""
+"""Fuzz helpers for the server tests: hostile values, body strategies, posting, settings."""
 
 from __future__ import annotations
 
@@ -56,16 +56,16 @@ FUZZ = settings(
 
 
 @st.composite
-def bodies(draw, fields: dict, required: dict) -> dict:
+def bodies(draw, fields: dict, required: dict, hostile: st.SearchStrategy = HOSTILE) -> dict:
     """A body with a random subset of `fields` (the required ones usually present), valid in a
-    third of the bodies, else with one to three fields (present or not) made hostile."""
+    third of the bodies, else with one to three fields (present or not) made `hostile`."""
     optional = {name: value for name, value in fields.items() if name not in required}
     body = draw(st.fixed_dictionaries(required, optional=optional))
     if draw(st.sampled_from([False, False, False, False, False, True])):
         body.pop(draw(st.sampled_from(sorted(required))))
     num_hostile = draw(st.sampled_from([0, 0, 1, 1, 2, 3]))
     for name in draw(st.lists(st.sampled_from(sorted(fields)), max_size=num_hostile)):
-        body[name] = draw(HOSTILE)
+        body[name] = draw(hostile)
     return body
 
 

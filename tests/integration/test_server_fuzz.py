@@ -12,9 +12,12 @@ import math
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.integration.agent_api_fuzz import FUZZ as AGENT_FUZZ
+from tests.integration.agent_api_fuzz import bodies as fuzz_bodies
+from tests.integration.agent_api_fuzz import post
 from tests.integration.openai_server import RemoteServer
 
 MAX_MODEL_LEN = 256
@@ -158,18 +161,8 @@ DETOKENIZE_FIELDS = {
 }
 
 
-@st.composite
-def bodies(draw, fields: dict, required: dict) -> dict:
-    """A body with a random subset of `fields` (the required ones usually present), all valid
-    in a third of the bodies, else with one to three fields (present or not) made hostile."""
-    optional = {name: value for name, value in fields.items() if name not in required}
-    body = draw(st.fixed_dictionaries(required, optional=optional))
-    if draw(st.sampled_from([False, False, False, False, False, True])):
-        body.pop(draw(st.sampled_from(sorted(required))))
-    num_hostile = draw(st.sampled_from([0, 0, 1, 1, 2, 3]))
-    for name in draw(st.lists(st.sampled_from(sorted(fields)), max_size=num_hostile)):
-        body[name] = draw(HOSTILE)
-    return body
+def bodies(fields: dict, required: dict) -> st.SearchStrategy:
+    return fuzz_bodies(fields, required, HOSTILE)
 
 
 @pytest.fixture(scope="module")
@@ -183,11 +176,6 @@ def server():
 def http(server):
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
         yield client
-
-
-def _post(http: httpx.Client, path: str, body: dict) -> httpx.Response:
-    # json.dumps writes NaN and Infinity literals, as a hostile client may.
-    return http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
 
 
 def _check(response: httpx.Response, body: dict) -> None:
@@ -226,19 +214,12 @@ class _Health:
 
     def check(self) -> None:
         body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
-        response = _post(self.http, "/completions", body)
+        response = post(self.http, "/completions", body)
         assert response.status_code == 200, response.text
         assert httpx.get(f"{self.server.root}/health", timeout=10).status_code == 200
 
 
-FUZZ = settings(
-    max_examples=150,
-    deadline=None,
-    derandomize=True,  # the same requests every run: a failure reproduces
-    phases=(Phase.explicit, Phase.generate),  # no shrinking: a server round trip each
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-    database=None,
-)
+FUZZ = settings(AGENT_FUZZ, max_examples=150)
 
 
 def test_fuzzed_completions_never_fail_the_server(http, server):
@@ -247,7 +228,7 @@ def test_fuzzed_completions_never_fail_the_server(http, server):
     @FUZZ
     @given(bodies(COMPLETION_FIELDS, {"prompt": COMPLETION_FIELDS["prompt"]}))
     def run(body):
-        response = _post(http, "/completions", body)
+        response = post(http, "/completions", body)
         _check(response, body)
         health.tick(response.status_code)
 
@@ -264,7 +245,7 @@ def test_fuzzed_chat_completions_never_fail_the_server(http, server):
     # max_tokens usually present: without it a reply may fill the whole context
     @given(bodies(CHAT_FIELDS, {k: CHAT_FIELDS[k] for k in ("messages", "max_tokens")}))
     def run(body):
-        response = _post(http, "/chat/completions", body)
+        response = post(http, "/chat/completions", body)
         _check(response, body)
         health.tick(response.status_code)
 
@@ -293,7 +274,7 @@ def test_fuzzed_tokenize_and_detokenize_never_fail_the_server(http, server):
     )
     def run(case):
         path, body = case
-        response = _post(root, path, body)
+        response = post(root, path, body)
         context = f"{response.status_code} for {path} {body!r}: {response.text[:500]}"
         assert response.status_code == 200 or 400 <= response.status_code < 500, context
         if response.status_code != 200:

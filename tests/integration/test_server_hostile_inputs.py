@@ -18,19 +18,11 @@ import pytest
 
 from hybridllm.entrypoints.openai.json_limits import MAX_JSON_DEPTH
 from tests.integration.openai_server import RemoteServer
+from tests.integration.test_server_tools import MODEL, WEATHER
 
 pytestmark = pytest.mark.slow
 
-MODEL = "SmolLM2-135M-Instruct"
 DEEP = 100_000  # far past Python's recursion limit (1000 frames)
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather of a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-}
 
 
 def ordinary_request(server) -> httpx.Response:

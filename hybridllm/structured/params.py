@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from hybridllm.json_limits import value_depth
+
 # Bounds on what one request may ask for; a grammar engine given a 10 MB schema is a DoS.
 MAX_SPEC_CHARS = 1 << 20
 MAX_CHOICES = 1024
@@ -120,24 +122,14 @@ def _check_choice(choice: Any) -> list[str]:
     return list(choice)
 
 
-def _check_nesting(value: Any) -> None:
-    """ValueError when objects and arrays nest deeper than MAX_SCHEMA_NESTING (no recursion)."""
-    stack = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > MAX_SCHEMA_NESTING:
-            raise ValueError(
-                f"structured_outputs.json nests deeper than {MAX_SCHEMA_NESTING} levels"
-            )
-        children = node.values() if isinstance(node, dict) else node
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
-
-
 def _check_schema(schema: Any) -> dict | str:
     """A schema is a JSON object (dict) or its text; booleans are refused (nothing to follow)."""
     text = schema
     if isinstance(schema, dict):
-        _check_nesting(schema)
+        if value_depth(schema, MAX_SCHEMA_NESTING) > MAX_SCHEMA_NESTING:
+            raise ValueError(
+                f"structured_outputs.json nests deeper than {MAX_SCHEMA_NESTING} levels"
+            )
         try:
             text = json.dumps(schema, allow_nan=False)
         except (TypeError, ValueError, RecursionError) as exc:

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from hybridllm.entrypoints.openai.json_limits import MAX_JSON_DEPTH
+from hybridllm.json_limits import MAX_JSON_DEPTH
 from tests.integration.openai_server import RemoteServer
 from tests.integration.test_server_tools import MODEL, WEATHER
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hybridllm.entrypoints.openai.json_limits import (
+from hybridllm.json_limits import (
     MAX_JSON_DEPTH,
     JSONTooDeep,
     check_value_depth,

@@ -13,9 +13,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from hybridllm.entrypoints.openai.errors import OpenAIError
-from hybridllm.entrypoints.openai.json_limits import value_depth
 from hybridllm.entrypoints.openai.protocol import ChatCompletionRequest
 from hybridllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from hybridllm.json_limits import value_depth
 
 # Deeper than any real tool schema; shallow enough that nothing downstream (json.dumps, the chat
 # template, the grammar compiler) can run out of recursion on a hostile body.

@@ -10,8 +10,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, model_serializer
 
 from hybridllm.entrypoints.openai.errors import OpenAIError, from_value_error
-from hybridllm.entrypoints.openai.json_limits import check_value_depth
 from hybridllm.entrypoints.openai.structured_outputs import structured_outputs_of
+from hybridllm.json_limits import check_value_depth
 from hybridllm.sampling_params import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs; also bounds the completions `logprobs`

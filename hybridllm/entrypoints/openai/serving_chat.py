@@ -15,7 +15,6 @@ from starlette.responses import Response
 from hybridllm.entrypoints.openai.async_engine import RequestStream
 from hybridllm.entrypoints.openai.chat_parsing import ChatParsing, ReplyParser
 from hybridllm.entrypoints.openai.errors import OpenAIError, request_id_of
-from hybridllm.entrypoints.openai.json_limits import loads_strict
 from hybridllm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -45,6 +44,7 @@ from hybridllm.entrypoints.openai.serving_base import (
 )
 from hybridllm.entrypoints.openai.structured_outputs import compile_structured_outputs
 from hybridllm.entrypoints.openai.tool_choice import ToolChoiceConstraint, ToolChoiceEnforcer
+from hybridllm.json_limits import loads_strict
 from hybridllm.outputs import Logprob, RequestOutput
 
 _MISSING_LOGPROB = -9999.0  # OpenAI's stand-in when a token's logprob is unknown

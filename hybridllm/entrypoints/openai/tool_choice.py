@@ -14,13 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hybridllm.entrypoints.openai.json_limits import loads_strict
 from hybridllm.entrypoints.openai.tool_parsers import (
     ParsedToolCall,
     StreamDelta,
     ToolCallDelta,
     tool_call_id,
 )
+from hybridllm.json_limits import loads_strict
 from hybridllm.sampling_params import SamplingParams
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}

@@ -9,7 +9,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridllm.entrypoints.openai.json_limits import (
+from hybridllm.json_limits import (
     MAX_JSON_DEPTH,
     STRICT_DECODER,
     loads_strict,

@@ -1,5 +1,5 @@
-"""Bounds on JSON that clients and models send: nesting depth checked without recursion, and
-strict parsing (no NaN or Infinity)."""
+"""Bounds on JSON that clients and models send (server, structured outputs): nesting depth
+checked without recursion, and strict parsing (no NaN or Infinity)."""
 
 from __future__ import annotations
 

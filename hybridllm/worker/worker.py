@@ -65,13 +65,8 @@ class Worker:
                 "executor makes, or tcp://host:port) or a torch.distributed world already "
                 "joined (the ray executor joins through its authenticated store first)"
             )
-        try:
-            from hybridllm.distributed.parallel_groups import init_tp_group
-        except ImportError as e:
-            raise RuntimeError(
-                "tensor_parallel_size > 1 needs hybridllm.distributed.parallel_groups, "
-                f"which is not available: {e}"
-            ) from e
+        from hybridllm.distributed.parallel_groups import init_tp_group
+
         return init_tp_group(plan, self.rank, init_method, self.platform.device)
 
     def load_model(self) -> None:

@@ -179,19 +179,10 @@ def test_exception_in_a_step_kills_the_engine_cleanly(model_path, reference):
         llm.shutdown()
 
 
-def _tp_available() -> str | None:
-    try:
-        import hybridllm.distributed.parallel_groups  # noqa: F401
-    except ImportError:
-        return "hybridllm.distributed.parallel_groups (init_tp_group) does not exist yet"
-    return None
-
-
 def _rendezvous_dirs() -> set[str]:
     return set(glob.glob(os.path.join(tempfile.gettempdir(), "hybridllm-tp-*")))
 
 
-@pytest.mark.skipif(_tp_available() is not None, reason=str(_tp_available()))
 @pytest.mark.parametrize("tp, pp", [(2, 1), (2, 2)], ids=["tp2", "tp2xpp2"])
 def test_tensor_parallel_matches_single_worker(model_path, reference, tp, pp):
     before = _rendezvous_dirs()

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridllm.config import EngineConfig
+from hybridllm.engine.errors import EngineDeadError
 from hybridllm.engine.output_processor import OutputProcessor
 from hybridllm.engine.request import Request, RequestStatus
 from hybridllm.engine.scheduler import Scheduler
 from hybridllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from hybridllm.engine_args import EngineArgs
-from hybridllm.executor.executor import EngineDeadError
 from hybridllm.outputs import RequestOutput
 from hybridllm.sampling_params import SamplingParams
 from hybridllm.structured.manager import StructuredOutputManager

@@ -6,15 +6,8 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from hybridllm.config import EngineConfig
+from hybridllm.engine.errors import EngineDeadError as EngineDeadError  # raised by executors
 from hybridllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-
-
-class EngineDeadError(RuntimeError):
-    """A worker died (killed, or an exception in a step): the engine cannot run any more.
-
-    The message names the worker (rank, stage, device, exit code) and, when it managed to
-    send one, the worker's own traceback.
-    """
 
 
 class Executor(ABC):

@@ -11,8 +11,9 @@ from typing import Any
 
 from hybridllm.config import EngineConfig
 from hybridllm.distributed.message_queue import MessageQueue, WriterDiedError
+from hybridllm.engine.errors import EngineDeadError
 from hybridllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from hybridllm.executor.executor import EngineDeadError, Executor
+from hybridllm.executor.executor import Executor
 from hybridllm.executor.shutdown import GRACEFUL_S, SHUTDOWN_BOUND_S, Deadline
 from hybridllm.worker.worker_process import EXIT_FAILED, EXIT_PEER_DIED
 

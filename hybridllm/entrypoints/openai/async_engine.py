@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hybridllm.entrypoints.openai.errors import EngineDeadError
+from hybridllm.engine.errors import EngineDeadError
 from hybridllm.entrypoints.openai.metrics import ServerMetrics
 from hybridllm.outputs import RequestOutput
 from hybridllm.sampling_params import SamplingParams

@@ -13,6 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hybridllm.engine.errors import EngineDeadError  # a worker's or the engine thread's: a 503
+
 logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
@@ -50,10 +52,6 @@ class OpenAIError(Exception):
         self.status = status
         self.param = param
         self.code = code
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (an exception in a step, or shutdown); nothing can be served."""
 
 
 class ClientDisconnected(Exception):

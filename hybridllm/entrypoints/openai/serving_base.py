@@ -16,10 +16,10 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from hybridllm.engine.errors import EngineDeadError
 from hybridllm.entrypoints.openai.async_engine import AsyncEngine, RequestStream
 from hybridllm.entrypoints.openai.errors import (
     ClientDisconnected,
-    EngineDeadError,
     OpenAIError,
     engine_dead_message,
     error_body,

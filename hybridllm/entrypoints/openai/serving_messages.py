@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
+from hybridllm.engine.errors import EngineDeadError
 from hybridllm.entrypoints.openai import chat_bridge
 from hybridllm.entrypoints.openai.anthropic_protocol import (
     CountTokensRequest,
@@ -26,7 +27,6 @@ from hybridllm.entrypoints.openai.anthropic_protocol import (
 from hybridllm.entrypoints.openai.chat_bridge import Piece
 from hybridllm.entrypoints.openai.errors import (
     ClientDisconnected,
-    EngineDeadError,
     OpenAIError,
     engine_dead_message,
     internal_error_message,

@@ -1,0 +1,100 @@
+"""Greedy runs whose tokens and logprobs are saved in tests/data/golden_outputs.json.
+
+The values were produced by `python -m tests.golden_runs` on the code before the structure
+refactor (issue 38); tests/integration/test_golden_outputs.py reruns every case on the current
+code and compares. Each case builds its model the same way every time (fixed seeds).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import gguf
+import torch
+
+from hybridllm import LLM, SamplingParams
+from hybridllm.layers.cpu_kernels import _cpu_fingerprint as cpu_fingerprint
+from tests.gguf_helpers import write_k_m_like_gguf
+from tests.model_helpers import make_tiny_model
+from tests.moe_helpers import make_tiny_moe_model
+
+GOLDEN_PATH = Path(__file__).parent / "data" / "golden_outputs.json"
+NEW_TOKENS = 12
+TOP_LOGPROBS = 3
+
+# name -> (how to build the model folder/file, LLM keyword arguments)
+CASES: dict[str, tuple[str, dict]] = {
+    "smollm2": ("embedded", dict(dtype="float32")),
+    "smollm2_bf16": ("embedded", dict(dtype="bfloat16")),
+    "llama": ("dense:llama", dict(dtype="float32", block_size=4)),
+    "qwen3": ("dense:qwen3", dict(dtype="float32", block_size=4)),
+    "opt": ("dense:opt", dict(dtype="float32", block_size=4)),
+    "qwen3_moe": ("moe:qwen3_moe", dict(dtype="float32", block_size=4)),
+    "mixtral": ("moe:mixtral", dict(dtype="float32", block_size=4)),
+    "q4_k_m_like": ("gguf:Q4_K", dict(dtype="float32", block_size=16)),
+    "llama_pp2": ("dense:llama", dict(dtype="float32", block_size=4, pipeline_parallel_size=2)),
+    "qwen3_tp2": ("dense:qwen3", dict(dtype="float32", block_size=4, tensor_parallel_size=2)),
+}
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab - 3, (n,), generator=generator).tolist() for n in (4, 11, 19)]
+
+
+def build_model(kind: str, folder: Path) -> str | None:
+    """The model path of a case (None: the embedded default model)."""
+    if kind == "embedded":
+        return None
+    family, _, name = kind.partition(":")
+    if family == "dense":
+        return str(make_tiny_model(name, folder / name))
+    if family == "moe":
+        return str(make_tiny_moe_model(name, folder / name))
+    if family == "gguf":
+        base = gguf.GGMLQuantizationType[name]
+        return str(write_k_m_like_gguf(folder / f"{name}.gguf", base))
+    raise ValueError(f"unknown case kind {kind!r}")
+
+
+def run_case(name: str, folder: Path) -> dict:
+    """Greedy tokens and the top logprobs of each step, for every prompt of the case."""
+    kind, kwargs = CASES[name]
+    model = build_model(kind, folder)
+    llm = LLM(model, max_model_len=128, use_tqdm=False, **kwargs)
+    try:
+        vocab = llm.llm_engine.config.model_config.vocab_size
+        params = SamplingParams(
+            temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP_LOGPROBS
+        )
+        prompts = [{"prompt_token_ids": ids} for ids in _prompts(vocab)]
+        outputs = llm.generate(prompts, params)
+    finally:
+        llm.shutdown()
+    results = []
+    for out in outputs:
+        completion = out.outputs[0]
+        steps = [
+            sorted((int(tok), float(lp.logprob)) for tok, lp in step.items())
+            for step in completion.logprobs
+        ]
+        results.append({"tokens": list(completion.token_ids), "logprobs": steps})
+    return {"results": results}
+
+
+def main() -> None:
+    golden = {"cpu_fingerprint": cpu_fingerprint()}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in CASES:
+            golden[name] = run_case(name, Path(tmp))
+            print(name, [r["tokens"][:6] for r in golden[name]["results"]], file=sys.stderr)
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else GOLDEN_PATH
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(golden, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -4,7 +4,6 @@ import os
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from hybridllm.distributed.shm_segment import (
     segment_creator_pid,
 )
 from hybridllm.distributed.spin_timer import SpinPolicy, SpinTimer
+from tests.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -121,10 +121,8 @@ def test_reader_in_other_process_neither_unlinks_nor_shares_its_slot(ring):
 def test_pid_alive_treats_zombies_as_dead():
     assert pid_alive(os.getpid())
     zombie = subprocess.Popen(["true"])
-    deadline = time.monotonic() + 10
-    while pid_alive(zombie.pid) and time.monotonic() < deadline:
-        time.sleep(0.01)  # exited but not reaped: still in the process table
-    assert not pid_alive(zombie.pid)
+    # `true` exits at once; not reaped, it stays in the process table as a zombie
+    wait_until(lambda: not pid_alive(zombie.pid), 10, "an exited, unreaped child counts as alive")
     assert os.path.exists(f"/proc/{zombie.pid}")
     zombie.wait()
     assert not pid_alive(zombie.pid)

@@ -75,7 +75,7 @@ LOGGING_LEVEL = EnvVar(
     "HYBRIDLLM_LOGGING_LEVEL",
     None,
     _text,
-    "log level when --log-level is not given (debug, info, warning, error)",
+    "log level when --log-level is not given (debug, info, warning, error, critical)",
 )
 API_KEY = EnvVar(
     "HYBRIDLLM_API_KEY",
@@ -108,4 +108,13 @@ def read(var: EnvVar) -> Any:
 
 def describe() -> str:
     """One line per variable: name, default, help (for --help and the docs)."""
-    return "\n".join(f"{v.name} (default {v.default!r}): {v.help}" for v in ALL)
+    return "\n".join(f"{v.name} (default {_shown(v.default)}): {v.help}" for v in ALL)
+
+
+def _shown(default: Any) -> str:
+    # as a user would write the value: flags as 1/0, no value as "unset"
+    if default is None:
+        return "unset"
+    if isinstance(default, bool):
+        return "1" if default else "0"
+    return str(default)

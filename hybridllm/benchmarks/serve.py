@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 
+from hybridllm import envs
 from hybridllm.benchmarks.datasets import BenchRequest, file_requests, random_requests
 from hybridllm.benchmarks.serve_client import ENDPOINTS, RequestResult, ServerTarget, send_request
 from hybridllm.benchmarks.serve_metrics import compute_metrics, format_report
@@ -193,9 +194,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     percentiles = tuple(float(p) for p in args.percentiles.split(",") if p.strip())
     base_url = args.base_url.rstrip("/")
-    api_key = (
-        args.api_key or os.environ.get("HYBRIDLLM_API_KEY") or os.environ.get("OPENAI_API_KEY")
-    )
+    api_key = args.api_key or envs.read(envs.API_KEY) or os.environ.get("OPENAI_API_KEY")
     model = args.model or asyncio.run(_first_model(base_url, api_key))
     tokenizer = _load_tokenizer(args.tokenizer, model)
     if args.dataset_path:

@@ -272,8 +272,11 @@ def _parse_fake_gpu(text: str) -> tuple[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run `plan` on its own (before it is wired into the `hybridllm` command)."""
+    from hybridllm.entrypoints.cli import add_environment_help
+
     parser = argparse.ArgumentParser(prog="hybridllm")
     add_plan_parser(parser.add_subparsers(dest="command", required=True))
+    add_environment_help(parser)
     args = parser.parse_args(["plan", *(sys.argv[1:] if argv is None else argv)])
     try:
         return run_plan(args)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-import os
+
+from hybridllm import envs
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -11,7 +12,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 def resolve_log_level(flag: str | None, default: str = "info") -> str:
     """The flag wins, then the environment, then `default`."""
-    level = (flag or os.environ.get("HYBRIDLLM_LOGGING_LEVEL") or default).lower()
+    level = (flag or envs.read(envs.LOGGING_LEVEL) or default).lower()
     if level not in LOG_LEVELS:
         raise ValueError(f"log level must be one of {LOG_LEVELS}, got {level!r}")
     return level

@@ -12,17 +12,17 @@ import fcntl
 import functools
 import hashlib
 import logging
-import os
 import platform
 from pathlib import Path
 
 import torch
 
+from hybridllm import envs
 from hybridllm.loader.gguf_cache import cache_root
 
 logger = logging.getLogger(__name__)
 
-DISABLE_ENV = "HYBRIDLLM_CPU_KERNELS"
+DISABLE_ENV = envs.CPU_KERNELS.name
 NAME = "hybridllm_cpu_kernels"
 # All sources build into the one library; each registers its ops under torch.ops.hybridllm.
 CSRC = Path(__file__).parent / "csrc"
@@ -77,7 +77,7 @@ def kernel_build_dir() -> Path:
 @functools.cache  # one build (and one op registration) per process
 def load_cpu_kernels() -> bool:
     """Build/load the native ops into `torch.ops.hybridllm`; True when they are available."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
+    if not envs.read(envs.CPU_KERNELS):
         return False
     build_dir = kernel_build_dir()
     library = build_dir / f"{NAME}.so"

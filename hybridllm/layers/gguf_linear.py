@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Any
 
 import torch
 from gguf import GGMLQuantizationType
 
+from hybridllm import envs
 from hybridllm.layers.cpu_kernels import load_cpu_kernels
 from hybridllm.loader.model_source import ModelSource
 from hybridllm.loader.onload_quant import HEAD_TYPE, ONLOAD_TYPES, bytes_per_param
@@ -130,16 +130,14 @@ def own_f32_gemm_preferred() -> bool:
 # rows). Plain fp32 weights (F32) always stay fp32.
 FP32_ACTIVATIONS, INT8_ACTIVATIONS = 0, 1
 # "int8" (the default: faster decode, see docs/benchmarks.md) or "fp32".
-ACTIVATIONS_ENV = "HYBRIDLLM_GGUF_ACTIVATIONS"
+ACTIVATIONS_ENV = envs.GGUF_ACTIVATIONS.name
 
 
 @functools.cache  # read once: the wrapper runs ~100 times a decode step
 def default_activations() -> int:
     """The `activations` the wrapper passes: INT8 unless HYBRIDLLM_GGUF_ACTIVATIONS=fp32."""
-    value = os.environ.get(ACTIVATIONS_ENV, "int8").strip().lower()
-    if value not in ("int8", "fp32"):
-        raise ValueError(f"{ACTIVATIONS_ENV} must be 'int8' or 'fp32', got {value!r}")
-    return INT8_ACTIVATIONS if value == "int8" else FP32_ACTIVATIONS
+    int8 = envs.read(envs.GGUF_ACTIVATIONS) == "int8"
+    return INT8_ACTIVATIONS if int8 else FP32_ACTIVATIONS
 
 
 def int8_activations_in_use() -> bool:

@@ -25,9 +25,11 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from hybridllm import envs
+
 logger = logging.getLogger(__name__)
 
-CACHE_DIR_ENV = "HYBRIDLLM_CACHE_DIR"
+CACHE_DIR_ENV = envs.CACHE_DIR.name
 # Bump when the conversion changes (names, layout, dtypes): old entries then stop matching.
 CACHE_FORMAT_VERSION = 2  # 2: config.json written by HFConfig
 MANIFEST_FILE = "manifest.json"
@@ -36,7 +38,7 @@ _STALE_TMP_SECONDS = 3600  # a temp folder this old belongs to a crashed build
 
 def cache_root() -> str:
     """`$HYBRIDLLM_CACHE_DIR`, else `~/.cache/hybridllm`."""
-    root = os.environ.get(CACHE_DIR_ENV) or os.path.join("~", ".cache", "hybridllm")
+    root = envs.read(envs.CACHE_DIR) or os.path.join("~", ".cache", "hybridllm")
     return os.path.abspath(os.path.expanduser(root))
 
 

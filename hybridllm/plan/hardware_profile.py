@@ -16,11 +16,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hybridllm import envs
 from hybridllm.platforms.discovery import GpuInfo, HardwareInfo
 
 logger = logging.getLogger(__name__)
 
-CACHE_DIR_ENV = "HYBRIDLLM_CACHE_DIR"
+CACHE_DIR_ENV = envs.CACHE_DIR.name
 # 2: the fp32 rate is that of the GEMM a CPU worker runs (the native op on non-Intel CPUs)
 # 3: + the rate the native op computes from Q4_1 blocks
 _PROFILE_VERSION = 4
@@ -109,9 +110,7 @@ def nominal_gpu_rates(name: str) -> GpuRates:
 
 
 def default_cache_dir() -> str:
-    return os.environ.get(CACHE_DIR_ENV) or os.path.join(
-        os.path.expanduser("~"), ".cache", "hybridllm"
-    )
+    return envs.read(envs.CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "hybridllm")
 
 
 def profile_key(hw: HardwareInfo) -> str:

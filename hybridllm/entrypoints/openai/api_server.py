@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from hybridllm import envs
 from hybridllm.entrypoints.logging_config import LOG_LEVELS, configure_logging
 from hybridllm.entrypoints.openai.async_engine import AsyncEngine
 from hybridllm.entrypoints.openai.chat_parsing import ChatParsing
@@ -443,7 +444,7 @@ def run_server(args: argparse.Namespace) -> None:
     options = ServerOptions(
         host=args.host,
         port=args.port,
-        api_key=args.api_key or os.environ.get("HYBRIDLLM_API_KEY") or None,
+        api_key=args.api_key or envs.read(envs.API_KEY),
         pooling=args.pooling,
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout=args.shutdown_timeout,

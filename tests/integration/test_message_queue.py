@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from hybridllm.distributed.message_queue import (
     MessageQueue,
@@ -23,6 +24,7 @@ from hybridllm.distributed.message_queue import (
 )
 from hybridllm.distributed.shm_segment import SHM_DIR, cleanup_stale_segments
 from hybridllm.engine.scheduler_output import CachedRequestData, SchedulerOutput
+from tests.waiting import wait_until
 
 SPAWN = mp.get_context("spawn")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -67,7 +69,7 @@ def _stream_reader(handle, rank, n_messages, delay_s, results):
         received = []
         for _ in range(n_messages):
             received.append(_index_of(queue.dequeue(timeout=RESULT_TIMEOUT_S)))
-            time.sleep(delay_s)
+            time.sleep(delay_s)  # a slow reader on purpose: it throttles the writer
     results.put((rank, received))
 
 
@@ -181,7 +183,7 @@ def test_timeouts_name_the_side_and_the_lagging_reader():
 def _attach_and_hang(handle, rank, ready):
     MessageQueue.attach(handle, rank)
     ready.set()
-    time.sleep(RESULT_TIMEOUT_S)
+    time.sleep(RESULT_TIMEOUT_S)  # attached and alive until the test kills it
 
 
 def test_enqueue_raises_when_a_reader_is_killed():
@@ -210,7 +212,7 @@ def _writer_then_hang(handles, fail):
     queue.enqueue("hello", timeout=RESULT_TIMEOUT_S)
     if fail:
         raise RuntimeError("writer crashed on purpose (test)")
-    time.sleep(RESULT_TIMEOUT_S)
+    time.sleep(RESULT_TIMEOUT_S)  # alive until the test kills it
 
 
 def test_writer_exception_unlinks_segment():
@@ -315,16 +317,25 @@ def test_local_sockets_are_private_to_the_writer_uid():
     assert not os.path.exists(socket_dir)
 
 
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
 def _stranger(ctx: zmq.Context, address: str, curve_server_key: bytes | None = None):
     """A PULL socket of someone who knows the address (and maybe the writer's public key)
-    but not the client key pair in the handle."""
+    but not the client key pair in the handle, and a monitor of its handshakes' outcomes."""
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
     if curve_server_key is not None:
         sock.curve_serverkey = curve_server_key
         sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+    # monitored before it connects, so the first handshake's outcome is not missed
+    monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
     sock.connect(address)
-    return sock
+    return sock, monitor
 
 
 def test_remote_reader_socket_admits_only_the_handle_keys():
@@ -335,14 +346,21 @@ def test_remote_reader_socket_admits_only_the_handle_keys():
         assert address.startswith("tcp://127.0.0.1:")
         assert handle.curve.client_secret not in repr(handle).encode()
         strangers = [_stranger(ctx, address), _stranger(ctx, address, handle.curve.server_public)]
-        time.sleep(0.3)  # give their handshakes time to fail
+        monitors = [monitor for _, monitor in strangers]
+        wait_until(
+            lambda: all(m.poll(0) for m in monitors), 10, "a stranger's handshake has no outcome"
+        )
+        outcomes = [recv_monitor_message(m)["event"] for m in monitors]
+        assert all(event & _HANDSHAKE_FAILED for event in outcomes), outcomes
         with MessageQueue.attach(handle, 0) as reader:
             # A PUSH socket deals messages round-robin among its peers: had a stranger been
             # admitted, it would take some of them and the reader would see gaps.
             for i in range(20):
                 writer.enqueue(_message(i), timeout=5)
             assert [_index_of(reader.dequeue(timeout=5)) for _ in range(20)] == list(range(20))
-        for sock in strangers:
+        for sock, monitor in strangers:
             assert sock.poll(200, zmq.POLLIN) == 0
+            sock.disable_monitor()
+            monitor.close()  # a socket left open would hang ctx.term()
             sock.close()
     ctx.term()

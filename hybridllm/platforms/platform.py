@@ -10,21 +10,20 @@ import torch
 
 @dataclass(frozen=True)
 class Platform:
-    """What a worker needs to know about its device; subclasses fill in the differences."""
+    """What a worker needs to know about its device; subclasses fill in the differences.
+
+    It holds only what workers ask of it (memory, threads). The attention backend follows the
+    device a layer is built on (layers/attention.py) and the process groups' backends follow
+    each group's ranks (distributed/parallel_groups.py): neither is a per-worker choice.
+    """
 
     device: torch.device
-    dist_backend: str
-    attention_backend: str
-    supports_graph_capture: bool
 
     def free_and_total_memory(self) -> tuple[int, int]:
         raise NotImplementedError
 
     def set_threads(self, num_threads: int | None) -> None:
         """Configure intra-op threading for this worker's process."""
-
-    def synchronize(self) -> None:
-        """Wait for queued device work (a no-op where work is synchronous)."""
 
 
 @dataclass(frozen=True)
@@ -43,19 +42,16 @@ class CudaPlatform(Platform):
     def free_and_total_memory(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info(self.device)
 
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
-
 
 def platform_for_device(device: str | torch.device) -> Platform:
     """Build the platform of one worker's device ("cpu", "cuda", "cuda:1")."""
     device = torch.device(device)
     if device.type == "cpu":
-        return CpuPlatform(device, "gloo", "cpu_paged", supports_graph_capture=False)
+        return CpuPlatform(device)
     if device.type == "cuda":
         if device.index is None:
             device = torch.device("cuda", 0)
-        return CudaPlatform(device, "nccl", "cuda_paged", supports_graph_capture=True)
+        return CudaPlatform(device)
     raise ValueError(f"unsupported device type {device.type!r}; expected cpu or cuda")
 
 

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -33,6 +35,11 @@ from hybridllm.layers.attention_metadata import AttentionMetadata
 from hybridllm.layers.gguf_dequant_torch import TORCH_DECODED_TYPES, dequantize_torch
 from hybridllm.layers.linear import Linear
 from hybridllm.layers.prepared_attention import prepare_attention
+
+if TYPE_CHECKING:
+    from hybridllm.plan.plan import StagePlan
+
+logger = logging.getLogger(__name__)
 
 NUM_SLOTS = 2  # double buffering: copy layer j + 1 while layer j computes
 
@@ -391,3 +398,35 @@ class WeightStreamer:
                 math.prod(shape), dtype=self.dtype, pin_memory=self.device.type == "cuda"
             )
         return self.new_kv[: math.prod(shape)].view(shape)
+
+
+def build_weight_streamer(
+    model: nn.Module, stage: StagePlan, dtype: torch.dtype
+) -> WeightStreamer | None:
+    """The stage's weight streamer, or None (with a warning) for a model it cannot stage."""
+    if not hasattr(model, "make_layer"):
+        logger.warning(
+            "%s cannot stream its layers' weights; stage %d computes every step on the CPU",
+            type(model).__name__,
+            stage.pp_rank,
+        )
+        return None
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.finish_loading()  # GGUF blocks kept or decoded, as they will run
+    try:
+        streamer = WeightStreamer(
+            model, stage.stream_device, dtype, stage.stream_threshold, stage.stream_kv_tokens
+        )
+    except NotImplementedError as exc:
+        logger.warning("stage %d computes every step on the CPU: %s", stage.pp_rank, exc)
+        return None
+    logger.info(
+        "stage %d streams its %d layers to %s for steps of >= %d tokens (%.0f MiB staged)",
+        stage.pp_rank,
+        stage.num_layers,
+        stage.stream_device,
+        stage.stream_threshold,
+        streamer.staging_bytes / (1 << 20),
+    )
+    return streamer

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hybridllm import LLM, SamplingParams
+from hybridllm.worker.kv_cache_sizing import cpu_fixed_bytes
 from tests.model_helpers import make_tiny_model
 
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -125,7 +126,7 @@ def test_max_cpu_memory_bounds_the_kv_cache(model_path):
     # size the cache from what the cap leaves, and still generate within it.
     free = LLM(model_path, dtype="float32", max_model_len=128, use_tqdm=False)
     runner = free.llm_engine.executor.workers[0].model_runner
-    fixed = runner._cpu_fixed_bytes(free.llm_engine.config.plan.workers())
+    fixed = cpu_fixed_bytes(free.llm_engine.config, free.llm_engine.config.plan.workers())
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     assert fixed > weights  # the activation workspace counts too
     per_block = runner.kv_cache_bytes_per_block()

@@ -1,0 +1,292 @@
+"""A worker's per-request state between steps, and the flattened inputs of each step."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hybridllm.engine.scheduler_output import SchedulerOutput
+from hybridllm.layers.attention_metadata import AttentionMetadata
+from hybridllm.sample import SamplingMetadata
+from hybridllm.sampling_params import SamplingParams
+from hybridllm.worker.intermediate_tensors import IntermediateTensors
+
+logger = logging.getLogger(__name__)
+
+# (first position, query length, context length after the step) of one sequence in a step
+Span = tuple[int, int, int]
+
+
+@dataclass
+class CachedRequestState:
+    """What a worker remembers about a running request between steps."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + output, as known to the scheduler
+    num_prompt_tokens: int
+    block_ids: list[int]
+    sampling_params: SamplingParams
+    num_computed_tokens: int
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+@dataclass(frozen=True)
+class PromptLogprobRows:
+    """The rows of one request's prompt chunk whose logits score the prompt's next tokens."""
+
+    req_id: str
+    num_logprobs: int  # the request's prompt_logprobs
+    first_row: int  # row of the chunk's first token in the step's hidden states
+    next_token_ids: list[int]  # the prompt tokens those rows predict, one per row
+    starts_prompt: bool  # the chunk begins the prompt: its first token has no logprob
+
+
+@dataclass
+class StepInputs:
+    """One step's flattened batch on the device, in the runner's row order, and the host-side
+    facts the last stage needs after the forward."""
+
+    input_ids: torch.Tensor | None  # [num_tokens] int64; None past the first stage
+    positions: torch.Tensor  # [num_tokens] int64
+    attn_metadata: AttentionMetadata
+    spans: list[Span]
+    requests: list[CachedRequestState] = field(default_factory=list)  # one per span, if any
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    def sampling_rows(self) -> tuple[list[int], list[CachedRequestState]]:
+        """Rows that sample a token, and their requests: those whose known tokens are all
+        computed after this step sample from their last row."""
+        rows, requests = [], []
+        for i, (state, (_, _, context)) in enumerate(zip(self.requests, self.spans)):
+            if context >= len(state.token_ids):
+                rows.append(self.attn_metadata.query_start_loc_cpu[i + 1] - 1)
+                requests.append(state)
+        return rows, requests
+
+    def prompt_logprob_rows(self) -> list[PromptLogprobRows]:
+        """For each request that asked for prompt logprobs and computes prompt tokens this step:
+        position p predicts prompt token p + 1, and the last prompt position predicts output."""
+        result = []
+        for i, (state, (start, length, _)) in enumerate(zip(self.requests, self.spans)):
+            k = state.sampling_params.prompt_logprobs
+            if k is None or start >= state.num_prompt_tokens:
+                continue
+            end = min(start + length, state.num_prompt_tokens - 1)
+            result.append(
+                PromptLogprobRows(
+                    req_id=state.req_id,
+                    num_logprobs=k,
+                    first_row=self.attn_metadata.query_start_loc_cpu[i],
+                    next_token_ids=state.token_ids[start + 1 : end + 1],
+                    starts_prompt=start == 0,
+                )
+            )
+        return result
+
+
+class InputBatch:
+    """The requests a worker runs, kept from step to step, and the inputs of each step. Every
+    pipeline stage keeps the same state; only the first embeds token ids."""
+
+    def __init__(
+        self,
+        block_size: int,
+        device: torch.device,
+        with_input_ids: bool,
+        eos_token_ids: set[int],
+        vocab_size: int,
+    ) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.with_input_ids = with_input_ids
+        self.eos_token_ids = eos_token_ids  # masked under min_tokens
+        self.vocab_size = vocab_size
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def update(self, scheduler_output: SchedulerOutput) -> None:
+        """Drop finished requests, add new ones, and extend the cached ones."""
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+                num_prompt_tokens=len(new.prompt_token_ids),
+                block_ids=list(new.block_ids),
+                sampling_params=new.sampling_params,
+                num_computed_tokens=new.num_computed_tokens,
+            )
+        for cached in scheduler_output.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.token_ids.extend(cached.new_token_ids)
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+        """The scheduled requests' tokens as one batch (call `update` first; the step must
+        schedule some tokens)."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        # Decodes (query length 1) first: the attention layer batches them in one kernel.
+        order = sorted(scheduled, key=lambda req_id: scheduled[req_id] != 1)
+        requests = [self.requests[req_id] for req_id in order]
+        num_decodes = sum(1 for req_id in order if scheduled[req_id] == 1)
+        spans = []
+        for state in requests:
+            length = scheduled[state.req_id]
+            spans.append((state.num_computed_tokens, length, state.num_computed_tokens + length))
+        input_ids = None
+        if self.with_input_ids:
+            input_ids = np.concatenate(
+                [
+                    np.asarray(state.token_ids[start : start + length])
+                    for state, (start, length, _) in zip(requests, spans)
+                ]
+            )
+        block_tables = [state.block_ids for state in requests]
+        return step_inputs(
+            spans, block_tables, num_decodes, self.block_size, self.device, input_ids, requests
+        )
+
+    def sampling_metadata(self, requests: list[CachedRequestState]) -> SamplingMetadata:
+        """The sampler's view of `requests`, one row each, from their parameters and tokens."""
+        return SamplingMetadata.build(
+            [state.sampling_params for state in requests],
+            [state.token_ids[: state.num_prompt_tokens] for state in requests],
+            [state.output_token_ids for state in requests],
+            self.device,
+            eos_token_ids=self.eos_token_ids,
+            vocab_size=self.vocab_size,
+        )
+
+    def drop_unsamplable(
+        self, rows: list[int], requests: list[CachedRequestState], failed: dict[str, str]
+    ) -> tuple[list[int], list[CachedRequestState]]:
+        """Try each request's sampling metadata alone; the ones that fail go to `failed` (the
+        scheduler finishes them with that error) and leave the rows and requests kept."""
+        kept_rows, kept_requests = [], []
+        for row, state in zip(rows, requests):
+            try:
+                self.sampling_metadata([state])
+            except Exception as exc:
+                logger.warning("request %s cannot be sampled: %s", state.req_id, exc)
+                failed[state.req_id] = f"its sampling parameters failed: {exc}"
+                continue
+            kept_rows.append(row)
+            kept_requests.append(state)
+        return kept_rows, kept_requests
+
+
+def step_inputs(
+    spans: list[Span],
+    block_tables: Sequence[Sequence[int]],
+    num_decodes: int,
+    block_size: int,
+    device: torch.device,
+    input_ids: np.ndarray | None = None,
+    requests: Sequence[CachedRequestState] = (),
+) -> StepInputs:
+    """Positions, token ids (when given, one per position) and attention metadata of the
+    sequences `spans` describe, each reading and writing the blocks of its `block_tables` row."""
+    positions = np.concatenate([np.arange(start, start + length) for start, length, _ in spans])
+    attn_metadata = attention_metadata(
+        spans, block_tables, num_decodes, positions, block_size, device
+    )
+    ids = None
+    if input_ids is not None:
+        ids = torch.from_numpy(input_ids.astype(np.int64)).to(device)
+    return StepInputs(
+        input_ids=ids,
+        positions=torch.from_numpy(positions.astype(np.int64)).to(device),
+        attn_metadata=attn_metadata,
+        spans=spans,
+        requests=list(requests),
+    )
+
+
+def attention_metadata(
+    spans: list[Span],
+    block_tables: Sequence[Sequence[int]],
+    num_decodes: int,
+    positions: np.ndarray,
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Slot mapping, query starts, context lengths and block tables (padded with block 0 and
+    cut to the blocks the longest context reaches) for tokens at `positions` [num_tokens]."""
+    query_lens = [length for _, length, _ in spans]
+    seq_lens = [context for _, _, context in spans]
+    query_start_loc = np.zeros(len(spans) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    max_blocks = max(-(-context // block_size) for context in seq_lens)
+    table = np.zeros((len(spans), max_blocks), dtype=np.int32)  # [num_seqs, max_blocks]
+    for i, ids in enumerate(block_tables):
+        used = min(len(ids), max_blocks)
+        table[i, :used] = ids[:used]
+    # slot of each token = block_table[seq][pos // block_size] * block_size + pos % block_size
+    seq_of_token = np.repeat(np.arange(len(spans)), query_lens)
+    blocks = table[seq_of_token, positions // block_size].astype(np.int64)
+    slots = blocks * block_size + positions % block_size
+    return AttentionMetadata(
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decodes,
+        slot_mapping=torch.from_numpy(slots).to(device),
+        query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.from_numpy(table).to(device),
+        query_start_loc_cpu=query_start_loc.tolist(),
+        seq_lens_cpu=seq_lens,
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+    )
+
+
+def profile_block_tables(spans: list[Span], block_size: int) -> tuple[list[list[int]], int]:
+    """Block tables of a profiling step's sequences, and the blocks they use together.
+
+    Each sequence gets blocks for the tokens it writes (+1: a chunk may straddle a block
+    boundary); a longer context (a chunk's cached prefix) maps onto the same blocks again, so its
+    reads cost what real ones do without a max_model_len cache.
+    """
+    tables, first = [], 0
+    for _, length, context in spans:
+        own = -(-length // block_size) + 1
+        tables.append([first + j % own for j in range(-(-context // block_size))])
+        first += own
+    return tables, first
+
+
+def rows_on_device(rows: list[int], device: torch.device) -> torch.Tensor:
+    """`rows` as an int64 tensor [len(rows)] on `device`."""
+    tensor = torch.tensor(rows, dtype=torch.int64)
+    if device.type == "cuda":
+        # pinned + non_blocking: a pageable copy would wait for the queued forward pass
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def previous_stage_inputs(
+    intermediate: IntermediateTensors | None, num_tokens: int, pp_rank: int, device: torch.device
+) -> dict[str, torch.Tensor | None]:
+    """The model's keyword arguments that continue a step from stage `pp_rank - 1`'s
+    activations (hidden states and residual, [num_tokens, hidden] each), on `device`."""
+    if intermediate is None:
+        raise ValueError(
+            f"pipeline stage {pp_rank} needs the activations of stage {pp_rank - 1}, got none"
+        )
+    if intermediate.num_tokens != num_tokens:
+        raise ValueError(
+            f"pipeline stage {pp_rank} got activations for "
+            f"{intermediate.num_tokens} tokens but this step computes {num_tokens}"
+        )
+    local = intermediate.to(device)
+    return {"hidden_states": local.hidden_states, "residual": local.residual}

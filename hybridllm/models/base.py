@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from hybridllm import envs
 from hybridllm.layers.cpu_kernels import load_cpu_kernels
-from hybridllm.layers.gguf_linear import own_f32_gemm_preferred, x8_in_use
+from hybridllm.layers.gguf_linear import default_activations, own_f32_gemm_preferred, x8_in_use
 from hybridllm.layers.linear import Linear, cpu_bf16_packing_supported
 from hybridllm.layers.mlp import GatedMLP
 from hybridllm.layers.norm import RMSNorm
@@ -20,6 +21,7 @@ from hybridllm.loader.quantized_tensor import QuantizedTensor
 
 if TYPE_CHECKING:
     from hybridllm.distributed.parallel_groups import TPGroup
+    from hybridllm.models.execution import LayerExecution
 
 WeightLoader = Callable[[torch.Tensor], None]
 
@@ -137,9 +139,10 @@ class CausalLMBase(nn.Module):
 
     The first stage holds the embedding, the last the final norm and LM head. Subclasses
     build their modules, then call `_set_weight_loaders` with HF name -> loader for
-    exactly the weights this stage needs. With a `tp_group` the modules are built sharded
-    (this rank's heads, columns and vocabulary rows); `num_kv_heads` is then the local count,
-    and `load_weights` still takes full HF tensors.
+    exactly the weights this stage needs, and hand their decoder layers to a `LayerExecution`
+    (`self.execution`), whose `run` computes them each step. With a `tp_group` the modules are
+    built sharded (this rank's heads, columns and vocabulary rows); `num_kv_heads` is then the
+    local count, and `load_weights` still takes full HF tensors.
     """
 
     def __init__(
@@ -174,9 +177,8 @@ class CausalLMBase(nn.Module):
         self.head_dim = head_dim
         self.tp_group = tp_group
         self.lm_head: nn.Module | None = None
-        # Set by the model runner on a CPU stage that streams its layers' weights to an
-        # accelerator for steps with many tokens (worker/weight_streamer.py); None otherwise.
-        self.weight_streamer: Any = None
+        # how the decoder layers run a step: subclasses set it once their layers exist
+        self.execution: LayerExecution
         self._weight_loaders: dict[str, WeightLoader] = {}
         self._optional_weights: set[str] = set()
         self._weights_processed = False
@@ -236,7 +238,9 @@ class CausalLMBase(nn.Module):
     def process_weights_after_loading(self) -> None:
         """Call once after load_weights: linears keep or decode GGUF blocks, CPU norms switch
         to the compiled op when there is one, fp32 CPU linears to the native GEMM where torch's
-        BLAS lacks AVX-512 kernels; bf16 on CPU repacks every float linear for oneDNN.
+        BLAS lacks AVX-512 kernels; bf16 on CPU repacks every float linear for oneDNN. Then CPU
+        decode steps run each layer with a native form as one native call
+        (`HYBRIDLLM_NATIVE_DECODE_LAYER=0`: off; models/execution.py).
 
         Decode on CPU is bound by reading weights; oneDNN's blocked bf16 layout reads them
         about twice as fast as F.linear does; the packing is skipped for other dtypes and devices.
@@ -258,13 +262,29 @@ class CausalLMBase(nn.Module):
             for module in self.modules():
                 if isinstance(module, (Linear, LMHead)):
                     module.repack_for_cpu()
-        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
-            return
-        if not cpu_bf16_packing_supported():
-            return
-        for module in self.modules():
-            if isinstance(module, (Linear, LMHead)):
-                module.pack_for_cpu()
+        if (
+            self.device.type == "cpu"
+            and self.dtype == torch.bfloat16
+            and cpu_bf16_packing_supported()
+        ):
+            for module in self.modules():
+                if isinstance(module, (Linear, LMHead)):
+                    module.pack_for_cpu()
+        # last: the native decode forms hold the layers' final weights. The settings are read
+        # here, and only here, until the engine config passes them.
+        if native_ops and envs.read(envs.NATIVE_DECODE_LAYER):
+            self.execution.enable_native_decode(default_activations())
+
+    @property
+    def weight_streamer(self) -> Any:
+        """The execution's weight streamer (None: none)."""
+        return self.execution.weight_streamer
+
+    @weight_streamer.setter
+    def weight_streamer(self, streamer: Any) -> None:
+        # the model runner's `model.weight_streamer = streamer`, until it calls the execution's
+        # attach_weight_streamer itself
+        self.execution.attach_weight_streamer(streamer)
 
     def _check_skippable(self, name: str) -> None:
         if name.endswith(_IGNORED_SUFFIXES):

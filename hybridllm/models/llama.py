@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -10,9 +9,6 @@ from torch import nn
 
 from hybridllm.layers.attention import PagedAttention
 from hybridllm.layers.attention_metadata import AttentionMetadata
-from hybridllm.layers.cpu_kernels import load_cpu_kernels
-from hybridllm.layers.gguf_linear import default_activations
-from hybridllm.layers.linear import Linear
 from hybridllm.layers.mlp import GatedMLP
 from hybridllm.layers.norm import RMSNorm
 from hybridllm.layers.prepared_attention import PreparedAttention, prepare_attention
@@ -33,13 +29,11 @@ from hybridllm.models.base import (
     sliding_window_for_layer,
     vocab_loader,
 )
+from hybridllm.models.execution import LayerExecution
+from hybridllm.models.native_decode import NativeLayer, native_layer
 
 if TYPE_CHECKING:
     from hybridllm.distributed.parallel_groups import TPGroup
-
-
-# "0" turns the native whole-layer decode off (the per-op path then runs every step).
-NATIVE_DECODE_ENV = "HYBRIDLLM_NATIVE_DECODE_LAYER"
 
 
 class LlamaAttention(nn.Module):
@@ -146,12 +140,6 @@ class LlamaDecoderLayer(nn.Module):
     ):
         super().__init__()
         hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
-        # the `activations` of the native whole-layer decode (use_native_decode); None: off
-        self.native_decode_activations: int | None = None
-        self.native_decode_mlp = False  # whether the native call computes the MLP too
-        # the native call's arguments that do not change from step to step: (those before the
-        # rotary angles, those after the attention inputs); set with native_decode_activations
-        self.native_decode_args: tuple[tuple, tuple] = ((), ())
         self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
         self.self_attn = self.attention_class(
             hf_config, layer_idx, head_dim, qkv_bias, o_bias, qk_norm, dtype, device, tp_group
@@ -184,94 +172,12 @@ class LlamaDecoderLayer(nn.Module):
         loaders.update(linear_loaders(prefix, self.mlp.down_proj, "down_proj"))
         return loaders
 
-    def use_native_decode(self, activations: int) -> None:
-        """Let CPU decode steps run this layer as one `hybridllm::decode_layer` call, when every
-        piece has its native form here: plain fp32/GGUF-block linears, compiled norms and
-        attention. A dense SiLU MLP joins the call; another block (MoE) runs after it in Python.
-        Otherwise the per-op path stays."""
-        attn, mlp = self.self_attn, self.mlp
-        if type(attn) is not LlamaAttention:  # subclasses (OLMoE's) change the projections
-            return
-        fused = [attn.qkv_proj]  # blocks in one tensor, or one a shard of differing types
-        plain = [attn.o_proj]  # blocks in one tensor
-        norms = [self.input_layernorm, self.post_attention_layernorm]
-        if attn.q_norm is not None:
-            norms += [attn.q_norm, attn.k_norm]
-        self.native_decode_mlp = type(mlp) is GatedMLP and mlp.native
-        if self.native_decode_mlp:
-            fused.append(mlp.gate_up_proj)
-            plain.append(mlp.down_proj)
-        if (
-            all(type(linear) is Linear for linear in fused + plain)
-            and all(linear.block_shards() is not None for linear in fused)
-            and all(linear.qweight is not None for linear in plain)
-            and all(linear.bias is None for linear in fused[1:] + plain)  # only qkv may (Qwen2)
-            and all(norm.native and norm.eps == norms[0].eps for norm in norms)
-            and getattr(attn.attn.backend, "native_ops", False)
-        ):
-            self.native_decode_activations = activations
-            # looked up once: read through nn.Module attributes every step they cost ~10 us a
-            # layer at batch 1 (SmolLM2), as much as its attention
-            down = mlp.down_proj if self.native_decode_mlp else None
-            qkv_weights, qkv_types = attn.qkv_proj.block_shards()
-            gate_up_weights, gate_up_types = (
-                mlp.gate_up_proj.block_shards() if self.native_decode_mlp else ([], [])
-            )
-            self.native_decode_args = (
-                (
-                    self.input_layernorm.weight,
-                    self.post_attention_layernorm.weight,
-                    self.input_layernorm.eps,
-                    qkv_weights,
-                    qkv_types,
-                    attn.qkv_proj.bias,
-                    None if attn.q_norm is None else attn.q_norm.weight,
-                    None if attn.k_norm is None else attn.k_norm.weight,
-                    attn.o_proj.qweight,
-                    attn.o_proj.ggml_type,
-                    gate_up_weights,
-                    gate_up_types,
-                    None if down is None else down.qweight,
-                    -1 if down is None else down.ggml_type,
-                ),
-                (
-                    attn.attn.scale,
-                    attn.attn.sliding_window or 0,
-                    attn.num_heads,
-                    attn.num_kv_heads,
-                    activations,
-                ),
-            )
-
-    def native_moe_args(self) -> tuple | None:
-        """`DecodeStack.add_moe`'s arguments where the decode stack can run this layer's expert
-        block itself (MoE layers override); None: a dense layer, or an expert block it cannot."""
-        return None
-
-    def decode_native(
-        self,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        rotary: RotaryAngles,
-        kv_cache: torch.Tensor,
-        prep: PreparedAttention,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` for a step of decode rows only, fp32: the native op, then the MLP block
-        when the op did not take it."""
-        weights, attention = self.native_decode_args
-        out, residual = torch.ops.hybridllm.decode_layer.default(
-            hidden_states,
-            residual,
-            *weights,
-            rotary.cos,
-            rotary.sin_signed,
-            kv_cache,
-            prep.slot_mapping,
-            prep.decode_block_tables,
-            prep.decode_seq_lens,
-            *attention,
-        )
-        return (out, residual) if self.native_decode_mlp else (self.mlp(out), residual)
+    def native_form(self, activations: int) -> NativeLayer | None:
+        """This layer as one native decode op, or None where a part has no native form. Only
+        this attention class computes what the op does: subclasses (OLMoE's) change it."""
+        if type(self.self_attn) is not LlamaAttention:
+            return None
+        return native_layer(self, activations)
 
     def forward(
         self,
@@ -345,9 +251,7 @@ class LlamaForCausalLM(CausalLMBase):
             self.make_layer(i, dtype, device, tp_group)
             for i in range(self.start_layer, self.end_layer)
         )
-        # torch.classes.hybridllm.DecodeStack of every layer, when all decode natively
-        # (process_weights_after_loading)
-        self.decode_stack = None
+        self.execution = LayerExecution(self.layers)
         self.norm = None
         if self.is_last_stage:
             self.norm = RMSNorm(hidden, hf_config.rms_norm_eps, dtype, device)
@@ -355,32 +259,6 @@ class LlamaForCausalLM(CausalLMBase):
                 vocab, hidden, dtype, device, tp_group, self.embed_tokens if tied else None
             )
         self._set_weight_loaders(*self._build_weight_loaders(tied))
-
-    def process_weights_after_loading(self) -> None:
-        """The base's treatment, then CPU decode steps through the native whole-layer op where
-        every piece of a layer has its native form (`HYBRIDLLM_NATIVE_DECODE_LAYER=0`: off)."""
-        processed = self._weights_processed
-        super().process_weights_after_loading()
-        if processed or self.device.type != "cpu" or not load_cpu_kernels():
-            return
-        if os.environ.get(NATIVE_DECODE_ENV, "1") == "0":
-            return
-        activations = default_activations()
-        for layer in self.layers:
-            layer.use_native_decode(activations)
-        moe = [layer.native_moe_args() for layer in self.layers]
-        if len(self.layers) > 0 and all(
-            layer.native_decode_activations is not None
-            and (layer.native_decode_mlp or moe_args is not None)
-            for layer, moe_args in zip(self.layers, moe)
-        ):
-            # every layer native with its MLP or expert block: one call from Python runs them all
-            self.decode_stack = torch.classes.hybridllm.DecodeStack()
-            for layer, moe_args in zip(self.layers, moe):
-                weights, attention = layer.native_decode_args
-                self.decode_stack.add_layer(*weights, *attention)
-                if moe_args is not None:
-                    self.decode_stack.add_moe(*moe_args)
 
     def make_layer(
         self,
@@ -432,40 +310,9 @@ class LlamaForCausalLM(CausalLMBase):
             if self.embed_tokens is None:
                 raise ValueError("a stage without the embedding needs hidden_states")
             hidden_states = self.embed_tokens(input_ids)  # [n, hidden]
-        # a CPU step of decode rows only: eligible layers in one native call each
-        native = (
-            rotary.native
-            and bool(kv_caches)
-            and prep.num_decodes == hidden_states.shape[0] > 0
-            and hidden_states.dtype == torch.float32
+        hidden_states, residual = self.execution.run(
+            hidden_states, residual, rotary, kv_caches, prep, positions, attn_metadata
         )
-        streamer = self.weight_streamer
-        if streamer is not None and streamer.wants(attn_metadata, kv_caches):
-            # Many tokens: the layers' weights go to the accelerator and compute there.
-            hidden_states, residual = streamer.run(
-                self.layers, kv_caches, hidden_states, residual, positions, attn_metadata
-            )
-        elif native and self.decode_stack is not None:
-            # every layer native with its MLP: all of them in one call
-            hidden_states, residual = self.decode_stack.forward(
-                hidden_states,
-                residual,
-                rotary.cos,
-                rotary.sin_signed,
-                kv_caches,
-                prep.slot_mapping,
-                prep.decode_block_tables,
-                prep.decode_seq_lens,
-            )
-        else:
-            for i, layer in enumerate(self.layers):
-                kv_cache = kv_caches[i] if kv_caches else None
-                if native and layer.native_decode_activations is not None:
-                    hidden_states, residual = layer.decode_native(
-                        hidden_states, residual, rotary, kv_cache, prep
-                    )
-                else:
-                    hidden_states, residual = layer(hidden_states, residual, rotary, kv_cache, prep)
         if self.norm is None:
             return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)

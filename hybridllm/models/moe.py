@@ -184,35 +184,6 @@ class MoeDecoderLayer(LlamaDecoderLayer):
     def moe_spec(hf_config: Any) -> MoeSpec:
         raise NotImplementedError
 
-    def native_moe_args(self) -> tuple | None:
-        """The decode stack runs an expert block without a shared expert whose router and
-        experts compute from native blocks on this layer's device (as `SparseMoeBlock` would)."""
-        block = self.mlp
-        if self.native_decode_activations is None or not isinstance(block, SparseMoeBlock):
-            return None
-        experts, router = block.experts, block.gate
-        if (
-            block.experts_device is not None
-            or block.shared_expert is not None
-            or not experts.native
-            or experts.w13.qweight is None
-            or experts.w2.qweight is None
-            or router.qweight is None
-            or router.bias is not None
-        ):
-            return None
-        return (
-            router.qweight,
-            router.ggml_type,
-            experts.top_k,
-            experts.scoring == "sigmoid",
-            experts.renormalize,
-            experts.w13.qweight,
-            experts.w13.ggml_type,
-            experts.w2.qweight,
-            experts.w2.ggml_type,
-        )
-
     def build_mlp(
         self,
         hf_config: Any,
@@ -320,7 +291,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         experts = [m for m in self.modules() if isinstance(m, FusedMoE)]
         for module in experts:
             module.finish_loading()
-        # before the base's: its native decode stack takes the experts' final blocks
+        # before the base's: the native decode stack it sets up takes the experts' final blocks
         host = [m for m in experts if m.w13.weight.device.type == "cpu"]  # also a GPU stage's
         if host and load_cpu_kernels():
             repack = x8_in_use()

@@ -13,8 +13,7 @@ from __future__ import annotations
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from hybridllm import LLM, SamplingParams
-from hybridllm.models.llama import NATIVE_DECODE_ENV
+from hybridllm import LLM, SamplingParams, envs
 from tests.gguf_helpers import tiny_hf_model, write_gguf
 from tests.kernel_helpers import require_cpu_kernels
 
@@ -65,11 +64,11 @@ def run(
     """(tokens and logprobs of each output, whether each layer took the native op, and whether
     one DecodeStack call ran them all); `sharded` gets, a layer, whether its qkv and gate/up
     hold a tensor of blocks a shard."""
-    monkeypatch.setenv(NATIVE_DECODE_ENV, "1" if native else "0")
+    monkeypatch.setenv(envs.NATIVE_DECODE_LAYER.name, "1" if native else "0")
     llm = LLM(path, skip_tokenizer_init=True, use_tqdm=False, **engine_kwargs)
     try:
         model = llm.llm_engine.executor.workers[0].model_runner.model
-        used = [layer.native_decode_activations is not None for layer in model.layers]
+        used = [form is not None for form in model.execution.native_forms]
         if sharded is not None:
             sharded += [
                 (
@@ -88,7 +87,7 @@ def run(
             )
             for o in outs + single
         ]
-        return results, used, model.decode_stack is not None
+        return results, used, model.execution.stack is not None
     finally:
         llm.shutdown()
 

@@ -42,7 +42,7 @@ def _generate(path, prompts, **kwargs):
             if hasattr(llm.llm_engine.executor, "workers")
             else None
         )
-        streamer = None if first is None else first.model_runner.model.weight_streamer
+        streamer = None if first is None else first.model_runner.model.execution.weight_streamer
         steps = None if streamer is None else streamer.num_streamed_steps
         stats = llm.llm_engine.get_stats()
         assert stats.num_free_blocks == stats.num_total_blocks
@@ -107,7 +107,7 @@ def test_a_gguf_stage_streams_its_blocks(tmp_path):
     # the blocks cross as blocks (the accelerator decodes them), not as dense copies
     llm = LLM(path, **COMMON, stream_threshold=0, **STREAMING)
     try:
-        streamer = llm.llm_engine.executor.workers[0].model_runner.model.weight_streamer
+        streamer = llm.llm_engine.executor.workers[0].model_runner.model.execution.weight_streamer
         kinds = {p.ggml_type for p in streamer.pieces[0] if p.entry.name == "weight"}
         assert {int(Q.Q4_0), int(Q.Q8_0), int(Q.Q4_1)} <= kinds
         dense = sum(e.numel for e in streamer.entries) * 4  # fp32 values
@@ -121,7 +121,7 @@ def test_a_step_whose_kv_does_not_fit_the_staging_buffers_computes_on_the_cpu(
 ):
     llm = LLM(model_path, **COMMON, stream_threshold=0, **STREAMING)
     try:
-        streamer = llm.llm_engine.executor.workers[0].model_runner.model.weight_streamer
+        streamer = llm.llm_engine.executor.workers[0].model_runner.model.execution.weight_streamer
         streamer.kv_tokens = 8  # two blocks: no step of these prompts fits
         outs = llm.generate(prompts, PARAMS)
         assert streamer.num_streamed_steps == 0

@@ -29,6 +29,7 @@ from hybridllm.models.base import (
     linear_loaders,
     vocab_loader,
 )
+from hybridllm.models.execution import LayerExecution
 
 if TYPE_CHECKING:
     from hybridllm.distributed.parallel_groups import TPGroup
@@ -85,9 +86,18 @@ class OPTDecoderLayer(nn.Module):
         self.fc2 = row_linear(ffn, cols, hidden, bias, dtype, device, tp_group)
 
     def forward(
-        self, hidden_states: torch.Tensor, kv_cache: torch.Tensor | None, prep: PreparedAttention
-    ) -> torch.Tensor:
-        """[n, hidden] -> [n, hidden] (the residual is added inside, as in HF)."""
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: None,
+        kv_cache: torch.Tensor | None,
+        prep: PreparedAttention,
+    ) -> tuple[torch.Tensor, None]:
+        """(hidden, residual) [n, hidden] -> (hidden, None): the layer adds its residuals
+        inside, as in HF, so a residual passed in (a later stage's first layer) is added first.
+        `rotary` is unused (OPT's positions are learned embeddings)."""
+        if residual is not None:
+            hidden_states = hidden_states + residual
         residual = hidden_states
         if self.do_layer_norm_before:
             hidden_states = self.self_attn_layer_norm(hidden_states)
@@ -103,7 +113,7 @@ class OPTDecoderLayer(nn.Module):
         hidden_states = residual + self.fc2(self.activation(self.fc1(hidden_states)))
         if not self.do_layer_norm_before:
             hidden_states = self.final_layer_norm(hidden_states)
-        return hidden_states
+        return hidden_states, None
 
     def weight_loaders(self, prefix: str) -> dict[str, WeightLoader]:
         loaders = linear_loaders(
@@ -166,6 +176,7 @@ class OPTForCausalLM(CausalLMBase):
             OPTDecoderLayer(hf_config, dtype, device, tp_group)
             for _ in range(self.num_layers_in_stage)
         )
+        self.execution = LayerExecution(self.layers)
         self.final_layer_norm = self.project_out = None
         if self.is_last_stage:
             if hf_config.do_layer_norm_before and not getattr(
@@ -228,10 +239,10 @@ class OPTForCausalLM(CausalLMBase):
             if self.project_in is not None:
                 hidden_states = self.project_in(hidden_states)
             hidden_states = hidden_states + self.embed_positions(positions + _POSITION_OFFSET)
-        elif residual is not None:
-            hidden_states = hidden_states + residual
-        for i, layer in enumerate(self.layers):
-            hidden_states = layer(hidden_states, kv_caches[i] if kv_caches else None, prep)
+        # a later stage's residual joins the hidden state in its first layer
+        hidden_states, _ = self.execution.run(
+            hidden_states, residual, None, kv_caches, prep, positions, attn_metadata
+        )
         if not self.is_last_stage:
             return hidden_states, torch.zeros_like(hidden_states)
         if self.final_layer_norm is not None:

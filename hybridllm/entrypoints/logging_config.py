@@ -20,6 +20,13 @@ def resolve_log_level(flag: str | None, default: str = "info") -> str:
 
 def configure_logging(flag: str | None = None, default: str = "info") -> str:
     """Route every logger (ours and uvicorn's) through one stderr handler; returns the level."""
+    from hybridllm import progress
+
     level = resolve_log_level(flag, default)
     logging.basicConfig(format=LOG_FORMAT, level=level.upper(), force=True)
+    # A first run's long steps (kernel build, cache writes) still say what they do under a
+    # quiet default; a level the user chose (the flag or the environment) quiets them too.
+    chosen = resolve_log_level(flag, "info") == resolve_log_level(flag, "critical")
+    numeric = logging.getLevelName(level.upper())
+    progress.set_level(numeric if chosen else min(numeric, logging.INFO))
     return level

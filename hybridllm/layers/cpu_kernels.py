@@ -12,12 +12,13 @@ import fcntl
 import functools
 import hashlib
 import logging
+import os
 import platform
 from pathlib import Path
 
 import torch
 
-from hybridllm import envs
+from hybridllm import envs, progress
 from hybridllm.loader.gguf_cache import cache_root
 
 logger = logging.getLogger(__name__)
@@ -94,18 +95,53 @@ def load_cpu_kernels() -> bool:
         # process to wait on forever: holding the flock, any such file is stale. ninja then
         # rebuilds whatever the killed build left unfinished.
         with open(build_dir / "build.flock", "a") as guard:
-            fcntl.flock(guard, fcntl.LOCK_EX)
+            _lock_build(guard, build_dir)
             (build_dir / "lock").unlink(missing_ok=True)
-            logger.info("building the native CPU kernels in %s (once per machine)", build_dir)
-            cpp_extension.load(
-                name=NAME,
-                sources=[str(source) for source in SOURCES],
-                extra_cflags=CFLAGS,
-                build_directory=str(build_dir),
-                is_python_module=False,
-                verbose=False,
-            )
+            # Minutes without a word look like a hang: say what runs and for about how long.
+            with progress.long_step(
+                "building the native CPU kernels",
+                done="built the native CPU kernels",
+                estimate=f"once per machine and version; {_build_estimate()}",
+            ):
+                cpp_extension.load(
+                    name=NAME,
+                    sources=[str(source) for source in SOURCES],
+                    extra_cflags=CFLAGS,
+                    build_directory=str(build_dir),
+                    is_python_module=False,
+                    verbose=False,
+                )
     except Exception as e:  # noqa: BLE001 - any build failure means "use the torch path"
         logger.warning("native CPU kernels unavailable (%s); using the torch paths", e)
         return False
     return True
+
+
+# One source takes about 10-20 s of one core to compile (torch's headers are most of it);
+# ninja compiles as many at once as there are cores.
+_COMPILE_SECONDS = (10, 20)
+
+
+def _build_estimate() -> str:
+    """About how long the build takes here, e.g. "about 1-2 minutes on 2 cores"."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = max(1, cores or 1)
+    rounds = -(-len(SOURCES) // cores)  # ceil: the sources compile in waves of `cores`
+    # Other work shares the cores: a load of 7 per core made a 70 s build take 9 minutes.
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    share = max(1.0, load / cores)
+    low, high = (round(rounds * seconds * share) for seconds in _COMPILE_SECONDS)
+    span = f"{low}-{high} s" if high < 120 else f"{round(low / 60)}-{round(high / 60)} minutes"
+    busy = f", busy (load {load:.0f})" if share > 1 else ""
+    return f"about {span} on {cores} core{'s' if cores > 1 else ''}{busy}"
+
+
+def _lock_build(guard: object, build_dir: Path) -> None:
+    """Take the build lock, saying so when another process holds it (it is building)."""
+    try:
+        fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        progress.logger.info(
+            "waiting for another process building the native CPU kernels in %s", build_dir
+        )
+        fcntl.flock(guard, fcntl.LOCK_EX)

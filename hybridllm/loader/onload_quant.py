@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from hybridllm import progress
 from hybridllm.loader.gguf_cache import cache_root
 from hybridllm.loader.quantized_tensor import QuantizedTensor
 
@@ -40,6 +42,8 @@ HEAD_TYPE = GGMLQuantizationType.Q8_0
 BLOCK = 32  # values a block of these types covers along a row
 # Bump when the quantization or layout changes: old entries then stop matching.
 CACHE_FORMAT_VERSION = 1
+# gguf's numpy quantizers ran 25-60 M parameters/s on one core here (Q8_0 slowest).
+_QUANTIZE_ESTIMATE = "20-40 s"
 
 # Which loaded weights to quantize: "linear", "head", or None (keep as loaded).
 QuantizeRole = Callable[[str], "str | None"]
@@ -111,6 +115,8 @@ def quantize_weights(
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """`weights` with each float 2-D weight that `role` names, and whose rows are whole
     blocks, replaced by its blocks (GGUF blocks and everything else pass through)."""
+    started: float | None = None  # when the first tensor missing from the cache came
+    count = params = 0
     for name, tensor in weights:
         kind = role(name)
         if (
@@ -123,5 +129,25 @@ def quantize_weights(
             yield name, tensor
             continue
         ggml_type = block_type_for(quantization, kind)
+        if not cache.path(name, ggml_type).exists():
+            if started is None:  # a first load: say why it takes longer than the next ones
+                started = time.monotonic()
+                progress.logger.info(
+                    "quantizing the float linears into %s blocks (once per checkpoint; about "
+                    "%s per billion parameters), cached in %s...",
+                    quantization,
+                    _QUANTIZE_ESTIMATE,
+                    cache.folder,
+                )
+            count += 1
+            params += tensor.numel()
         raw = cache.get(name, ggml_type, tensor)
         yield name, QuantizedTensor(raw, ggml_type, (tensor.shape[0], tensor.shape[1]))
+    if started is not None:
+        elapsed = progress.format_seconds(time.monotonic() - started)
+        progress.logger.info(
+            "quantized %d tensors (%.0f M parameters) while loading, in %s",
+            count,
+            params / 1e6,
+            elapsed,
+        )

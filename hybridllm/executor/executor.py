@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+from hybridllm import progress
 from hybridllm.config import EngineConfig
 from hybridllm.engine.errors import EngineDeadError as EngineDeadError  # raised by executors
 from hybridllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -63,7 +64,11 @@ class Executor(ABC):
 
 
 def create_executor(config: EngineConfig, show_progress: bool = False) -> Executor:
-    """The executor named by `config.distributed_executor_backend`."""
+    """The executor named by `config.distributed_executor_backend`.
+
+    `show_progress` draws the weight-loading bar; it is drawn anyway where progress lines
+    reach a terminal (the CLI's engines, quieted by `--log-level warning`)."""
+    show_progress = show_progress or progress.bars_wanted()
     backend = config.distributed_executor_backend
     if backend == "mp":
         from hybridllm.executor.multiproc_executor import MultiprocExecutor

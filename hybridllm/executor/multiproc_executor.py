@@ -17,6 +17,7 @@ from hybridllm.distributed.message_queue import MessageQueue, cleanup_stale_sock
 from hybridllm.distributed.shm_segment import cleanup_stale_segments
 from hybridllm.executor.queue_executor import QueueExecutor
 from hybridllm.executor.shutdown import Deadline
+from hybridllm.progress import current_setup
 from hybridllm.worker.worker_process import WorkerProcessArgs, run_worker
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class MultiprocExecutor(QueueExecutor):
                 self._broadcast.export_handle(),
                 tp_init,
                 show_progress and placement.rank == 0,
+                logging=current_setup(),
             )
             proc = ctx.Process(
                 target=run_worker,

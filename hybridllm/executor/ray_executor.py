@@ -15,6 +15,7 @@ from hybridllm.executor import ray_cluster
 from hybridllm.executor.queue_executor import QueueExecutor
 from hybridllm.executor.ray_worker import RayWorker
 from hybridllm.executor.shutdown import CallTimedOut, Deadline, call_bounded
+from hybridllm.progress import current_setup
 from hybridllm.worker.worker_process import WorkerProcessArgs
 
 logger = logging.getLogger(__name__)
@@ -139,6 +140,7 @@ class RayExecutor(QueueExecutor):
                 self._broadcast.export_handle(),
                 None,
                 show_progress and w.rank == 0,
+                logging=current_setup(),
                 engine_node=self._engine_node if nodes_in_plan else None,
                 host=self._addresses[self._node_of[w.rank]],
                 store=self._store.handle if self._store else None,

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from hybridllm import progress
 from hybridllm.config import EngineConfig
 from hybridllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from hybridllm.plan.plan import WorkerPlacement
@@ -42,6 +43,7 @@ class Worker:
         self.platform = platform_for_device(placement.device)
         self.device = self.platform.device
         self.busy_seconds = 0.0  # time spent executing steps (for /metrics)
+        self.show_progress = show_progress
         if owns_process and placement.is_cpu:
             bind_cpu_worker(placement, config.plan, config.device_config.cpu_threads)
         else:
@@ -70,7 +72,18 @@ class Worker:
         return init_tp_group(plan, self.rank, init_method, self.platform.device)
 
     def load_model(self) -> None:
-        self.model_runner.load_model()
+        plan = self.config.plan
+        where = f" of worker rank {self.rank} ({self.device})" if plan.world_size > 1 else ""
+        done = f"loaded the model weights{where}"
+        if self.show_progress:  # the bar shows the load; a line then says how long it took
+            start = time.perf_counter()
+            self.model_runner.load_model()
+            elapsed = progress.format_seconds(time.perf_counter() - start)
+            progress.logger.info("%s in %s", done, elapsed)
+            return
+        # Without a bar, a load that drags on (a big checkpoint, a cold page cache) says so.
+        with progress.long_step(f"loading the model weights{where}", done=done, after_s=5.0):
+            self.model_runner.load_model()
 
     def determine_num_blocks(self) -> int:
         return self.model_runner.determine_num_blocks()

@@ -36,6 +36,7 @@ from hybridllm.distributed.message_queue import (
 )
 from hybridllm.distributed.world import World
 from hybridllm.engine.scheduler_output import SchedulerOutput
+from hybridllm.progress import LoggingSetup, apply_setup
 from hybridllm.worker.dist_pipeline_channel import (
     DistPipelineReceiver,
     DistPipelineSender,
@@ -69,6 +70,9 @@ class WorkerProcessArgs:
     host: str = "127.0.0.1"
     store: StoreHandle | None = field(default=None, repr=False)
     device: str | None = None
+    # The engine's logging: spawn starts a worker unconfigured, which hides INFO lines such
+    # as the kernel build's (None: leave this process's logging as it is).
+    logging: LoggingSetup | None = None
 
 
 def run_worker(args: WorkerProcessArgs, ready_pipe: Connection) -> None:
@@ -97,6 +101,8 @@ class WorkerProcess:
     """A Worker plus its transport: broadcast in, responses out, activations between stages."""
 
     def __init__(self, args: WorkerProcessArgs):
+        if args.logging is not None:
+            apply_setup(args.logging)
         config = args.config
         plan = config.plan
         self.placement = plan.workers()[args.rank]

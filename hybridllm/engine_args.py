@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+from hybridllm import envs
 from hybridllm.config import (
     SUPPORTED_DEVICES,
     SUPPORTED_DTYPES,
@@ -112,11 +113,19 @@ class EngineArgs:
         batched = self.max_num_batched_tokens
         if batched is None:
             batched = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
-        from hybridllm.layers.gguf_linear import cpu_block_sizes
+        from hybridllm.loader.block_sizes import cpu_block_sizes
+        from hybridllm.plan.cpu_dtype import cpu_kernels_built
 
-        cpu_blocks = cpu_block_sizes(source, hf_config, self.quantization)
+        # HYBRIDLLM_CPU_KERNELS=0 turns the kernels off
+        cpu_blocks = cpu_block_sizes(
+            source, hf_config, self.quantization, lambda: cpu_kernels_built(True)
+        )
         cpu_auto = self._cpu_auto_dtype(hf_config, cpu_blocks)
-        plan = self._build_plan(hf_config, batched, max_model_len, cpu_blocks, cpu_auto)
+        # blocks are kept only where the kernels are built: they compute them
+        int8_blocks = cpu_blocks is not None and envs.read(envs.GGUF_ACTIVATIONS) == "int8"
+        plan = self._build_plan(
+            hf_config, batched, max_model_len, cpu_blocks, cpu_auto, int8_blocks
+        )
         device = "cuda" if any(not w.is_cpu for w in plan.workers()) else "cpu"
         dtype = _resolve_dtype(self.dtype, device, cpu_auto)
         _check_kv_cache_dtype(self.kv_cache_dtype, dtype)
@@ -186,9 +195,9 @@ class EngineArgs:
         max_model_len: int,
         cpu_blocks=None,
         cpu_auto_dtype: str = "float32",
+        int8_blocks: bool = False,
     ) -> Plan:
         """Place the model: the planner reads the flags, the hardware and (with a GPU) measured rates."""
-        from hybridllm.layers.gguf_linear import int8_activations_in_use
         from hybridllm.plan.cost_model import CostModel
         from hybridllm.plan.hardware_profile import load_or_measure_profile
         from hybridllm.plan.placement_args import PlacementArgs
@@ -211,7 +220,7 @@ class EngineArgs:
             dtype=self.dtype,
             cpu_auto_dtype=cpu_auto_dtype,
             kv_cache_dtype=self.kv_cache_dtype,
-            int8_blocks=int8_activations_in_use(),
+            int8_blocks=int8_blocks,
             stream_threshold=self.stream_threshold,
             stream_device=self.stream_device,
             cpu_moe=self.cpu_moe,

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import sys
 
+from hybridllm import envs
 from hybridllm.config import SUPPORTED_EXECUTOR_BACKENDS, SUPPORTED_QUANTIZATION
 from hybridllm.engine_args import add_moe_cli_args, add_ray_cli_args, add_stream_cli_args
 from hybridllm.entrypoints.logging_config import LOG_LEVELS, configure_logging
@@ -159,10 +160,10 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from hybridllm.layers.gguf_linear import cpu_block_sizes, int8_activations_in_use
     from hybridllm.loader import default_model_path, open_model_source
+    from hybridllm.loader.block_sizes import cpu_block_sizes
     from hybridllm.plan.cost_model import CostModel
-    from hybridllm.plan.cpu_dtype import auto_dtype_for
+    from hybridllm.plan.cpu_dtype import auto_dtype_for, cpu_kernels_built
     from hybridllm.plan.describe import describe_hardware, describe_plan
     from hybridllm.plan.hardware_profile import load_or_measure_profile
     from hybridllm.plan.memory_budget import memory_budgets
@@ -170,13 +171,15 @@ def run_plan(args: argparse.Namespace) -> int:
     from hybridllm.platforms.discovery import discover_hardware
 
     configure_logging(args.log_level, default="warning")
-    placement = dataclasses.replace(
-        placement_args_from_cli(args), int8_blocks=int8_activations_in_use()
-    )
     path = args.model or default_model_path()
     source = open_model_source(path)
     hf_config = source.hf_config
-    cpu_blocks = cpu_block_sizes(source, hf_config, args.quantization)
+    # HYBRIDLLM_CPU_KERNELS=0 turns the kernels off; blocks are kept only where they are built
+    cpu_blocks = cpu_block_sizes(
+        source, hf_config, args.quantization, lambda: cpu_kernels_built(True)
+    )
+    int8_blocks = cpu_blocks is not None and envs.read(envs.GGUF_ACTIVATIONS) == "int8"
+    placement = dataclasses.replace(placement_args_from_cli(args), int8_blocks=int8_blocks)
     nodes = None
     if args.distributed_executor_backend == "ray":
         from hybridllm.executor import ray_cluster

@@ -3,100 +3,13 @@
 from __future__ import annotations
 
 import functools
-import math
-from typing import Any
 
 import torch
 from gguf import GGMLQuantizationType
 
 from hybridllm import envs
 from hybridllm.layers.cpu_kernels import load_cpu_kernels
-from hybridllm.loader.model_source import ModelSource
-from hybridllm.loader.onload_quant import HEAD_TYPE, ONLOAD_TYPES, bytes_per_param
-from hybridllm.plan.model_size import GGUFBlockSizes, model_size
-
-# Block formats the native op reads; other GGUF types are dequantized at load time.
-GGUF_KERNEL_TYPES: frozenset[int] = frozenset(
-    {
-        GGMLQuantizationType.Q4_0,
-        GGMLQuantizationType.Q4_1,
-        GGMLQuantizationType.Q8_0,
-        GGMLQuantizationType.Q4_K,
-        GGMLQuantizationType.Q5_K,
-        GGMLQuantizationType.Q6_K,
-    }
-)
-
-
-# GGUF tensors stacked into one Linear: kept as blocks when the op reads each one's type.
-_ATTENTION = (("attn_q", "attn_k", "attn_v"), ("attn_output",))
-# A layer's MLP: dense, or routed experts (stacked [E, rows, cols]; a stack stays blocks only when
-# its parts share one type, see expert_weights.py) and perhaps a shared expert beside them.
-_DENSE_MLP = (("ffn_gate", "ffn_up"), ("ffn_down",))
-_EXPERTS = (("ffn_gate_exps", "ffn_up_exps"), ("ffn_down_exps",))
-_SHARED_EXPERT = (("ffn_gate_shexp", "ffn_up_shexp"), ("ffn_down_shexp",))
-
-
-def gguf_block_sizes(source: ModelSource, num_layers: int) -> GGUFBlockSizes | None:
-    """What a CPU worker keeps of `source` as GGUF blocks (all layers, unsharded), for the budgets
-    and cost model; None for other formats, without the native op, or an unknown layout."""
-    tensor_infos = getattr(source, "tensor_infos", None)
-    if tensor_infos is None or not load_cpu_kernels():
-        return None
-    infos = tensor_infos()
-    kept_params = kept_bytes = total_params = 0
-    for layer in range(num_layers):
-        stacks = list(_ATTENTION)
-        if f"blk.{layer}.ffn_gate_exps.weight" in infos:
-            stacks += _EXPERTS
-            if f"blk.{layer}.ffn_gate_shexp.weight" in infos:
-                stacks += _SHARED_EXPERT
-        else:
-            stacks += _DENSE_MLP
-        for stack in stacks:
-            members = [infos.get(f"blk.{layer}.{name}.weight") for name in stack]
-            if any(m is None for m in members):
-                return None
-            kept = all(m.ggml_type in GGUF_KERNEL_TYPES for m in members)
-            if stack[0].endswith("_exps"):
-                kept = kept and len({m.ggml_type for m in members}) == 1
-            for m in members:
-                total_params += math.prod(m.shape)
-                if kept:
-                    kept_params += math.prod(m.shape)
-                    kept_bytes += m.nbytes
-
-    def kept_nbytes(name: str) -> int | None:
-        info = infos.get(name)
-        return info.nbytes if info is not None and info.ggml_type in GGUF_KERNEL_TYPES else None
-
-    embedding = kept_nbytes("token_embd.weight")
-    head = kept_nbytes("output.weight") if "output.weight" in infos else embedding
-    return GGUFBlockSizes(kept_params, kept_bytes, total_params, head, embedding)
-
-
-def cpu_block_sizes(
-    source: ModelSource, hf_config: Any, quantization: str
-) -> GGUFBlockSizes | None:
-    """What a CPU worker keeps as blocks under `--quantization`: a GGUF file's kept blocks, or
-    (q8_0/q4_0/q4_1 on float checkpoints) the linears it quantizes at load; None: floats."""
-    if quantization == "none":
-        return None
-    sizes = gguf_block_sizes(source, hf_config.num_hidden_layers)
-    if sizes is not None or quantization not in ONLOAD_TYPES or not load_cpu_kernels():
-        return sizes
-    size = model_size(hf_config, "float32")
-    layers = range(size.num_layers)
-    kept = sum(size.layer_matmul_params(i, routed=False) for i in layers)  # experts stay float
-    total = sum(size.layer_matmul_params(i) for i in layers)
-    head = round(size.vocab_size * size.hidden_size * bytes_per_param(HEAD_TYPE))
-    return GGUFBlockSizes(
-        kept_params=kept,
-        kept_bytes=round(kept * bytes_per_param(ONLOAD_TYPES[quantization])),
-        total_params=total,
-        lm_head_bytes=head,
-        embedding_bytes=head if size.tied_embeddings else None,  # a tied table is the head's
-    )
+from hybridllm.loader.block_sizes import GGUF_KERNEL_TYPES
 
 
 def gguf_kernel_types(device: torch.device) -> frozenset[int]:

@@ -71,3 +71,14 @@ def cpu_kv_cache_dtype(kv_cache_dtype: str, compute_dtype: str, int8_blocks: boo
     if kv_cache_dtype != "auto":
         return kv_cache_dtype
     return "float16" if compute_dtype == "float32" and int8_blocks else compute_dtype
+
+
+def cpu_kernels_built(asked: bool) -> bool:
+    """Whether CPU workers compute with the native kernels: asked for (`--cpu-kernels`) and built
+    on this machine. The plan counts GGUF blocks only where the kernels read them, so config
+    building runs the build (once per machine, cached) before it places the model."""
+    if not asked:
+        return False
+    from hybridllm.layers.cpu_kernels import load_cpu_kernels  # deferred: torch and the build
+
+    return load_cpu_kernels()

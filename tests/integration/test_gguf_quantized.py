@@ -9,8 +9,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from hybridllm import LLM, SamplingParams
-from hybridllm.layers.gguf_linear import gguf_block_sizes
 from hybridllm.loader import default_model_path, open_model_source
+from hybridllm.loader.block_sizes import gguf_block_sizes
 from hybridllm.loader.gguf_dequant import dequantize
 from hybridllm.loader.gguf_file import GGUFFile
 from hybridllm.loader.hf_folder import HFFolderSource

@@ -8,8 +8,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from hybridllm import LLM, SamplingParams
-from hybridllm.layers.gguf_linear import gguf_block_sizes
 from hybridllm.loader import open_model_source
+from hybridllm.loader.block_sizes import gguf_block_sizes
 from tests.kernel_helpers import require_cpu_kernels
 from tests.moe_helpers import build_tiny_moe_model, write_moe_gguf
 

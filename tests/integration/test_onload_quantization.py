@@ -14,8 +14,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from hybridllm import LLM, SamplingParams
-from hybridllm.layers.gguf_linear import cpu_block_sizes
 from hybridllm.loader import open_model_source
+from hybridllm.loader.block_sizes import cpu_block_sizes
 from hybridllm.loader.onload_quant import QuantizedWeightCache
 from tests.gguf_helpers import tiny_hf_model, write_gguf
 from tests.kernel_helpers import require_cpu_kernels
@@ -104,7 +104,7 @@ def test_cache_entries_stay_inside_their_folder(tmp_path):
 def test_plan_counts_the_quantized_bytes(model, folder):
     source = open_model_source(folder)
     config = source.hf_config
-    sizes = cpu_block_sizes(source, config, "q4_0")
+    sizes = cpu_block_sizes(source, config, "q4_0", lambda: True)
     params = sum(
         p.numel()
         for name, p in model.named_parameters()
@@ -113,8 +113,8 @@ def test_plan_counts_the_quantized_bytes(model, folder):
     assert sizes.kept_params == sizes.total_params == params
     assert sizes.kept_bytes == math.ceil(params * 18 / 32)
     assert sizes.lm_head_bytes == config.vocab_size * config.hidden_size * 34 // 32
-    assert cpu_block_sizes(source, config, "none") is None
-    assert cpu_block_sizes(source, config, "auto") is None  # a float folder: floats
+    assert cpu_block_sizes(source, config, "none", lambda: True) is None
+    assert cpu_block_sizes(source, config, "auto", lambda: True) is None  # a float folder: floats
 
 
 def test_moe_router_and_experts_stay_float(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ from typing import Any
 
 from hybridllm.config import EngineConfig
 from hybridllm.engine.errors import EngineDeadError
+from hybridllm.engine.input_validation import InputValidator
 from hybridllm.engine.output_processor import OutputProcessor
 from hybridllm.engine.request import Request, RequestStatus
 from hybridllm.engine.scheduler import Scheduler
@@ -62,7 +63,14 @@ class LLMEngine:
         except BaseException:
             self.executor.shutdown()
             raise
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_blocks)
+        # The checks the server makes too (engine/input_validation.py); the scheduler repeats
+        # them for a request added to it directly.
+        self.validator = InputValidator(
+            config.model_config.max_model_len, config.model_config.vocab_size
+        )
+        self.scheduler = Scheduler(
+            config.scheduler_config, config.cache_config, self.num_blocks, self.validator
+        )
         self.structured_output = StructuredOutputManager(
             self.tokenizer, config.model_config.vocab_size, config.model_config.eos_token_ids
         )
@@ -113,7 +121,7 @@ class LLMEngine:
             # request waits (LLM.generate and the server compile first, to raise/400).
             self.structured_output.check(params.structured_outputs)
         text, token_ids = self._tokenize(prompt)
-        self._check_prompt(token_ids)
+        self.validator.check_prompt(token_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = [(request_id, params)]
         if params.n > 1:
@@ -137,17 +145,14 @@ class LLMEngine:
     def verify_params(self, params: SamplingParams) -> SamplingParams:
         """Check `params` against the loaded model (ValueError naming the field); returns
         the params to run, which may differ (a top_k above the vocabulary means no limit)."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        return params.verify_for_model(self.model_config.vocab_size)
+        return self.validator.check_params(params)
 
     def _tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        """The prompt's text (None for token ids) and token ids, not yet checked."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 token_ids = prompt["prompt_token_ids"]
-                if not isinstance(token_ids, (list, tuple)) or not all(
-                    _is_token_id(t) for t in token_ids
-                ):
+                if not isinstance(token_ids, (list, tuple)):
                     raise ValueError("prompt_token_ids must be a list of integer token ids")
                 text = prompt.get("prompt")
                 return text if isinstance(text, str) else None, list(token_ids)
@@ -160,28 +165,15 @@ class LLMEngine:
                 from hybridllm.engine.no_tokenizer import check_prompt_without_tokenizer
 
                 check_prompt_without_tokenizer(prompt)  # raises: text needs a tokenizer
+            # Not tokenized: some tokenizers add a BOS token to an empty text.
             if not prompt:
-                raise ValueError("prompt is empty")
+                raise ValueError("prompt must not be empty")
             return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(_is_token_id(t) for t in prompt):
+        if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
         raise ValueError(
             f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
         )
-
-    def _check_prompt(self, token_ids: list[int]) -> None:
-        limit = self.model_config.max_model_len
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        if len(token_ids) >= limit:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens, but the model's context is "
-                f"max_model_len={limit} tokens (prompt plus at least one generated token)"
-            )
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         if isinstance(request_ids, str):
@@ -315,7 +307,7 @@ class LLMEngine:
         if self._dead is not None:
             raise self._dead
         for token_ids in prompts:
-            self._check_prompt(token_ids)
+            self.validator.check_prompt(token_ids)
         return self.executor.embed(prompts, pooling, normalize)
 
     def check_health(self) -> None:
@@ -358,10 +350,6 @@ def _pipelined(call: Any, *args: Any) -> Any:
         raise
     except Exception as exc:
         raise EngineDeadError(f"a pipelined step failed: {type(exc).__name__}: {exc}") from exc
-
-
-def _is_token_id(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def is_device_failure(exc: BaseException) -> bool:

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 from hybridllm.config import CacheConfig, SchedulerConfig
 from hybridllm.engine.block_manager import BlockManager
+from hybridllm.engine.input_validation import InputValidator
 from hybridllm.engine.request import Request, RequestStatus
 from hybridllm.engine.scheduler_output import (
     CachedRequestData,
@@ -27,9 +28,17 @@ class Scheduler:
     """
 
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        validator: InputValidator | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
+        # The engine's (it knows the vocabulary); alone, the context length is all there is.
+        self.validator = (
+            validator if validator is not None else InputValidator(scheduler_config.max_model_len)
+        )
         self.cache_config = cache_config
         self.block_manager = BlockManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
@@ -68,12 +77,14 @@ class Scheduler:
         self.waiting.append(request)
 
     def _admission_error(self, request: Request) -> str | None:
+        # The engine checked already; the same checks again (cheap) so that a request added
+        # here directly fails alone instead of failing the step it would run in.
+        try:
+            request.sampling_params = self.validator.check_params(request.sampling_params)
+            self.validator.check_prompt(request.prompt_token_ids)
+        except (TypeError, ValueError) as exc:
+            return str(exc)
         num_prompt = request.num_prompt_tokens
-        if num_prompt > self.scheduler_config.max_model_len:
-            return (
-                f"prompt has {num_prompt} tokens, more than max_model_len "
-                f"({self.scheduler_config.max_model_len})"
-            )
         num_blocks = self.block_manager.num_blocks_for(num_prompt)
         if num_blocks > self.block_manager.num_blocks:
             return (

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridllm.engine.errors import EngineDeadError  # a worker's or the engine thread's: a 503
+from hybridllm.engine.input_validation import InvalidInputError
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +101,11 @@ def error_response(
 
 
 def from_value_error(exc: ValueError) -> OpenAIError:
-    """Engine and SamplingParams errors -> 400, naming the field `SamplingParams.x` names."""
+    """Engine and SamplingParams errors -> 400, naming the field the error names: its `param`
+    (engine/input_validation.py's InvalidInputError), or the `x` of `SamplingParams.x`."""
     message = str(exc)
+    if isinstance(exc, InvalidInputError):
+        return OpenAIError(message, 400, param=exc.param, code=exc.code)
     param = None
     if message.startswith("SamplingParams."):
         param = message[len("SamplingParams.") :].split(" ", 1)[0]

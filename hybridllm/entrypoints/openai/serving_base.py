@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from hybridllm.engine.errors import EngineDeadError
+from hybridllm.engine.input_validation import InputValidator, InvalidInputError
 from hybridllm.entrypoints.openai.async_engine import AsyncEngine, RequestStream
 from hybridllm.entrypoints.openai.errors import (
     ClientDisconnected,
@@ -91,6 +92,8 @@ class OpenAIServing:
         self.tokenizer_pool = tokenizer_pool
         self.limits = limits or RequestLimits()
         self.tokens = tokens  # per-token text and bytes, read on the event loop
+        # The engine's own checks, made here to answer 400 before anything is queued.
+        self.validator = InputValidator(model.max_model_len, model.vocab_size)
         chars_per_token = tokens.max_token_chars if tokens is not None else None
         # A text longer than this needs more tokens than the context holds: refused untokenized.
         self.max_text_chars = (
@@ -169,35 +172,18 @@ class OpenAIServing:
             )
 
     def check_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
-        if not token_ids:
-            raise OpenAIError(f"{param} must not be empty", param=param)
-        limit = self.model.max_model_len
-        if len(token_ids) >= limit:
-            raise OpenAIError(
-                f"this model's maximum context length is {limit} tokens, but the {param} has "
-                f"{len(token_ids)} tokens (at least one token must be left for the output)",
-                param=param,
-                code="context_length_exceeded",
-            )
-        vocab = self.model.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise OpenAIError(f"token id {bad} is outside the vocabulary [0, {vocab})", param=param)
+        """The engine's prompt checks (engine/input_validation.py) as a 400 naming `param`."""
+        try:
+            self.validator.check_prompt(token_ids, param)
+        except InvalidInputError as exc:
+            raise from_value_error(exc) from exc
 
     def max_tokens_for(self, num_prompt_tokens: int, requested: int | None, param: str) -> int:
         """The requested output budget, or what is left of the context; over-long asks are 400s."""
-        room = self.model.max_model_len - num_prompt_tokens
-        if requested is None:
-            return room
-        if requested > room:
-            raise OpenAIError(
-                f"this model's maximum context length is {self.model.max_model_len} tokens, "
-                f"but {num_prompt_tokens + requested} were requested ({num_prompt_tokens} in the "
-                f"prompt, {requested} for the output); lower {param}",
-                param=param,
-                code="context_length_exceeded",
-            )
-        return requested
+        try:
+            return self.validator.output_budget(num_prompt_tokens, requested, param)
+        except InvalidInputError as exc:
+            raise from_value_error(exc) from exc
 
     def token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
         if logprob is not None and logprob.decoded_token is not None:

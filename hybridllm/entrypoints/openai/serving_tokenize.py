@@ -7,7 +7,8 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from hybridllm.entrypoints.openai.errors import OpenAIError
+from hybridllm.engine.input_validation import InvalidInputError
+from hybridllm.entrypoints.openai.errors import OpenAIError, from_value_error
 from hybridllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -78,11 +79,9 @@ class OpenAIServingTokenization(OpenAIServing):
                 f"at most {limit} tokens (the context length), got {len(request.tokens)}",
                 param="tokens",
             )
-        vocab = self.model.vocab_size
-        bad = next((t for t in request.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise OpenAIError(
-                f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens"
-            )
+        try:
+            self.validator.check_token_ids(request.tokens, "tokens")
+        except InvalidInputError as exc:
+            raise from_value_error(exc) from exc
         text = await self.in_tokenizer_thread(self.tokenizer.decode, request.tokens)
         return DetokenizeResponse(prompt=text)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from hybridllm import envs
+from hybridllm.plan.cpu_dtype import cpu_kv_cache_dtype
 from hybridllm.plan.plan import Plan
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -17,6 +19,9 @@ SUPPORTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # auto: GGUF blocks kept on CPU workers; none: every weight dequantized; q8_0/q4_0/q4_1: as
 # auto, and CPU workers quantize float linears into that type at load (loader/onload_quant.py)
 SUPPORTED_QUANTIZATION = ("auto", "none", "q8_0", "q4_0", "q4_1")
+# int8: GGUF linears on CPU workers quantize their activations for integer dot products
+# (approximate, faster decode); fp32: exact up to fp32 rounding
+SUPPORTED_GGUF_ACTIVATIONS = ("int8", "fp32")
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,47 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class KernelConfig:
+    """What CPU workers compute with; each setting changes results or memory, and defaults to its
+    environment variable (hybridllm/envs.py)."""
+
+    cpu_kernels: bool = True  # the native CPU kernels; off: the torch paths, GGUF dequantized
+    gguf_activations: str = "int8"  # SUPPORTED_GGUF_ACTIVATIONS
+    native_decode_layer: bool = True  # a whole decoder layer in one native call where it can
+
+    def __post_init__(self) -> None:
+        if self.gguf_activations not in SUPPORTED_GGUF_ACTIVATIONS:
+            raise ValueError(
+                f"gguf_activations must be one of {SUPPORTED_GGUF_ACTIVATIONS}, "
+                f"got {self.gguf_activations!r}"
+            )
+        for name in ("cpu_kernels", "native_decode_layer"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_env(
+        cls,
+        cpu_kernels: bool | None = None,
+        gguf_activations: str | None = None,
+        native_decode_layer: bool | None = None,
+    ) -> KernelConfig:
+        """The settings given; the environment's (or their defaults) for those left None. A bad
+        environment value is a ValueError naming the variable."""
+        return cls(
+            cpu_kernels=envs.read(envs.CPU_KERNELS) if cpu_kernels is None else cpu_kernels,
+            gguf_activations=(
+                envs.read(envs.GGUF_ACTIVATIONS) if gguf_activations is None else gguf_activations
+            ),
+            native_decode_layer=(
+                envs.read(envs.NATIVE_DECODE_LAYER)
+                if native_decode_layer is None
+                else native_decode_layer
+            ),
+        )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -137,6 +183,8 @@ class EngineConfig:
     # "uni": workers in the engine process; "mp": a process each; "ray": a Ray actor each
     distributed_executor_backend: str = "uni"
     ray_address: str | None = None  # the Ray cluster to join (None: RAY_ADDRESS, else local)
+    # Not positional: built without one, a config takes the environment's settings.
+    kernel_config: KernelConfig = field(default_factory=KernelConfig.from_env)
 
     def __post_init__(self) -> None:
         num_layers = self.model_config.num_layers
@@ -168,3 +216,21 @@ class EngineConfig:
                 "distributed_executor_backend='mp' (the 'uni' executor runs every worker "
                 "in the engine process)"
             )
+
+    @property
+    def cpu_kv_cache_dtype(self) -> str:
+        """What CPU workers' KV caches hold (plan/cpu_dtype.py): float16 under "auto" where they
+        compute float32 from GGUF blocks with int8 activations, else the compute dtype."""
+        mc = self.model_config
+        int8_blocks = mc.cpu_blocks is not None and self.kernel_config.gguf_activations == "int8"
+        return cpu_kv_cache_dtype(self.cache_config.kv_cache_dtype, mc.dtype, int8_blocks)
+
+    def describe_kernels(self) -> str:
+        """The kernel settings and the CPU KV cache dtype they imply, for the log line."""
+        k = self.kernel_config
+        on = {True: "on", False: "off"}
+        return (
+            f"cpu kernels {on[k.cpu_kernels]}, GGUF activations {k.gguf_activations}, "
+            f"native decode layer {on[k.native_decode_layer]}, "
+            f"CPU KV cache {self.cpu_kv_cache_dtype}"
+        )

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from dataclasses import dataclass
 
-from hybridllm import envs
 from hybridllm.config import (
     SUPPORTED_DEVICES,
     SUPPORTED_DTYPES,
@@ -16,11 +16,14 @@ from hybridllm.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    KernelConfig,
     ModelConfig,
     SchedulerConfig,
 )
 from hybridllm.plan.placement_args import parse_memory_size
 from hybridllm.plan.plan import Plan
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,6 +67,11 @@ class EngineArgs:
     # MoE: routed experts of every layer (cpu_moe) or of the first N layers on the CPU
     cpu_moe: bool = False
     n_cpu_moe: int | None = None
+    # What CPU workers compute with (config.KernelConfig); None: the environment variable's value
+    # (HYBRIDLLM_CPU_KERNELS, HYBRIDLLM_GGUF_ACTIVATIONS, HYBRIDLLM_NATIVE_DECODE_LAYER)
+    cpu_kernels: bool | None = None
+    gguf_activations: str | None = None  # "int8" | "fp32"
+    native_decode_layer: bool | None = None
 
     def create_engine_config(self) -> EngineConfig:
         # Deferred imports: the loader and torch are heavy and not needed to parse flags.
@@ -84,6 +92,7 @@ class EngineArgs:
             )
         if self.device not in SUPPORTED_DEVICES:
             raise ValueError(f"device must be one of {SUPPORTED_DEVICES}, got {self.device!r}")
+        kernel_config = self.kernel_config()
         ray = self.distributed_executor_backend == "ray"  # the GPUs may be on other nodes
         if self.device == "cuda" and not ray and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but no CUDA GPU is available")
@@ -116,13 +125,15 @@ class EngineArgs:
         from hybridllm.loader.block_sizes import cpu_block_sizes
         from hybridllm.plan.cpu_dtype import cpu_kernels_built
 
-        # HYBRIDLLM_CPU_KERNELS=0 turns the kernels off
         cpu_blocks = cpu_block_sizes(
-            source, hf_config, self.quantization, lambda: cpu_kernels_built(True)
+            source,
+            hf_config,
+            self.quantization,
+            lambda: cpu_kernels_built(kernel_config.cpu_kernels),
         )
         cpu_auto = self._cpu_auto_dtype(hf_config, cpu_blocks)
         # blocks are kept only where the kernels are built: they compute them
-        int8_blocks = cpu_blocks is not None and envs.read(envs.GGUF_ACTIVATIONS) == "int8"
+        int8_blocks = cpu_blocks is not None and kernel_config.gguf_activations == "int8"
         plan = self._build_plan(
             hf_config, batched, max_model_len, cpu_blocks, cpu_auto, int8_blocks
         )
@@ -160,7 +171,7 @@ class EngineArgs:
         )
         device_config = DeviceConfig(device=device, cpu_threads=self.cpu_threads)
         backend = self.distributed_executor_backend or ("uni" if plan.world_size == 1 else "mp")
-        return EngineConfig(
+        config = EngineConfig(
             model_config,
             cache_config,
             scheduler_config,
@@ -169,6 +180,23 @@ class EngineArgs:
             plan=plan,
             distributed_executor_backend=backend,
             ray_address=self.ray_address,
+            kernel_config=kernel_config,
+        )
+        logger.info(
+            "engine config: %s (%s) on %s, %d worker(s); %s",
+            model_path,
+            dtype,
+            device,
+            plan.world_size,
+            config.describe_kernels(),
+        )
+        return config
+
+    def kernel_config(self) -> KernelConfig:
+        """The kernel settings: those given, the environment's for the rest; KernelConfig
+        validates them."""
+        return KernelConfig.from_env(
+            self.cpu_kernels, self.gguf_activations, self.native_decode_layer
         )
 
     def _cpu_auto_dtype(self, hf_config, cpu_blocks) -> str:

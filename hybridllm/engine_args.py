@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from hybridllm.config import (
     SUPPORTED_DEVICES,
     SUPPORTED_DTYPES,
-    SUPPORTED_EXECUTOR_BACKENDS,
     SUPPORTED_KV_CACHE_DTYPES,
     SUPPORTED_QUANTIZATION,
     CacheConfig,
@@ -20,7 +19,7 @@ from hybridllm.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from hybridllm.plan.placement_args import parse_memory_size
+from hybridllm.plan.placement_args import PlacementArgs, parse_memory_size
 from hybridllm.plan.plan import Plan
 
 logger = logging.getLogger(__name__)
@@ -41,8 +40,8 @@ class EngineArgs:
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: str | int | None = None  # CPU KV budget, e.g. "2GiB"
-    # CPU workers' KV cache: auto = float16 beside int8 activations over GGUF blocks, else the
-    # compute dtype; float16/bfloat16 under fp32 compute
+    # CPU workers' KV cache: auto = float16 where they compute fp32 from GGUF blocks with int8
+    # activations, else the compute dtype; float16/bfloat16 under fp32 compute
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -56,9 +55,11 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: "uni" for one worker, else "mp"
     ray_address: str | None = None  # ray: the cluster to join (default: RAY_ADDRESS, else local)
-    layer_split: str | list[int] | None = None  # layers per pipeline stage, e.g. "10,20"
-    gpu_layers: int | None = None  # like llama.cpp -ngl: the first N layers on the GPU
-    max_gpu_memory: str | int | None = None  # per GPU, e.g. "8GiB"
+    # layers per pipeline stage, e.g. "10,20" or (10, 20)
+    layer_split: str | list[int] | tuple[int, ...] | None = None
+    # like llama.cpp -ngl: the last N layers, the final norm and the LM head on the GPU
+    gpu_layers: int | None = None
+    max_gpu_memory: str | int | None = None  # per GPU, e.g. "8GiB" or bytes
     max_cpu_memory: str | int | None = None  # all CPU workers together
     # CPU stages beside a GPU compute steps of at least this many tokens on it by streaming
     # their weights: None = the cost model's crossover, -1 = never, 0 = always
@@ -113,15 +114,8 @@ class EngineArgs:
 
             raise ValueError(tensor_parallel_error(archs[0]))
 
-        model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
-        max_model_len = self.max_model_len or model_max
-        if max_model_len > model_max:
-            raise ValueError(
-                f"max_model_len ({max_model_len}) is larger than the model's context ({model_max})"
-            )
-        batched = self.max_num_batched_tokens
-        if batched is None:
-            batched = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+        max_model_len = self.resolve_max_model_len(hf_config)
+        batched = self.resolve_max_num_batched_tokens(max_model_len)
         from hybridllm.loader.block_sizes import cpu_block_sizes
         from hybridllm.plan.cpu_dtype import cpu_kernels_built
 
@@ -192,6 +186,55 @@ class EngineArgs:
         )
         return config
 
+    def resolve_max_model_len(self, hf_config) -> int:
+        """The context length: `max_model_len`, else the model's; never beyond the model's."""
+        model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
+        max_model_len = self.max_model_len or model_max
+        if max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) is larger than the model's context ({model_max})"
+            )
+        return max_model_len
+
+    def resolve_max_num_batched_tokens(self, max_model_len: int) -> int:
+        """One step's token budget: without chunked prefill a whole prompt must fit it."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+
+    def placement_args(
+        self,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        cpu_auto_dtype: str = "float32",
+        int8_blocks: bool = False,
+    ) -> PlacementArgs:
+        """What the planner is asked (the engine and `hybridllm plan` alike): the flags, and the
+        KV cache to reserve beside the weights, `max_num_seqs` sequences of a typical 256 tokens
+        up to one full context."""
+        split = parse_layer_split(self.layer_split)
+        return PlacementArgs(
+            device=self.device,
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            gpu_layers=self.gpu_layers,
+            max_gpu_memory=_optional_size(self.max_gpu_memory),
+            max_cpu_memory=_optional_size(self.max_cpu_memory),
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            layer_split=None if split is None else tuple(split),
+            cpu_threads=self.cpu_threads,
+            kv_reserve_tokens=min(max_model_len, self.max_num_seqs * 256),
+            max_num_batched_tokens=max_num_batched_tokens,
+            dtype=self.dtype,
+            cpu_auto_dtype=cpu_auto_dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
+            int8_blocks=int8_blocks,
+            stream_threshold=self.stream_threshold,
+            stream_device=self.stream_device,
+            cpu_moe=self.cpu_moe,
+            n_cpu_moe=self.n_cpu_moe,
+        )
+
     def kernel_config(self) -> KernelConfig:
         """The kernel settings: those given, the environment's for the rest; KernelConfig
         validates them."""
@@ -228,31 +271,11 @@ class EngineArgs:
         """Place the model: the planner reads the flags, the hardware and (with a GPU) measured rates."""
         from hybridllm.plan.cost_model import CostModel
         from hybridllm.plan.hardware_profile import load_or_measure_profile
-        from hybridllm.plan.placement_args import PlacementArgs
         from hybridllm.plan.planner import build_plan
         from hybridllm.platforms.discovery import discover_hardware
 
-        split = parse_layer_split(self.layer_split)
-        placement = PlacementArgs(
-            device=self.device,
-            tensor_parallel_size=self.tensor_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            gpu_layers=self.gpu_layers,
-            max_gpu_memory=_optional_size(self.max_gpu_memory),
-            max_cpu_memory=_optional_size(self.max_cpu_memory),
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            layer_split=None if split is None else tuple(split),
-            cpu_threads=self.cpu_threads,
-            kv_reserve_tokens=min(max_model_len, self.max_num_seqs * 256),
-            max_num_batched_tokens=max_num_batched_tokens,
-            dtype=self.dtype,
-            cpu_auto_dtype=cpu_auto_dtype,
-            kv_cache_dtype=self.kv_cache_dtype,
-            int8_blocks=int8_blocks,
-            stream_threshold=self.stream_threshold,
-            stream_device=self.stream_device,
-            cpu_moe=self.cpu_moe,
-            n_cpu_moe=self.n_cpu_moe,
+        placement = self.placement_args(
+            max_model_len, max_num_batched_tokens, cpu_auto_dtype, int8_blocks
         )
         nodes = None
         if self.distributed_executor_backend == "ray":
@@ -275,189 +298,16 @@ class EngineArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        g = parser.add_argument_group("engine")
-        g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
-        g.add_argument(
-            "--dtype",
-            default="auto",
-            choices=SUPPORTED_DTYPES,
-            help="weights and activations dtype; auto: bf16 on a GPU, fp32 on a CPU",
-        )
-        g.add_argument(
-            "--quantization",
-            default="auto",
-            choices=SUPPORTED_QUANTIZATION,
-            help="auto: CPU workers compute a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K linear "
-            "layers straight from its blocks (native op); none: dequantize every weight at load; "
-            "q8_0/q4_0/q4_1: as auto, and CPU workers quantize a checkpoint's float linears into "
-            "that type at load (the LM head into Q8_0), cached on disk",
-        )
-        g.add_argument(
-            "--device",
-            default="auto",
-            choices=SUPPORTED_DEVICES,
-            help="where the model runs; auto: the GPU when the model fits, else GPU + CPU "
-            "(CPU alone without a GPU); heterogeneous: ranks beyond the GPUs are CPU workers",
-        )
-        g.add_argument(
-            "--max-model-len",
-            type=int,
-            default=None,
-            help="context length (prompt + output); default: the model's",
-        )
-        g.add_argument(
-            "--gpu-memory-utilization",
-            type=float,
-            default=0.9,
-            help="fraction of GPU memory for weights + KV cache",
-        )
-        g.add_argument(
-            "--kv-cache-memory",
-            default=None,
-            help="KV cache budget on the CPU, e.g. 2GiB (default: a share of free RAM)",
-        )
-        g.add_argument(
-            "--kv-cache-dtype",
-            choices=SUPPORTED_KV_CACHE_DTYPES,
-            default="auto",
-            help="CPU workers' KV cache dtype: auto = float16 where they compute GGUF blocks "
-            "with int8 activations (GGUF files, on-load quantization), else the compute dtype; "
-            "float16 or bfloat16 under float32 compute halves the cache's memory and the bytes "
-            "decode reads (GPU workers keep the compute dtype)",
-        )
-        g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-        g.add_argument(
-            "--no-enable-prefix-caching",
-            dest="enable_prefix_caching",
-            action="store_false",
-            help="turn off hash-based prefix caching",
-        )
-        g.add_argument(
-            "--no-enable-chunked-prefill",
-            dest="enable_chunked_prefill",
-            action="store_false",
-            help="schedule each prompt whole in one step",
-        )
-        g.add_argument(
-            "--max-num-batched-tokens",
-            type=int,
-            default=None,
-            help="token budget of one engine step (default 2048)",
-        )
-        g.add_argument(
-            "--max-num-seqs", type=int, default=128, help="most requests running at once"
-        )
-        g.add_argument(
-            "--cpu-threads",
-            type=int,
-            default=None,
-            help="torch threads of a CPU worker (default: all cores)",
-        )
-        g.add_argument("--seed", type=int, default=0, help="engine seed")
-        p = parser.add_argument_group("parallelism")
-        p.add_argument(
-            "--pipeline-parallel-size",
-            "-pp",
-            type=int,
-            default=1,
-            help="pipeline stages (each runs a contiguous range of layers)",
-        )
-        p.add_argument(
-            "--tensor-parallel-size",
-            "-tp",
-            type=int,
-            default=1,
-            help="workers that split each stage's layers between them",
-        )
-        p.add_argument(
-            "--gpu-layers",
-            type=int,
-            default=None,
-            help="put the first N decoder layers on the GPU and the rest on the CPU "
-            "(like llama.cpp's -ngl; default: the planner decides)",
-        )
-        add_stream_cli_args(p)
-        add_moe_cli_args(p)
-        p.add_argument(
-            "--max-gpu-memory",
-            default=None,
-            help="cap on weights + activations + KV cache per GPU worker, e.g. 8GiB (default: "
-            "the GPU's memory times --gpu-memory-utilization)",
-        )
-        p.add_argument(
-            "--max-cpu-memory",
-            default=None,
-            help="cap on weights + KV cache of all CPU workers together, e.g. 32GiB",
-        )
-        p.add_argument(
-            "--distributed-executor-backend",
-            default=None,
-            choices=SUPPORTED_EXECUTOR_BACKENDS,
-            help="uni: workers in the engine process; mp: one process per worker; ray: one Ray "
-            "actor per worker, on the machines of a Ray cluster (default: uni for one worker, "
-            "else mp)",
-        )
-        add_ray_cli_args(p)
-        p.add_argument(
-            "--layer-split",
-            default=None,
-            help="layers per pipeline stage, comma-separated, e.g. 10,20 (default: even)",
-        )
+        """Add every engine flag (hybridllm/engine_flags.py, the one table of them)."""
+        from hybridllm.engine_flags import add_engine_flags  # it reads this class's defaults
+
+        add_engine_flags(parser)
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
-
-
-def add_ray_cli_args(parser: argparse._ActionsContainer) -> None:
-    """--ray-address, shared by the engine commands and `plan`."""
-    parser.add_argument(
-        "--ray-address",
-        default=None,
-        metavar="HOST:PORT",
-        help="with --distributed-executor-backend ray: the Ray cluster to join, e.g. "
-        "10.0.0.1:6379 (default: RAY_ADDRESS, else a cluster started with `ray start` on this "
-        "machine, else a new local one)",
-    )
-
-
-def add_stream_cli_args(parser: argparse._ActionsContainer) -> None:
-    """--stream-threshold and --stream-device, shared by the engine commands and `plan`."""
-    parser.add_argument(
-        "--stream-threshold",
-        type=int,
-        default=None,
-        metavar="N",
-        help="CPU stages beside a GPU compute steps of at least N tokens on the GPU, streaming "
-        "their weights to it (0: always, -1: never; default: the cost model's crossover, "
-        "which `hybridllm plan` prints)",
-    )
-    parser.add_argument(
-        "--stream-device",
-        default=None,
-        help="where CPU stages stream to (default: the plan's GPU); 'cpu' runs the streaming "
-        "path on the host, to check it on a machine without a GPU",
-    )
-
-
-def add_moe_cli_args(parser: argparse._ActionsContainer) -> None:
-    """--cpu-moe and --n-cpu-moe, shared by the engine commands and `plan`."""
-    parser.add_argument(
-        "--cpu-moe",
-        action="store_true",
-        help="mixtures of experts: every layer's routed experts on the CPU, the rest of each "
-        "layer (attention, router, shared expert) on the GPU, like llama.cpp's --cpu-moe",
-    )
-    parser.add_argument(
-        "--n-cpu-moe",
-        type=int,
-        default=None,
-        metavar="N",
-        help="mixtures of experts: the routed experts of the first N layers on the CPU "
-        "(default: only when the model does not fit the GPU, as few as needed)",
-    )
 
 
 def parse_layer_split(split: str | list[int] | tuple[int, ...] | None) -> list[int] | None:

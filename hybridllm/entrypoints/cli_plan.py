@@ -6,16 +6,9 @@ import argparse
 import dataclasses
 import sys
 
-from hybridllm import envs
-from hybridllm.config import SUPPORTED_EXECUTOR_BACKENDS, SUPPORTED_QUANTIZATION
-from hybridllm.engine_args import add_moe_cli_args, add_ray_cli_args, add_stream_cli_args
+from hybridllm.engine_args import EngineArgs
+from hybridllm.engine_flags import add_engine_flags
 from hybridllm.entrypoints.logging_config import LOG_LEVELS, configure_logging
-from hybridllm.plan.placement_args import (
-    PLACEMENT_DEVICES,
-    PLACEMENT_DTYPES,
-    PlacementArgs,
-    parse_memory_size,
-)
 from hybridllm.platforms.discovery import GpuInfo, HardwareInfo
 
 GiB = 1 << 30
@@ -46,104 +39,30 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
     )
-    parser.add_argument(
-        "--device",
-        choices=PLACEMENT_DEVICES,
-        default="auto",
-        help="auto: the GPU when there is one (layers that do not fit go to the CPU); "
-        "heterogeneous: ranks beyond the GPU count run on the CPU",
-    )
-    parser.add_argument(
-        "--quantization",
-        choices=SUPPORTED_QUANTIZATION,
-        default="auto",
-        help="auto: CPU workers keep a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K linears as blocks "
-        "(counted at block size); none: every weight at the dtype's size; q8_0/q4_0/q4_1: "
-        "a checkpoint's float linears counted as quantized at load into that type",
-    )
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="TP ranks")
-    parser.add_argument(
-        "--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages"
-    )
-    parser.add_argument(
-        "--gpu-layers",
-        "-ngl",
-        type=int,
-        default=None,
-        help="like llama.cpp -ngl: the last N layers and the LM head on the GPU, the rest on the CPU",
-    )
-    add_stream_cli_args(parser)
-    add_moe_cli_args(parser)
-    parser.add_argument(
-        "--max-gpu-memory", type=_parse_memory_size, default=None, help="cap per GPU, e.g. 8GiB"
-    )
-    parser.add_argument(
-        "--max-cpu-memory",
-        type=_parse_memory_size,
-        default=None,
-        help="cap for all CPU workers (default: 90%% of available RAM)",
-    )
-    parser.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="fraction of each GPU's memory the plan may use",
-    )
-    parser.add_argument(
-        "--layer-split",
-        type=_parse_layer_split,
-        default=None,
-        help="layers per pipeline stage, e.g. 10,22",
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=PLACEMENT_DTYPES,
-        default="auto",
-        help="weights dtype; auto: bf16 when a GPU runs layers, fp32 on the CPU only",
-    )
-    parser.add_argument(
-        "--kv-cache-dtype",
-        choices=PLACEMENT_DTYPES,
-        default="auto",
-        help="CPU workers' KV cache, as the engine's flag: auto = float16 beside int8 "
-        "activations over GGUF blocks, else the compute dtype",
-    )
-    parser.add_argument("--cpu-threads", type=int, default=None, help="threads per CPU worker")
-    parser.add_argument(
+    add_engine_flags(parser, plan_only=True)  # the engine's own flags: the same plan
+    g = parser.add_argument_group("plan")
+    g.add_argument(
         "--kv-reserve-tokens",
         type=int,
-        default=4096,
-        help="KV-cache tokens (all sequences together) that must fit beside the weights",
+        default=None,
+        help="KV-cache tokens (all sequences together) that must fit beside the weights "
+        "(default: what the engine reserves, min(--max-model-len, 256 x --max-num-seqs))",
     )
-    parser.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=2048,
-        help="tokens per step; sizes the activation workspace",
-    )
-    parser.add_argument(
+    g.add_argument(
         "--context-len",
         type=int,
         default=1024,
         help="context each decoding sequence attends over, for the predictions",
     )
-    parser.add_argument(
+    g.add_argument(
         "--refresh-profile",
         action="store_true",
         help="measure the device rates again instead of reading the cache",
     )
-    parser.add_argument(
-        "--distributed-executor-backend",
-        choices=SUPPORTED_EXECUTOR_BACKENDS,
-        default=None,
-        help="ray: plan for the machines of a Ray cluster (lists its nodes with their devices "
-        "and puts each stage on one); otherwise for this machine",
-    )
-    add_ray_cli_args(parser)
-    parser.add_argument("--log-level", choices=LOG_LEVELS, default=None, help="logging level")
-    # Hidden: plan for GPUs this machine does not have (tests, docs). Their rates are the
-    # nominal spec-sheet numbers of hybridllm.plan.hardware_profile.
-    parser.add_argument(
+    g.add_argument("--log-level", choices=LOG_LEVELS, default=None, help="logging level")
+    # Plan for GPUs this machine does not have (tests, docs). Their rates are the nominal
+    # spec-sheet numbers of hybridllm.plan.hardware_profile.
+    g.add_argument(
         "--fake-gpu",
         action="append",
         type=_parse_fake_gpu,
@@ -151,7 +70,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         help="plan for a simulated GPU NAME:MEM_GIB instead of the real ones (repeatable; "
         "nominal H100/H200 rates), e.g. H100:80",
     )
-    parser.add_argument(
+    g.add_argument(
         "--fake-ram-gib",
         type=float,
         default=None,
@@ -171,15 +90,21 @@ def run_plan(args: argparse.Namespace) -> int:
     from hybridllm.platforms.discovery import discover_hardware
 
     configure_logging(args.log_level, default="warning")
+    engine_args = EngineArgs.from_cli_args(args)
+    kernels = engine_args.kernel_config()
     path = args.model or default_model_path()
     source = open_model_source(path)
     hf_config = source.hf_config
-    # HYBRIDLLM_CPU_KERNELS=0 turns the kernels off; blocks are kept only where they are built
+    # The context and step budget the engine would run with decide the KV and workspace.
+    max_model_len = engine_args.resolve_max_model_len(hf_config)
+    batched = engine_args.resolve_max_num_batched_tokens(max_model_len)
     cpu_blocks = cpu_block_sizes(
-        source, hf_config, args.quantization, lambda: cpu_kernels_built(True)
+        source, hf_config, engine_args.quantization, lambda: cpu_kernels_built(kernels.cpu_kernels)
     )
-    int8_blocks = cpu_blocks is not None and envs.read(envs.GGUF_ACTIVATIONS) == "int8"
-    placement = dataclasses.replace(placement_args_from_cli(args), int8_blocks=int8_blocks)
+    int8_blocks = cpu_blocks is not None and kernels.gguf_activations == "int8"
+    placement = engine_args.placement_args(max_model_len, batched, int8_blocks=int8_blocks)
+    if args.kv_reserve_tokens is not None:
+        placement = dataclasses.replace(placement, kv_reserve_tokens=args.kv_reserve_tokens)
     nodes = None
     if args.distributed_executor_backend == "ray":
         from hybridllm.executor import ray_cluster
@@ -212,28 +137,6 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def placement_args_from_cli(args: argparse.Namespace) -> PlacementArgs:
-    return PlacementArgs(
-        device=args.device,
-        tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        gpu_layers=args.gpu_layers,
-        max_gpu_memory=args.max_gpu_memory,
-        max_cpu_memory=args.max_cpu_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        layer_split=args.layer_split,
-        cpu_threads=args.cpu_threads,
-        kv_reserve_tokens=args.kv_reserve_tokens,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        stream_threshold=args.stream_threshold,
-        stream_device=args.stream_device,
-        cpu_moe=args.cpu_moe,
-        n_cpu_moe=args.n_cpu_moe,
-    )
-
-
 def _with_fakes(hw: HardwareInfo, args: argparse.Namespace) -> HardwareInfo:
     if args.fake_gpu:
         gpus = tuple(
@@ -245,22 +148,6 @@ def _with_fakes(hw: HardwareInfo, args: argparse.Namespace) -> HardwareInfo:
         ram = int(args.fake_ram_gib * GiB)
         hw = dataclasses.replace(hw, total_ram=ram, available_ram=ram)
     return hw
-
-
-def _parse_memory_size(text: str) -> int:
-    try:
-        return parse_memory_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _parse_layer_split(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"layer split must be comma-separated layer counts, e.g. 10,22; got {text!r}"
-        ) from None
 
 
 def _parse_fake_gpu(text: str) -> tuple[str, float]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from hybridllm.engine_args import EngineArgs
-from hybridllm.entrypoints.openai.api_server import add_server_cli_args
+from hybridllm.entrypoints.openai.server_args import add_server_cli_args
 
 
 def add_model_arg(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +34,11 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hybridllm.entrypoints.logging_config import configure_logging
     from hybridllm.entrypoints.openai.api_server import run_server
+    from hybridllm.entrypoints.openai.server_args import server_options_from_args
 
-    run_server(args)
+    configure_logging(args.log_level)
+    options = server_options_from_args(args)
+    run_server(options, EngineArgs.from_cli_args(args), args.served_model_name)
     return 0

@@ -80,3 +80,18 @@ def test_api_key_and_body_limit():
         )
         assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
         assert http.get("/health").status_code == 200  # no key needed
+
+
+def test_server_flags_make_the_server_options(monkeypatch):
+    from hybridllm.entrypoints.cli import build_parser
+    from hybridllm.entrypoints.openai.server_args import server_options_from_args
+
+    monkeypatch.setenv("HYBRIDLLM_API_KEY", "from-env")
+    args = build_parser().parse_args(["serve", "--port", "9001", "--limit-concurrency", "7"])
+    options = server_options_from_args(args)
+    assert (options.port, options.limit_concurrency, options.api_key) == (9001, 7, "from-env")
+    assert options.host == ServerOptions.host and options.pooling == ServerOptions.pooling
+    args = build_parser().parse_args(["serve", "--api-key", "flag"])
+    assert server_options_from_args(args).api_key == "flag"  # the flag wins
+    monkeypatch.delenv("HYBRIDLLM_API_KEY")
+    assert server_options_from_args(build_parser().parse_args(["serve"])).api_key is None

@@ -1,8 +1,8 @@
-"""The OpenAI-compatible HTTP server: FastAPI app factory, its CLI flags, and the uvicorn runner."""
+"""The OpenAI-compatible HTTP server: FastAPI app factory and the uvicorn runner (its flags:
+server_args.py)."""
 
 from __future__ import annotations
 
-import argparse
 import copy
 import ipaddress
 import logging
@@ -11,13 +11,11 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from hybridllm import envs
-from hybridllm.entrypoints.logging_config import LOG_LEVELS, configure_logging
 from hybridllm.entrypoints.openai.async_engine import AsyncEngine
 from hybridllm.entrypoints.openai.chat_parsing import ChatParsing
 from hybridllm.entrypoints.openai.errors import (
@@ -36,7 +34,6 @@ from hybridllm.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
 )
-from hybridllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from hybridllm.entrypoints.openai.serving_base import RequestLimits, ServedModel
 from hybridllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from hybridllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -50,7 +47,9 @@ from hybridllm.entrypoints.openai.serving_tokenize import (
 from hybridllm.entrypoints.openai.structured_outputs import enforce_tool_choice
 from hybridllm.entrypoints.openai.token_table import TokenTable
 from hybridllm.entrypoints.openai.tool_choice import ToolChoiceEnforcer
-from hybridllm.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
+
+if TYPE_CHECKING:
+    from hybridllm.engine_args import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -280,135 +279,6 @@ def build_app(
     return app
 
 
-def add_server_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    g = parser.add_argument_group("server")
-    g.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server)",
-    )
-    g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    g.add_argument(
-        "--api-key",
-        default=None,
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: $HYBRIDLLM_API_KEY)",
-    )
-    g.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        metavar="NAME",
-        help="name(s) clients use for the model (default: the model path's basename)",
-    )
-    g.add_argument(
-        "--pooling",
-        choices=("last", "mean"),
-        default="last",
-        help="how /v1/embeddings pools the final hidden states (default last)",
-    )
-    g.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=DEFAULT_MAX_REQUEST_BYTES,
-        help="larger request bodies are refused with 413 (default 8 MiB)",
-    )
-    g.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=10.0,
-        help="seconds running requests get to finish after SIGINT/SIGTERM (default 10)",
-    )
-    g.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="accept a request's own `chat_template` (sandboxed Jinja; it runs on the server's "
-        "tokenizer thread, so only for trusted clients); without it the field is a 400",
-    )
-    g.add_argument(
-        "--tool-call-parser",
-        choices=TOOL_CALL_PARSERS,
-        default=None,
-        help="parse tool calls out of replies for tool_choice 'auto' (the default when a "
-        "request has tools): hermes = <tool_call>{json}</tool_call> blocks (Qwen2.5, Qwen3, "
-        'Hermes); llama3_json = Llama 3\'s {"name", "parameters"} JSON. Without it, '
-        "tool_choice 'auto' is a 400",
-    )
-    g.add_argument(
-        "--reasoning-parser",
-        choices=REASONING_PARSERS,
-        default=None,
-        help="split a reply's <think>...</think> block into reasoning_content: qwen3 (only "
-        "when the reply opens with <think>) or deepseek_r1 (reasoning from the first token)",
-    )
-    limits = parser.add_argument_group(
-        "request limits", "refused with a 400 naming the field, before anything is queued"
-    )
-    limits.add_argument(
-        "--max-prompts-per-request",
-        type=int,
-        default=_DEFAULT_LIMITS.max_prompts_per_request,
-        help=f"prompts in one /v1/completions request (default "
-        f"{_DEFAULT_LIMITS.max_prompts_per_request})",
-    )
-    limits.add_argument(
-        "--max-request-work",
-        type=int,
-        default=_DEFAULT_LIMITS.max_request_work,
-        help=f"n x prompts of one request (default {_DEFAULT_LIMITS.max_request_work})",
-    )
-    limits.add_argument(
-        "--max-stop-strings",
-        type=int,
-        default=_DEFAULT_LIMITS.max_stop_strings,
-        help=f"stop strings per request (default {_DEFAULT_LIMITS.max_stop_strings})",
-    )
-    limits.add_argument(
-        "--max-stop-string-chars",
-        type=int,
-        default=_DEFAULT_LIMITS.max_stop_string_chars,
-        help=f"characters per stop string (default {_DEFAULT_LIMITS.max_stop_string_chars})",
-    )
-    limits.add_argument(
-        "--max-chat-messages",
-        type=int,
-        default=_DEFAULT_LIMITS.max_chat_messages,
-        help=f"messages per chat request (default {_DEFAULT_LIMITS.max_chat_messages})",
-    )
-    conn = parser.add_argument_group("connection limits")
-    conn.add_argument(
-        "--limit-concurrency",
-        type=int,
-        default=ServerOptions.limit_concurrency,
-        help="open connections and requests at once; more get 503 (default 1024)",
-    )
-    conn.add_argument(
-        "--timeout-keep-alive",
-        type=float,
-        default=ServerOptions.timeout_keep_alive,
-        help="seconds an idle kept-alive connection stays open (default 5)",
-    )
-    conn.add_argument(
-        "--max-header-bytes",
-        type=int,
-        default=ServerOptions.max_header_bytes,
-        help="headers larger than this get a 431 (default 16 KiB)",
-    )
-    conn.add_argument(
-        "--request-read-timeout",
-        type=float,
-        default=ServerOptions.request_read_timeout,
-        help="seconds for a request's headers to arrive, and for each piece of its body; "
-        "slower clients get 408 (default 30)",
-    )
-    g.add_argument(
-        "--log-level",
-        choices=LOG_LEVELS,
-        default=None,
-        help="logging level (default: $HYBRIDLLM_LOGGING_LEVEL or info)",
-    )
-    return parser
-
-
 def served_model_names(
     args_names: list[str] | None, model_path: str, embedded: bool = False
 ) -> tuple[str, ...]:
@@ -428,46 +298,28 @@ def warn_if_exposed(options: ServerOptions) -> None:
         )
 
 
-def run_server(args: argparse.Namespace) -> None:
+def run_server(
+    options: ServerOptions,
+    engine_args: EngineArgs,
+    served_model_name: list[str] | None = None,
+) -> None:
     """Load the engine, then serve until SIGINT/SIGTERM: running requests get
     `shutdown_timeout` to finish, the rest are failed with an answer, and the engine stops
-    within its shutdown bound (workers and shared memory freed) before the process exits."""
+    within its shutdown bound (workers and shared memory freed) before the process exits.
+    `served_model_name`: the names clients use (default: the model path's basename)."""
     import asyncio
 
     import uvicorn
 
     from hybridllm.engine.llm_engine import LLMEngine
-    from hybridllm.engine_args import EngineArgs
     from hybridllm.entrypoints.openai.http_protocol import header_timeout_protocol
 
-    configure_logging(args.log_level)
-    options = ServerOptions(
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key or envs.read(envs.API_KEY),
-        pooling=args.pooling,
-        max_request_bytes=args.max_request_bytes,
-        shutdown_timeout=args.shutdown_timeout,
-        max_prompts_per_request=args.max_prompts_per_request,
-        max_request_work=args.max_request_work,
-        max_stop_strings=args.max_stop_strings,
-        max_stop_string_chars=args.max_stop_string_chars,
-        max_chat_messages=args.max_chat_messages,
-        trust_request_chat_template=args.trust_request_chat_template,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
-        limit_concurrency=args.limit_concurrency,
-        timeout_keep_alive=args.timeout_keep_alive,
-        max_header_bytes=args.max_header_bytes,
-        request_read_timeout=args.request_read_timeout,
-    )
     warn_if_exposed(options)
-    engine_args = EngineArgs.from_cli_args(args)
     async_engine = AsyncEngine.launch(lambda: LLMEngine.from_engine_args(engine_args))
     engine = async_engine.engine
     config = engine.model_config
-    embedded = args.model is None
-    names = served_model_names(args.served_model_name, config.model, embedded)
+    embedded = engine_args.model is None
+    names = served_model_names(served_model_name, config.model, embedded)
     model = ServedModel(
         names=names,
         path=config.model,

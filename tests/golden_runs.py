@@ -1,8 +1,10 @@
 """Greedy runs whose tokens and logprobs are saved in tests/data/golden_outputs.json.
 
 The values were produced by `python -m tests.golden_runs` on the code before the structure
-refactor (issue 38); tests/integration/test_golden_outputs.py reruns every case on the current
-code and compares. Each case builds its model the same way every time (fixed seeds).
+refactor (issue 38, commit 82e09a2), which read the GGUF activations from
+HYBRIDLLM_GGUF_ACTIVATIONS (the cases' `gguf_activations` were that variable in its runs);
+tests/integration/test_golden_outputs.py reruns every case on the current code and compares.
+Each case builds its model the same way every time (fixed seeds).
 """
 
 from __future__ import annotations
@@ -27,14 +29,19 @@ TOP_LOGPROBS = 3
 
 # name -> (how to build the model folder/file, LLM keyword arguments)
 CASES: dict[str, tuple[str, dict]] = {
-    "smollm2": ("embedded", dict(dtype="float32")),
-    "smollm2_bf16": ("embedded", dict(dtype="bfloat16")),
+    "smollm2": ("embedded", dict(dtype="float32", gguf_activations="int8")),
+    "smollm2_bf16": ("embedded", dict(dtype="bfloat16", gguf_activations="int8")),
+    "smollm2_fp32_activations": ("embedded", dict(dtype="float32", gguf_activations="fp32")),
     "llama": ("dense:llama", dict(dtype="float32", block_size=4)),
     "qwen3": ("dense:qwen3", dict(dtype="float32", block_size=4)),
     "opt": ("dense:opt", dict(dtype="float32", block_size=4)),
     "qwen3_moe": ("moe:qwen3_moe", dict(dtype="float32", block_size=4)),
     "mixtral": ("moe:mixtral", dict(dtype="float32", block_size=4)),
-    "q4_k_m_like": ("gguf:Q4_K", dict(dtype="float32", block_size=16)),
+    "q4_k_m_like": ("gguf:Q4_K", dict(dtype="float32", block_size=16, gguf_activations="int8")),
+    "q4_k_m_like_fp32_activations": (
+        "gguf:Q4_K",
+        dict(dtype="float32", block_size=16, gguf_activations="fp32"),
+    ),
     "llama_pp2": ("dense:llama", dict(dtype="float32", block_size=4, pipeline_parallel_size=2)),
     "qwen3_tp2": ("dense:qwen3", dict(dtype="float32", block_size=4, tensor_parallel_size=2)),
 }
@@ -86,9 +93,11 @@ def run_case(name: str, folder: Path) -> dict:
 
 
 def main() -> None:
+    """`python -m tests.golden_runs [OUT [CASE ...]]`: the cases (all by default) into OUT."""
     golden = {"cpu_fingerprint": cpu_fingerprint()}
+    names = sys.argv[2:] or list(CASES)
     with tempfile.TemporaryDirectory() as tmp:
-        for name in CASES:
+        for name in names:
             golden[name] = run_case(name, Path(tmp))
             print(name, [r["tokens"][:6] for r in golden[name]["results"]], file=sys.stderr)
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else GOLDEN_PATH

@@ -117,7 +117,6 @@ class GGUFSource(ModelSource):
             return None
 
     def _write_entry(self, folder: str) -> None:
-        logger.info("converting %s into the GGUF cache (once)", self.path)
         gguf = self._gguf_file()
         self.hf_config.save_pretrained(folder)
         with open(os.path.join(folder, GENERATION_CONFIG_FILE), "w", encoding="utf-8") as f:

@@ -25,11 +25,13 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = envs.CPU_KERNELS.name
 NAME = "hybridllm_cpu_kernels"
-# All sources build into the one library; each registers its ops under torch.ops.hybridllm.
+# All sources build into the one library: torch_bindings.cpp declares every op's schema under
+# torch.ops.hybridllm, and each kernel file registers its implementations.
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [
     CSRC / name
     for name in (
+        "torch_bindings.cpp",
         "paged_decode_cpu.cpp",
         "gguf_linear_cpu.cpp",
         "gguf_q8_linear_cpu.cpp",

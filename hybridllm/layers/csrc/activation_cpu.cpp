@@ -59,10 +59,6 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(hybridllm, m) {
-  m.def("silu_and_mul(Tensor x) -> Tensor");
-}
-
 TORCH_LIBRARY_IMPL(hybridllm, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
 }

@@ -75,10 +75,6 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(hybridllm, m) {
-  m.def("argmax_rows(Tensor x) -> Tensor");
-}
-
 TORCH_LIBRARY_IMPL(hybridllm, CPU, m) {
   m.impl("argmax_rows", &argmax_rows);
 }

@@ -134,17 +134,6 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(hybridllm, m) {
-  m.def(
-      "decode_layer(Tensor hidden, Tensor? residual, Tensor input_norm, Tensor post_norm, "
-      "float eps, Tensor[] qkv_weights, int[] qkv_types, Tensor? qkv_bias, Tensor? q_norm, "
-      "Tensor? k_norm, Tensor o_weight, int o_type, Tensor[] gate_up_weights, int[] gate_up_types, "
-      "Tensor? down_weight, int down_type, "
-      "Tensor cos, Tensor sin, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, "
-      "Tensor seq_lens, float scale, int window, int num_heads, int num_kv_heads, "
-      "int activations) -> (Tensor, Tensor)");
-}
-
 TORCH_LIBRARY_IMPL(hybridllm, CPU, m) {
   m.impl("decode_layer", &decode_layer);
 }

@@ -235,15 +235,6 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights,
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(hybridllm, m) {
-  m.def(
-      "fused_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, int w13_type, "
-      "Tensor w2, int w2_type, int activations=0) -> Tensor");
-  m.def(
-      "route_experts(Tensor router_logits, int top_k, bool sigmoid, bool renormalize) "
-      "-> (Tensor, Tensor)");
-}
-
 TORCH_LIBRARY_IMPL(hybridllm, CPU, m) {
   m.impl("fused_moe", &fused_moe);
   m.impl("route_experts", &route_experts);

@@ -442,25 +442,18 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(hybridllm, m) {
-  // activations: 0 computes in fp32; 1 quantizes x to int8 for integer dot products (the
-  // few-rows kernels, the int8 GEMM for many rows; 2-5 pick one path, for tests: gguf_q8_linear.h)
-  m.def(
-      "gguf_linear(Tensor x, Tensor qweight, int ggml_type, int out_features, int activations=0) "
-      "-> Tensor");
-  // The integer paths (the activations values above) this build has, best first.
-  m.def("gguf_int8_paths() -> int[]", [] { return q8_paths(); });
-  // Whether this CPU's BLAS (MKL) runs AVX-512 sgemm kernels; where not, CPU workers send their
-  // fp32 linears through gguf_linear (type F32) too.
-  m.def("blas_has_avx512_kernels() -> bool", [] {
+TORCH_LIBRARY_IMPL(hybridllm, CPU, m) {
+  m.impl("gguf_linear", &gguf_linear);
+}
+
+// The ops without a tensor argument (schemas in torch_bindings.cpp), for every dispatch key.
+TORCH_LIBRARY_IMPL(hybridllm, CompositeImplicitAutograd, m) {
+  m.impl("gguf_int8_paths", [] { return q8_paths(); });
+  m.impl("blas_has_avx512_kernels", [] {
 #if defined(__AVX512F__)
     return blas_has_avx512_kernels();
 #else
     return true;  // no AVX-512 kernels of our own to prefer
 #endif
   });
-}
-
-TORCH_LIBRARY_IMPL(hybridllm, CPU, m) {
-  m.impl("gguf_linear", &gguf_linear);
 }

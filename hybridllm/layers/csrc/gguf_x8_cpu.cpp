@@ -554,18 +554,12 @@ void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* cod
 
 }  // namespace hybridllm_gguf
 
-TORCH_LIBRARY_FRAGMENT(hybridllm, m) {
-  // Q4_K / Q5_K / Q6_K blocks (ggml_type 12 / 13 / 14) [..., rows, K / 256 * 144, 176 or 210]
-  // (rows % 8 == 0) -> the x8 layout [..., rows, K / 256 * 148, 180 or 210] that gguf_linear
-  // and fused_moe take as ggml_type 112 / 113 / 114; unpack_x8 is its inverse (ggml_type: the
-  // source type).
-  m.def("repack_x8(Tensor blocks, int ggml_type) -> Tensor");
-  m.def("unpack_x8(Tensor blocks, int ggml_type) -> Tensor");
-  // Whether this build computes x8 weights (AVX512-VNNI); where not, nothing is repacked.
-  m.def("x8_supported() -> bool", [] { return hybridllm_gguf::x8_kernels_built(); });
-}
-
 TORCH_LIBRARY_IMPL(hybridllm, CPU, m) {
   m.impl("repack_x8", &hybridllm_gguf::repack_x8);
   m.impl("unpack_x8", &hybridllm_gguf::unpack_x8);
+}
+
+// Without a tensor argument (schema in torch_bindings.cpp): for every dispatch key.
+TORCH_LIBRARY_IMPL(hybridllm, CompositeImplicitAutograd, m) {
+  m.impl("x8_supported", [] { return hybridllm_gguf::x8_kernels_built(); });
 }

@@ -100,10 +100,6 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(hybridllm, m) {
-  m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
-}
-
 TORCH_LIBRARY_IMPL(hybridllm, CPU, m) {
   m.impl("write_kv_cache", &write_kv_cache);
 }

@@ -398,12 +398,6 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_
 
 }  // namespace
 
-TORCH_LIBRARY(hybridllm, m) {
-  m.def(
-      "paged_decode_attention(Tensor query, Tensor kv_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale, int window) -> Tensor");
-}
-
 TORCH_LIBRARY_IMPL(hybridllm, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
 }

@@ -325,12 +325,6 @@ at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& key,
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(hybridllm, m) {
-  m.def(
-      "prefill_attention(Tensor query, Tensor key, Tensor value, float scale, int window) "
-      "-> Tensor");
-}
-
 TORCH_LIBRARY_IMPL(hybridllm, CPU, m) {
   m.impl("prefill_attention", &prefill_attention);
 }

@@ -57,10 +57,6 @@ void rotary_embedding_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(hybridllm, m) {
-  m.def("rotary_embedding_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
-}
-
 TORCH_LIBRARY_IMPL(hybridllm, CPU, m) {
   m.impl("rotary_embedding_", &rotary_embedding_);
 }

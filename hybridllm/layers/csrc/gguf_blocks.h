@@ -1,5 +1,5 @@
-// GGUF block formats (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) and their decoding to fp32, shared by
-// the linear kernels in gguf_linear_cpu.cpp and gguf_panel_gemm.h.
+// GGUF block formats (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; their table: gguf_types.h) and their
+// decoding to fp32, shared by the linear kernels in gguf_linear_cpu.cpp and gguf_panel_gemm.h.
 #pragma once
 
 #include <algorithm>
@@ -11,70 +11,14 @@
 #include <immintrin.h>
 #endif
 
+#include "gguf_types.h"
+
 namespace hybridllm_gguf {
 
-// GGMLQuantizationType values of the supported formats. Every format packs 32 weights a block;
-// one weight row [K] is K/32 consecutive blocks. Plain fp32 weights are "blocks" of 32 floats
-// with no scale, so the same kernels serve unquantized CPU linears.
-constexpr int64_t kF32 = 0;   // 32 floats: w = the float
-constexpr int64_t kQ4_0 = 2;  // fp16 d, 16 bytes of nibbles: w = d * (q - 8)
-constexpr int64_t kQ4_1 = 3;  // fp16 d, fp16 m, 16 bytes of nibbles: w = d * q + m
-constexpr int64_t kQ8_0 = 8;  // fp16 d, 32 int8: w = d * q
-// Super-blocks of 256 weights (144 bytes): fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc_j and
-// mins m_j of its eight 32-weight sub-blocks, 128 bytes of nibbles; sub-block j: w = d sc_j q -
-// dmin m_j, a Q4_1 block with its own layout. Rows of these are K/256 super-blocks (K % 256 == 0).
-constexpr int64_t kQ4_K = 12;
-// Q4_K's layout with a fifth bit: fp16 d, fp16 dmin, 12 scale bytes, 32 bytes of high bits (bit
-// j of byte l is weight l's of sub-block j), then the 128 bytes of nibbles; 176 bytes.
-constexpr int64_t kQ5_K = 13;
-// Super-blocks of 256 weights (210 bytes): 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8
-// scales (one per 16 weights), fp16 d last; w = d * scale * (q - 32) for 6-bit q.
-constexpr int64_t kQ6_K = 14;
-// Not ggml types: Q4_K / Q5_K / Q6_K rows repacked in groups of 8 for the int8 kernels
-// (gguf_x8.h), 148 / 180 / 210 bytes a row per 256 weights; a weight's row count is a multiple
-// of 8.
-constexpr int64_t kQ4_KX8 = 112;
-constexpr int64_t kQ5_KX8 = 113;
-constexpr int64_t kQ6_KX8 = 114;
-constexpr int64_t kX8SuperBytes = 148;    // Q4_K x8, per row: a group's 1184 bytes over 8 rows
-constexpr int64_t kX8Q5SuperBytes = 180;  // Q5_K x8: 1440 bytes a group
-constexpr int64_t kBlock = 32;
-constexpr int64_t kSuperBytes = 144;    // Q4_K
-constexpr int64_t kQ5SuperBytes = 176;  // Q5_K
-constexpr int64_t kQ6SuperBytes = 210;  // Q6_K
-
-// Bytes per 32 weights (Q4_K: 144 / 8). Q6_K has no whole number (210 bytes a 256-weight
-// super-block): 0, and code that sizes or walks its rows uses row_bytes_of and q6_k_bits.
-constexpr int64_t block_bytes(int64_t type) {
-  return type == kF32    ? 128
-         : type == kQ4_0 ? 18
-         : type == kQ4_1 ? 20
-         : type == kQ8_0 ? 34
-         : type == kQ4_K ? 18
-         : type == kQ5_K ? 22
-                         : 0;
-}
-
-constexpr bool supported_type(int64_t type) {
-  return block_bytes(type) > 0 || type == kQ6_K || type == kQ4_KX8 || type == kQ5_KX8 ||
-         type == kQ6_KX8;
-}
-
-// Weights a row's length must be a multiple of.
-constexpr int64_t row_granule(int64_t type) {
-  return type == kQ4_K || type == kQ5_K || type == kQ6_K || type == kQ4_KX8 || type == kQ5_KX8 ||
-                 type == kQ6_KX8
-             ? 256
-             : kBlock;
-}
-
-// Bytes of one weight row of K weights.
-constexpr int64_t row_bytes_of(int64_t type, int64_t K) {
-  return type == kQ6_K || type == kQ6_KX8 ? K / 256 * kQ6SuperBytes
-         : type == kQ4_KX8 ? K / 256 * kX8SuperBytes
-         : type == kQ5_KX8 ? K / 256 * kX8Q5SuperBytes
-                           : K / kBlock * block_bytes(type);
-}
+// Bytes a row takes per super-block of 256 weights (gguf_types.h has the formats).
+constexpr int64_t kSuperBytes = gguf_type_info(kQ4_K).unit_bytes;    // 144
+constexpr int64_t kQ5SuperBytes = gguf_type_info(kQ5_K).unit_bytes;  // 176
+constexpr int64_t kQ6SuperBytes = gguf_type_info(kQ6_K).unit_bytes;  // 210
 
 // The 32 nibbles of 4-bit block b of a row (`row`: its first byte), as two 16-byte runs: weights
 // 0-15 are the nibbles at bits `shift` of lo[0..15], weights 16-31 those of hi[0..15]. Q4_0/Q4_1

@@ -364,8 +364,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
   TORCH_CHECK(qweight.scalar_type() == at::kByte, "gguf_linear: qweight must be uint8, got ",
               qweight.scalar_type());
   TORCH_CHECK(supported_type(ggml_type), "gguf_linear: unsupported ggml_type ", ggml_type,
-              " (supported: F32=0, Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14, and Q4_K and",
-              " Q5_K in x8 groups, 112 and 113)");
+              " (supported: ", kGgufTypeNames, ")");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   TORCH_CHECK(K % row_granule(ggml_type) == 0, "gguf_linear: in_features K=", K,
               " is not a multiple of the block size ", row_granule(ggml_type));
@@ -428,15 +427,9 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
         dequantized_linear<kType>(xc, qw, N, y);
     }
   };
-  switch (ggml_type) {
-    case kF32: run(std::integral_constant<int64_t, kF32>{}); break;
-    case kQ4_0: run(std::integral_constant<int64_t, kQ4_0>{}); break;
-    case kQ4_1: run(std::integral_constant<int64_t, kQ4_1>{}); break;
-    case kQ4_K: run(std::integral_constant<int64_t, kQ4_K>{}); break;
-    case kQ5_K: run(std::integral_constant<int64_t, kQ5_K>{}); break;
-    case kQ6_K: run(std::integral_constant<int64_t, kQ6_K>{}); break;
-    default: run(std::integral_constant<int64_t, kQ8_0>{});
-  }
+  dispatch_gguf_type<kFp32Kernels>(ggml_type, run, [&] {
+    TORCH_CHECK(false, "gguf_linear: no fp32 kernels for ggml_type ", ggml_type);
+  });
   return y;
 }
 

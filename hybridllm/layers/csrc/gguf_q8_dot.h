@@ -20,21 +20,6 @@ namespace hybridllm_gguf {
 // combine int32 sums; 32 (one weight block) for the rest.
 constexpr int64_t q8_group(int64_t type) { return row_granule(type); }
 
-// body(std::integral_constant<int64_t, kType>) for a type the int8 kernels compute (Q4_0, Q4_1,
-// Q8_0, Q4_K, Q5_K, Q6_K); otherwise() for any other.
-template <class Body, class Otherwise>
-auto for_int8_type(int64_t type, Body body, Otherwise otherwise) {
-  switch (type) {
-    case kQ4_0: return body(std::integral_constant<int64_t, kQ4_0>{});
-    case kQ4_1: return body(std::integral_constant<int64_t, kQ4_1>{});
-    case kQ8_0: return body(std::integral_constant<int64_t, kQ8_0>{});
-    case kQ4_K: return body(std::integral_constant<int64_t, kQ4_K>{});
-    case kQ5_K: return body(std::integral_constant<int64_t, kQ5_K>{});
-    case kQ6_K: return body(std::integral_constant<int64_t, kQ6_K>{});
-    default: return otherwise();
-  }
-}
-
 // A K-quant super-block's eight 6-bit sub-block scales and mins (see block_scales), as bytes.
 struct KScales {
   uint64_t scales, mins;

@@ -446,8 +446,9 @@ bool q8_gemm(int64_t type, const float* x, int64_t M, int64_t K, const uint8_t* 
       q8_gemm_typed<kType, 2, true>(x, M, K, qw, N, y);
     return true;
   };
-  if (is_x8_type(type)) return for_x8_type(type, run_x8, [] { return false; });
-  return for_int8_type(type, run, [] { return false; });
+  const auto none = [] { return false; };
+  if (is_x8_type(type)) return dispatch_gguf_type<kX8Kernels>(type, run_x8, none);
+  return dispatch_gguf_type<kInt8Kernels>(type, run, none);
 }
 #else
 bool q8_gemm(int64_t, const float*, int64_t, int64_t, const uint8_t*, int64_t, float*) {

@@ -233,7 +233,7 @@ void q8_linear(int64_t type, int64_t path, const float* x, int64_t M, int64_t K,
     x8_only(type, path, x, starts, 1, K, &qw, N, y);
     return;
   }
-  for_int8_type(
+  dispatch_gguf_type<kInt8Kernels>(
       type, [&](auto t) { q8_linear_typed<decltype(t)::value>(path, x, M, K, qw, N, y); },
       [&] { no_int8_path(type); });
 }
@@ -246,7 +246,7 @@ void q8_linear_grouped(int64_t type, int64_t path, const float* x, const int64_t
     x8_only(type, path, x, starts, groups, K, weights, N, y);
     return;
   }
-  for_int8_type(
+  dispatch_gguf_type<kInt8Kernels>(
       type,
       [&](auto t) {
         q8_linear_grouped_typed<decltype(t)::value>(path, x, starts, groups, K, weights, N, y);

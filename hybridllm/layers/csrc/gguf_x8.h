@@ -37,28 +37,8 @@ namespace hybridllm_gguf {
 
 constexpr int64_t kX8GroupRows = 8;
 
-// The x8 type of a K-quant (kQ4_K, kQ5_K, kQ6_K) and back; -1 for others.
-constexpr int64_t x8_type_of(int64_t type) {
-  return type == kQ4_K ? kQ4_KX8 : type == kQ5_K ? kQ5_KX8 : type == kQ6_K ? kQ6_KX8 : -1;
-}
-constexpr int64_t x8_source_type(int64_t x8_type) {
-  return x8_type == kQ4_KX8   ? kQ4_K
-         : x8_type == kQ5_KX8 ? kQ5_K
-         : x8_type == kQ6_KX8 ? kQ6_K
-                              : -1;
-}
-constexpr bool is_x8_type(int64_t type) { return x8_source_type(type) >= 0; }
-
-// body(std::integral_constant<int64_t, source type>) for an x8 type; otherwise() for any other.
-template <class Body, class Otherwise>
-auto for_x8_type(int64_t x8_type, Body body, Otherwise otherwise) {
-  switch (x8_type) {
-    case kQ4_KX8: return body(std::integral_constant<int64_t, kQ4_K>{});
-    case kQ5_KX8: return body(std::integral_constant<int64_t, kQ5_K>{});
-    case kQ6_KX8: return body(std::integral_constant<int64_t, kQ6_K>{});
-    default: return otherwise();
-  }
-}
+// The x8 types and their source types: gguf_types.h (x8_type_of, x8_source_type, is_x8_type;
+// dispatch_gguf_type<kX8Kernels> gives a body the source type).
 
 // y [M, N] = x [M, K] W^T for W of an x8 type (N % 8 == 0), x quantized as q8_linear quantizes
 // it for K-quants; the integer sums are the source type's int8 path's, so y equals it up to fp32

@@ -210,7 +210,7 @@ std::pair<int64_t, int64_t> group_shape(const at::Tensor& blocks, int64_t super_
 // `blocks` of ggml_type `type` (Q4_K, Q5_K, Q6_K) into x8 groups (repack) or back (unpack).
 at::Tensor convert(const at::Tensor& blocks, int64_t type, bool repack) {
   const char* op = repack ? "repack_x8" : "unpack_x8";
-  return for_x8_type(
+  return dispatch_gguf_type<kX8Kernels>(
       x8_type_of(type),
       [&](auto type_constant) {
         constexpr int64_t kType = decltype(type_constant)::value;
@@ -519,7 +519,7 @@ bool x8_linear(int64_t type, const float* x, int64_t M, int64_t K, const uint8_t
 bool x8_linear_grouped(int64_t type, const float* x, const int64_t* starts, int64_t groups,
                        int64_t K, const uint8_t* const* weights, int64_t N, float* y) {
 #if defined(HYBRIDLLM_Q8_AVX512)
-  return for_x8_type(
+  return dispatch_gguf_type<kX8Kernels>(
       type,
       [&](auto source) {
         x8_grouped_typed<decltype(source)::value>(x, starts, groups, K, weights, N, y);
@@ -536,7 +536,7 @@ void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* cod
                      int64_t code_stride, float* scales, int16_t* min_codes, float* min_scales,
                      int64_t unit_stride) {
 #if defined(HYBRIDLLM_Q8_AVX512)
-  const bool done = for_x8_type(
+  const bool done = dispatch_gguf_type<kX8Kernels>(
       type,
       [&](auto source) {
         x8_unpack_typed<decltype(source)::value>(group, K, codes, code_stride, scales, min_codes,

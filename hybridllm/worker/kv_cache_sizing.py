@@ -9,8 +9,6 @@ from collections.abc import Callable
 import torch
 
 from hybridllm.config import EngineConfig
-from hybridllm.layers.gguf_linear import int8_activations_in_use
-from hybridllm.plan.cpu_dtype import cpu_kv_cache_dtype
 from hybridllm.plan.memory_budget import host_expert_bytes, worker_weight_bytes
 from hybridllm.plan.model_size import ModelSize, model_size
 from hybridllm.plan.plan import StagePlan, WorkerPlacement
@@ -27,15 +25,10 @@ ProfileForward = Callable[[Callable[[], None]], int]
 
 def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """What this worker's KV cache holds: GPU workers their (16-bit) compute dtype, CPU workers
-    `cpu_kv_cache_dtype` (plan/cpu_dtype.py)."""
+    the config's `cpu_kv_cache_dtype` (from its kernel settings; plan/cpu_dtype.py)."""
     if device.type != "cpu":
         return dtype
-    model_config = config.model_config
-    int8_blocks = model_config.cpu_blocks is not None and int8_activations_in_use()
-    kv_dtype = cpu_kv_cache_dtype(
-        config.cache_config.kv_cache_dtype, model_config.dtype, int8_blocks
-    )
-    return TORCH_DTYPES[kv_dtype]
+    return TORCH_DTYPES[config.cpu_kv_cache_dtype]
 
 
 def kv_cache_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:

@@ -275,17 +275,6 @@ class CausalLMBase(nn.Module):
         if native_ops and envs.read(envs.NATIVE_DECODE_LAYER):
             self.execution.enable_native_decode(default_activations())
 
-    @property
-    def weight_streamer(self) -> Any:
-        """The execution's weight streamer (None: none)."""
-        return self.execution.weight_streamer
-
-    @weight_streamer.setter
-    def weight_streamer(self, streamer: Any) -> None:
-        # the model runner's `model.weight_streamer = streamer`, until it calls the execution's
-        # attach_weight_streamer itself
-        self.execution.attach_weight_streamer(streamer)
-
     def _check_skippable(self, name: str) -> None:
         if name.endswith(_IGNORED_SUFFIXES):
             return

@@ -122,7 +122,7 @@ class ModelRunner:
             build_weight_streamer(model, self.stage, self.dtype) if self.stage.streams else None
         )
         model.process_weights_after_loading()
-        model.weight_streamer = streamer
+        model.execution.attach_weight_streamer(streamer)
         self.model = model.eval()
 
     def kv_cache_bytes_per_block(self) -> int:

@@ -9,7 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridllm.layers.gguf_linear import GGML_F32, gguf_linear, repack_x8_where_grouped
+from hybridllm.layers.gguf_linear import (
+    GGML_F32,
+    default_activations,
+    gguf_linear,
+    repack_x8_where_grouped,
+)
 from hybridllm.layers.linear import f32_kernel_applies
 from hybridllm.loader.quantized_tensor import QuantizedTensor
 
@@ -45,6 +50,8 @@ class StackedExpertWeight(nn.Module):
         )
         self.register_buffer("qweight", None, persistent=False)  # [E, rows, bytes] uint8
         self.ggml_type = -1
+        # the native op's `activations` (as Linear's: the engine config's, set after loading)
+        self.activations = default_activations()
         self._pending: dict[int, QuantizedTensor] = {}
 
     def _target(self, part: int | None, expert: int | None) -> torch.Tensor:
@@ -122,5 +129,5 @@ class StackedExpertWeight(nn.Module):
     def matmul(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """`x @ W[expert].T`: x [m, cols] -> [m, rows], reading only this expert's weights."""
         if self.qweight is not None:
-            return gguf_linear(x, self.qweight[expert], self.ggml_type, self.rows)
+            return gguf_linear(x, self.qweight[expert], self.ggml_type, self.rows, self.activations)
         return F.linear(x, self.weight[expert])

@@ -50,6 +50,8 @@ class FusedMoE(nn.Module):
         )
         self.w2 = StackedExpertWeight(num_experts, (hidden_size,), intermediate_size, dtype, device)
         self.native = False  # CPU: the compiled hybridllm::silu_and_mul and fused_moe
+        # fused_moe's `activations` (as Linear's: the engine config's, set after loading)
+        self.activations = default_activations()
 
     def finish_loading(self) -> None:
         self.w13.finish_loading()
@@ -88,7 +90,7 @@ class FusedMoE(nn.Module):
                 self.w13.ggml_type,
                 w2,
                 self.w2.ggml_type,
-                default_activations(),
+                self.activations,
             )
             return out.to(x.dtype)  # [n, hidden]
         weights, expert_ids = select_experts(

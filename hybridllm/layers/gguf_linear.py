@@ -42,21 +42,18 @@ def own_f32_gemm_preferred() -> bool:
 # decode kernels; 8 rows or more: an int8 GEMM where the CPU has AVX512-VNNI, else fp32 above 24
 # rows). Plain fp32 weights (F32) always stay fp32.
 FP32_ACTIVATIONS, INT8_ACTIVATIONS = 0, 1
+# The op's code of each `KernelConfig.gguf_activations` setting.
+ACTIVATIONS = {"fp32": FP32_ACTIVATIONS, "int8": INT8_ACTIVATIONS}
 # "int8" (the default: faster decode, see docs/benchmarks.md) or "fp32".
 ACTIVATIONS_ENV = envs.GGUF_ACTIVATIONS.name
 
 
-@functools.cache  # read once: the wrapper runs ~100 times a decode step
+@functools.cache  # read once: modules built outside an engine take it at construction
 def default_activations() -> int:
-    """The `activations` the wrapper passes: INT8 unless HYBRIDLLM_GGUF_ACTIVATIONS=fp32."""
-    int8 = envs.read(envs.GGUF_ACTIVATIONS) == "int8"
-    return INT8_ACTIVATIONS if int8 else FP32_ACTIVATIONS
-
-
-def int8_activations_in_use() -> bool:
-    """Whether GGUF linears on CPU workers compute with int8 activations here (the kernels are
-    built and HYBRIDLLM_GGUF_ACTIVATIONS is not fp32)."""
-    return load_cpu_kernels() and default_activations() == INT8_ACTIVATIONS
+    """The `activations` of layers built outside an engine and of the wrapper's direct callers:
+    INT8 unless HYBRIDLLM_GGUF_ACTIVATIONS=fp32. An engine's models take the engine config's
+    (`CausalLMBase.process_weights_after_loading`)."""
+    return ACTIVATIONS[envs.read(envs.GGUF_ACTIVATIONS)]
 
 
 # Not GGML types: Q4_K / Q5_K / Q6_K rows repacked in groups of 8 for the int8 kernels
@@ -71,10 +68,11 @@ X8_TYPES = {
 X8_SOURCE_TYPES = {x8: source for source, x8 in X8_TYPES.items()}
 
 
-def x8_in_use() -> bool:
-    """Whether CPU workers repack K-quant weights into x8 groups when they load: int8
-    activations and a build with the kernels (AVX512-VNNI)."""
-    return int8_activations_in_use() and torch.ops.hybridllm.x8_supported()
+def x8_repacking(activations: int) -> bool:
+    """Whether a CPU worker computing with `activations` repacks K-quant weights into x8 groups
+    when it loads: int8 activations and a build with the x8 kernels (AVX512-VNNI). Call only
+    where the native kernels are loaded."""
+    return activations == INT8_ACTIVATIONS and torch.ops.hybridllm.x8_supported()
 
 
 def repack_x8(blocks: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, int]:
@@ -106,8 +104,8 @@ def gguf_linear(
     activations: int | None = None,
 ) -> torch.Tensor:
     """`x @ W.T` for `x` [..., in] and `qweight` [out, in / 32 * block_bytes] uint8; the
-    result has x's dtype (the op computes in fp32, or int8 x integer weights: `activations`,
-    by default `default_activations()`)."""
+    result has x's dtype (the op computes in fp32, or int8 x integer weights: `activations`;
+    the layers pass their own, direct callers get `default_activations()`)."""
     if activations is None:
         activations = default_activations()
     if x.dim() == 2 and x.dtype == torch.float32:  # the common case: no reshapes or casts

@@ -13,6 +13,7 @@ from torch import nn
 from hybridllm.layers.gguf_linear import (
     GGML_F32,
     X8_SOURCE_TYPES,
+    default_activations,
     gguf_linear,
     repack_x8_where_grouped,
     unpack_x8,
@@ -97,6 +98,9 @@ class Linear(nn.Module):
         # fp32 weight the native op reads: its own bytes, ggml_type F32)
         self.register_buffer("qweight", None, persistent=False)
         self.ggml_type = -1
+        # the native op's `activations` for the blocks: the engine config's, set after loading
+        # (read each call, so a plain attribute)
+        self.activations = default_activations()
         # stacked projections whose blocks differ in type: (blocks, ggml type, rows) a shard
         self.shard_blocks: list[tuple[torch.Tensor, int, int]] = []
         self._pending_blocks: dict[int, QuantizedTensor] = {}
@@ -107,11 +111,14 @@ class Linear(nn.Module):
     def local_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`x @ W.T + bias` from whichever form of the weight this layer holds."""
         if self.qweight is not None:
-            y = gguf_linear(x, self.qweight, self.ggml_type, self.out_features)
+            y = gguf_linear(x, self.qweight, self.ggml_type, self.out_features, self.activations)
             return y if bias is None else y + bias
         if self.shard_blocks:
             # [n, out]: each shard's rows from its own blocks, side by side
-            y = torch.cat([gguf_linear(x, q, t, rows) for q, t, rows in self.shard_blocks], -1)
+            activations = self.activations
+            y = torch.cat(
+                [gguf_linear(x, q, t, rows, activations) for q, t, rows in self.shard_blocks], -1
+            )
             return y if bias is None else y + bias
         if self.packed:
             return packed_linear(x, self.weight, bias)
@@ -147,7 +154,7 @@ class Linear(nn.Module):
 
     def repack_for_cpu(self) -> None:
         """K-quant blocks (of rows in whole groups of 8) into the int8 kernels' x8 layout
-        (after loading, on a CPU worker computing with int8 activations; see `x8_in_use`)."""
+        (after loading, on a CPU worker computing with int8 activations; see `x8_repacking`)."""
         if self.qweight is not None:
             self.qweight, self.ggml_type = repack_x8_where_grouped(
                 self.qweight, self.ggml_type, self.out_features

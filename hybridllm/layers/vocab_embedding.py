@@ -7,7 +7,12 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
-from hybridllm.layers.gguf_linear import GGML_F32, gguf_linear, repack_x8_where_grouped
+from hybridllm.layers.gguf_linear import (
+    GGML_F32,
+    default_activations,
+    gguf_linear,
+    repack_x8_where_grouped,
+)
 from hybridllm.layers.linear import f32_kernel_applies, pack_linear_weight, packed_linear
 from hybridllm.loader.gguf_dequant import dequantize
 from hybridllm.loader.quantized_tensor import QuantizedTensor
@@ -72,6 +77,8 @@ class LMHead(nn.Module):
         # GGUF blocks [vocab, bytes_per_row] uint8, when the weight is computed from them
         self.register_buffer("qweight", None, persistent=False)
         self.ggml_type = -1
+        # the native op's `activations` (as Linear's: the engine config's, set after loading)
+        self.activations = default_activations()
 
     def load_blocks(self, blocks: QuantizedTensor, name: str) -> None:
         """Project from GGUF blocks (a tied embedding then looks its rows up in them too)."""
@@ -112,7 +119,11 @@ class LMHead(nn.Module):
         if self.qweight is not None:
             # fp32 in, so the logits never pass through a narrower activation dtype
             return gguf_linear(
-                hidden_states.float(), self.qweight, self.ggml_type, self.qweight.shape[0]
+                hidden_states.float(),
+                self.qweight,
+                self.ggml_type,
+                self.qweight.shape[0],
+                self.activations,
             )
         if self.packed_weight is not None:
             return packed_linear(hidden_states, self.packed_weight, None).float()

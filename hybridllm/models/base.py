@@ -9,9 +9,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from hybridllm import envs
+from hybridllm.config import KernelConfig
 from hybridllm.layers.cpu_kernels import load_cpu_kernels
-from hybridllm.layers.gguf_linear import default_activations, own_f32_gemm_preferred, x8_in_use
+from hybridllm.layers.expert_weights import StackedExpertWeight
+from hybridllm.layers.fused_moe import FusedMoE
+from hybridllm.layers.gguf_linear import ACTIVATIONS, own_f32_gemm_preferred, x8_repacking
 from hybridllm.layers.linear import Linear, cpu_bf16_packing_supported
 from hybridllm.layers.mlp import GatedMLP
 from hybridllm.layers.norm import RMSNorm
@@ -28,6 +30,8 @@ WeightLoader = Callable[[torch.Tensor], None]
 _LAYER_INDEX = re.compile(r"^model\.(?:decoder\.)?layers\.(\d+)\.")
 # buffers some checkpoints carry that the model recomputes
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# modules that compute from GGUF blocks with the native op, which takes their `activations`
+_BLOCK_MODULES = (Linear, LMHead, StackedExpertWeight, FusedMoE)
 
 
 def copy_loader(param: torch.Tensor, name: str) -> WeightLoader:
@@ -235,12 +239,16 @@ class CausalLMBase(nn.Module):
         return loaded
 
     @torch.no_grad()
-    def process_weights_after_loading(self) -> None:
-        """Call once after load_weights: linears keep or decode GGUF blocks, CPU norms switch
-        to the compiled op when there is one, fp32 CPU linears to the native GEMM where torch's
-        BLAS lacks AVX-512 kernels; bf16 on CPU repacks every float linear for oneDNN. Then CPU
-        decode steps run each layer with a native form as one native call
-        (`HYBRIDLLM_NATIVE_DECODE_LAYER=0`: off; models/execution.py).
+    def process_weights_after_loading(self, kernels: KernelConfig | None = None) -> None:
+        """Call once after load_weights, with the engine's kernel settings (None: the
+        environment's, for models built outside an engine).
+
+        Linears keep or decode GGUF blocks and compute from them with the settings' activations;
+        with the CPU kernels built, CPU norms switch to the compiled op, fp32 CPU linears to the
+        native GEMM where torch's BLAS lacks AVX-512 kernels, K-quant blocks to the x8 layout
+        under int8 activations, and decode steps run each layer with a native form as one native
+        call (`native_decode_layer`; models/execution.py). bf16 on CPU repacks every float
+        linear for oneDNN.
 
         Decode on CPU is bound by reading weights; oneDNN's blocked bf16 layout reads them
         about twice as fast as F.linear does; the packing is skipped for other dtypes and devices.
@@ -248,8 +256,12 @@ class CausalLMBase(nn.Module):
         if self._weights_processed:
             return
         self._weights_processed = True
+        kernels = KernelConfig.from_env() if kernels is None else kernels
+        activations = ACTIVATIONS[kernels.gguf_activations]
         native_ops = self.device.type == "cpu" and load_cpu_kernels()
         for module in self.modules():
+            if isinstance(module, _BLOCK_MODULES):
+                module.activations = activations
             if isinstance(module, Linear):
                 module.finish_loading()
             elif isinstance(module, (RMSNorm, GatedMLP, RotaryEmbedding)) and native_ops:
@@ -258,7 +270,7 @@ class CausalLMBase(nn.Module):
             for module in self.modules():
                 if isinstance(module, (Linear, LMHead)):
                     module.use_f32_kernel()
-        if native_ops and x8_in_use():
+        if native_ops and x8_repacking(activations):
             for module in self.modules():
                 if isinstance(module, (Linear, LMHead)):
                     module.repack_for_cpu()
@@ -270,10 +282,9 @@ class CausalLMBase(nn.Module):
             for module in self.modules():
                 if isinstance(module, (Linear, LMHead)):
                     module.pack_for_cpu()
-        # last: the native decode forms hold the layers' final weights. The settings are read
-        # here, and only here, until the engine config passes them.
-        if native_ops and envs.read(envs.NATIVE_DECODE_LAYER):
-            self.execution.enable_native_decode(default_activations())
+        # last: the native decode forms hold the layers' final weights
+        if native_ops and kernels.native_decode_layer:
+            self.execution.enable_native_decode(activations)
 
     def _check_skippable(self, name: str) -> None:
         if name.endswith(_IGNORED_SUFFIXES):

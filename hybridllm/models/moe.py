@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from hybridllm.config import KernelConfig
 from hybridllm.layers.cpu_kernels import load_cpu_kernels
 from hybridllm.layers.fused_moe import FusedMoE
-from hybridllm.layers.gguf_linear import own_f32_gemm_preferred, x8_in_use
+from hybridllm.layers.gguf_linear import ACTIVATIONS, own_f32_gemm_preferred, x8_repacking
 from hybridllm.layers.linear import Linear
 from hybridllm.layers.mlp import GatedMLP
 from hybridllm.loader.quantized_tensor import QuantizedTensor
@@ -283,18 +284,20 @@ class MoeForCausalLM(LlamaForCausalLM):
             yield name, tensor
 
     @torch.no_grad()
-    def process_weights_after_loading(self) -> None:
+    def process_weights_after_loading(self, kernels: KernelConfig | None = None) -> None:
         """Experts keep or decode their GGUF blocks, then the dense modules' treatment; on a
-        CPU the experts use the compiled SiLU-and-mul (and the native fp32 GEMM where it wins)."""
+        CPU the experts use the compiled SiLU-and-mul and whole-block op (and the native fp32
+        GEMM where it wins), with the activations of `kernels` (None: the environment's)."""
         if self._weights_processed:
             return
+        kernels = KernelConfig.from_env() if kernels is None else kernels
         experts = [m for m in self.modules() if isinstance(m, FusedMoE)]
         for module in experts:
             module.finish_loading()
         # before the base's: the native decode stack it sets up takes the experts' final blocks
         host = [m for m in experts if m.w13.weight.device.type == "cpu"]  # also a GPU stage's
         if host and load_cpu_kernels():
-            repack = x8_in_use()
+            repack = x8_repacking(ACTIVATIONS[kernels.gguf_activations])
             for module in host:
                 module.use_native_op()
                 if own_f32_gemm_preferred():
@@ -302,7 +305,7 @@ class MoeForCausalLM(LlamaForCausalLM):
                 if repack:
                     module.w13.repack_for_cpu()
                     module.w2.repack_for_cpu()
-        super().process_weights_after_loading()
+        super().process_weights_after_loading(kernels)
 
 
 def tensor_parallel_error(architecture: str) -> str:

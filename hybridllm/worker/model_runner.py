@@ -99,6 +99,7 @@ class ModelRunner:
         # On a CPU worker GGUF linears stay in their blocks (read ~6x fewer bytes per token).
         # Host experts of a GPU stage keep them too (the model decodes what goes to the GPU).
         host = torch.device("cpu") if self.stage.cpu_expert_layers else self.device
+        kernels = self.config.kernel_config
         keep = gguf_kernel_types(host) if model_config.quantization != "none" else ()
         weights = source.iter_weights(model.owns_weight, keep)
         if model_config.quantization in ONLOAD_TYPES and keep and self.device.type == "cpu":
@@ -121,7 +122,7 @@ class ModelRunner:
         streamer = (
             build_weight_streamer(model, self.stage, self.dtype) if self.stage.streams else None
         )
-        model.process_weights_after_loading()
+        model.process_weights_after_loading(kernels)
         model.execution.attach_weight_streamer(streamer)
         self.model = model.eval()
 

@@ -47,6 +47,13 @@ class PagedAttention(nn.Module):
         self.sliding_window = sliding_window
         self.backend = get_attention_backend(torch.device(device))
 
+    def use_torch_ops(self) -> None:
+        """Attend with torch alone where the backend calls native ops: an engine whose config
+        turns the CPU kernels off (the backend is chosen at construction, from whether they
+        are built)."""
+        if getattr(self.backend, "native_ops", False):
+            self.backend = TorchPagedAttention(native_ops=False)
+
     def forward(
         self,
         query: torch.Tensor,

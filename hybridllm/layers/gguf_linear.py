@@ -12,13 +12,15 @@ from hybridllm.layers.cpu_kernels import load_cpu_kernels
 from hybridllm.loader.block_sizes import GGUF_KERNEL_TYPES
 
 
-def gguf_kernel_types(device: torch.device) -> frozenset[int]:
-    """The GGUF types a worker keeps quantized: CPU workers (tensor-parallel ones their slices).
+def gguf_kernel_types(device: torch.device, cpu_kernels: bool) -> frozenset[int]:
+    """The GGUF types a worker keeps quantized: CPU workers (tensor-parallel ones their slices)
+    that compute with the native kernels (`cpu_kernels`: the engine's setting; they must also
+    be built here).
 
     Any activation dtype: the op computes in fp32 (a bf16 CPU stage of a GPU+CPU run reads
     its layers' 4-bit blocks, as llama.cpp's partial offload does).
     """
-    if device.type != "cpu":
+    if device.type != "cpu" or not cpu_kernels:
         return frozenset()
     return GGUF_KERNEL_TYPES if load_cpu_kernels() else frozenset()
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hybridllm.config import KernelConfig
+from hybridllm.layers.attention import PagedAttention
 from hybridllm.layers.cpu_kernels import load_cpu_kernels
 from hybridllm.layers.expert_weights import StackedExpertWeight
 from hybridllm.layers.fused_moe import FusedMoE
@@ -32,6 +33,12 @@ _LAYER_INDEX = re.compile(r"^model\.(?:decoder\.)?layers\.(\d+)\.")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 # modules that compute from GGUF blocks with the native op, which takes their `activations`
 _BLOCK_MODULES = (Linear, LMHead, StackedExpertWeight, FusedMoE)
+
+
+def native_kernels(kernels: KernelConfig) -> bool:
+    """Whether CPU modules compute with the native kernels: the config asks for them and they
+    are built and loadable in this process."""
+    return kernels.cpu_kernels and load_cpu_kernels()
 
 
 def copy_loader(param: torch.Tensor, name: str) -> WeightLoader:
@@ -244,11 +251,11 @@ class CausalLMBase(nn.Module):
         environment's, for models built outside an engine).
 
         Linears keep or decode GGUF blocks and compute from them with the settings' activations;
-        with the CPU kernels built, CPU norms switch to the compiled op, fp32 CPU linears to the
-        native GEMM where torch's BLAS lacks AVX-512 kernels, K-quant blocks to the x8 layout
-        under int8 activations, and decode steps run each layer with a native form as one native
-        call (`native_decode_layer`; models/execution.py). bf16 on CPU repacks every float
-        linear for oneDNN.
+        with the CPU kernels on (and built), CPU norms switch to the compiled op, fp32 CPU
+        linears to the native GEMM where torch's BLAS lacks AVX-512 kernels, K-quant blocks to
+        the x8 layout under int8 activations, and decode steps run each layer with a native form
+        as one native call (`native_decode_layer`; models/execution.py); with them off,
+        attention computes in torch too. bf16 on CPU repacks every float linear for oneDNN.
 
         Decode on CPU is bound by reading weights; oneDNN's blocked bf16 layout reads them
         about twice as fast as F.linear does; the packing is skipped for other dtypes and devices.
@@ -258,7 +265,7 @@ class CausalLMBase(nn.Module):
         self._weights_processed = True
         kernels = KernelConfig.from_env() if kernels is None else kernels
         activations = ACTIVATIONS[kernels.gguf_activations]
-        native_ops = self.device.type == "cpu" and load_cpu_kernels()
+        native_ops = self.device.type == "cpu" and native_kernels(kernels)
         for module in self.modules():
             if isinstance(module, _BLOCK_MODULES):
                 module.activations = activations
@@ -266,6 +273,9 @@ class CausalLMBase(nn.Module):
                 module.finish_loading()
             elif isinstance(module, (RMSNorm, GatedMLP, RotaryEmbedding)) and native_ops:
                 module.use_native_op()
+            elif isinstance(module, PagedAttention) and not native_kernels(kernels):
+                # built with the native ops wherever they are loadable
+                module.use_torch_ops()
         if native_ops and own_f32_gemm_preferred():
             for module in self.modules():
                 if isinstance(module, (Linear, LMHead)):

@@ -20,13 +20,12 @@ import torch
 from torch import nn
 
 from hybridllm.config import KernelConfig
-from hybridllm.layers.cpu_kernels import load_cpu_kernels
 from hybridllm.layers.fused_moe import FusedMoE
 from hybridllm.layers.gguf_linear import ACTIVATIONS, own_f32_gemm_preferred, x8_repacking
 from hybridllm.layers.linear import Linear
 from hybridllm.layers.mlp import GatedMLP
 from hybridllm.loader.quantized_tensor import QuantizedTensor
-from hybridllm.models.base import WeightLoader, linear_loaders
+from hybridllm.models.base import WeightLoader, linear_loaders, native_kernels
 from hybridllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from hybridllm.plan.moe_size import expert_count, qwen_dense_layers
 
@@ -286,8 +285,8 @@ class MoeForCausalLM(LlamaForCausalLM):
     @torch.no_grad()
     def process_weights_after_loading(self, kernels: KernelConfig | None = None) -> None:
         """Experts keep or decode their GGUF blocks, then the dense modules' treatment; on a
-        CPU the experts use the compiled SiLU-and-mul and whole-block op (and the native fp32
-        GEMM where it wins), with the activations of `kernels` (None: the environment's)."""
+        CPU with the kernels on (`kernels`, None: the environment's) the experts use the
+        compiled SiLU-and-mul and whole-block op (and the native fp32 GEMM where it wins)."""
         if self._weights_processed:
             return
         kernels = KernelConfig.from_env() if kernels is None else kernels
@@ -296,7 +295,7 @@ class MoeForCausalLM(LlamaForCausalLM):
             module.finish_loading()
         # before the base's: the native decode stack it sets up takes the experts' final blocks
         host = [m for m in experts if m.w13.weight.device.type == "cpu"]  # also a GPU stage's
-        if host and load_cpu_kernels():
+        if host and native_kernels(kernels):
             repack = x8_repacking(ACTIVATIONS[kernels.gguf_activations])
             for module in host:
                 module.use_native_op()

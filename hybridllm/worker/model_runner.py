@@ -63,8 +63,11 @@ class ModelRunner:
         self.input_batch = InputBatch(
             self.block_size, self.device, self.is_first_stage, eos_token_ids, vocab_size
         )
-        # greedy rows take the compiled argmax on a CPU last stage
-        self.sampler = Sampler(native_argmax=self.device.type == "cpu" and load_cpu_kernels())
+        # greedy rows take the compiled argmax on a CPU last stage with the kernels on
+        native_argmax = (
+            self.device.type == "cpu" and config.kernel_config.cpu_kernels and load_cpu_kernels()
+        )
+        self.sampler = Sampler(native_argmax=native_argmax)
 
     @property
     def requests(self) -> dict[str, CachedRequestState]:
@@ -100,7 +103,11 @@ class ModelRunner:
         # Host experts of a GPU stage keep them too (the model decodes what goes to the GPU).
         host = torch.device("cpu") if self.stage.cpu_expert_layers else self.device
         kernels = self.config.kernel_config
-        keep = gguf_kernel_types(host) if model_config.quantization != "none" else ()
+        keep = (
+            gguf_kernel_types(host, kernels.cpu_kernels)
+            if model_config.quantization != "none"
+            else ()
+        )
         weights = source.iter_weights(model.owns_weight, keep)
         if model_config.quantization in ONLOAD_TYPES and keep and self.device.type == "cpu":
             # float linears into blocks the native op reads (cached on disk per checkpoint)

@@ -94,7 +94,9 @@ def _load_gguf(path: str, tp_group=None):
     extra = {} if tp_group is None else {"tp_group": tp_group}
     cpu = torch.device("cpu")
     model = get_model_class(config.architectures[0])(config, torch.float32, cpu, **extra)
-    loaded = model.load_weights(source.iter_weights(model.owns_weight, gguf_kernel_types(cpu)))
+    loaded = model.load_weights(
+        source.iter_weights(model.owns_weight, gguf_kernel_types(cpu, True))
+    )
     assert not model.expected_weight_names() - loaded
     model.process_weights_after_loading()
     return model

@@ -1,5 +1,5 @@
-"""Decode steps with int8 activations (HYBRIDLLM_GGUF_ACTIVATIONS=int8, the default outside the
-tests) against the exact fp32 path: the embedded model's greedy text, and K-quant linears."""
+"""Decode steps with int8 activations (`gguf_activations="int8"`, the default outside the tests)
+against the exact fp32 path: the embedded model's greedy text, and K-quant linears."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from hybridllm import LLM, SamplingParams
-from hybridllm.layers import gguf_linear as gguf_linear_module
+from hybridllm import LLM, SamplingParams, envs
 from hybridllm.layers.gguf_linear import X8_TYPES
 from hybridllm.layers.linear import Linear
 from tests.gguf_helpers import tokenizer_vocab, write_k_m_like_gguf
@@ -25,22 +24,13 @@ def _kernels():
     require_cpu_kernels()
 
 
-@pytest.fixture
-def run_with(monkeypatch):
-    """Runs `fn(llm)` under each activation mode; the engine is built once per mode."""
-
-    def run(mode: str, fn, **engine_kwargs):
-        monkeypatch.setenv(gguf_linear_module.ACTIVATIONS_ENV, mode)
-        gguf_linear_module.default_activations.cache_clear()
-        llm = LLM(dtype="float32", use_tqdm=False, **engine_kwargs)
-        try:
-            return fn(llm)
-        finally:
-            llm.shutdown()
-            monkeypatch.undo()
-            gguf_linear_module.default_activations.cache_clear()
-
-    return run
+def run_with(mode: str | None, fn, **engine_kwargs):
+    """`fn(llm)` of an engine asked for `mode` activations (None: the environment's)."""
+    llm = LLM(dtype="float32", use_tqdm=False, gguf_activations=mode, **engine_kwargs)
+    try:
+        return fn(llm)
+    finally:
+        llm.shutdown()
 
 
 def _assert_agree(fp32_outputs, int8_outputs) -> None:
@@ -62,7 +52,7 @@ def _assert_agree(fp32_outputs, int8_outputs) -> None:
     assert sum(deltas) / len(deltas) < MEAN_TOLERANCE
 
 
-def test_embedded_model_greedy_agrees(run_with):
+def test_embedded_model_greedy_agrees():
     prompts = ["The capital of France is", "def fibonacci(n):", "Three primary colors are"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
 
@@ -76,7 +66,7 @@ def test_embedded_model_greedy_agrees(run_with):
 
 
 @pytest.mark.parametrize("base", [Q.Q4_K, Q.Q5_K], ids=lambda t: t.name)
-def test_k_quant_prompt_logprobs_in_int8_chunks(tmp_path, run_with, base):
+def test_k_quant_prompt_logprobs_in_int8_chunks(tmp_path, base):
     # A Q4_K_M-like (Q5_K_M-like) model, v and down Q6_K; prefill in chunks of 16 rows, so the
     # prompt's positions run through the int8 path too (teacher-forced, no divergence).
     vocab = len(tokenizer_vocab())
@@ -94,21 +84,23 @@ def test_k_quant_prompt_logprobs_in_int8_chunks(tmp_path, run_with, base):
         return {m.ggml_type for m in linears} | {t for m in linears for _, t, _ in m.shard_blocks}
 
     kwargs = dict(model=str(path), max_num_batched_tokens=16, enable_prefix_caching=False)
-    fp32, (int8, types) = (
-        run_with("fp32", prompt_logprobs, **kwargs),
-        run_with("int8", lambda llm: (prompt_logprobs(llm), block_types(llm)), **kwargs),
-    )
+
+    def run(mode: str):
+        return run_with(mode, lambda llm: (prompt_logprobs(llm), block_types(llm)), **kwargs)
+
+    (fp32, fp32_types), (int8, types) = run("fp32"), run("int8")
     # the K-quant linears (base, and v / down's Q6_K) compute from the x8 layout on the int8 path
-    # (the prompt's chunks: the GEMM unpacking it)
+    # (the prompt's chunks: the GEMM unpacking it); the fp32 path keeps the types' own layouts
     x8 = torch.ops.hybridllm.x8_supported()
     for fmt in (base, Q.Q6_K):
         assert (X8_TYPES[int(fmt)] in types) == x8 and (int(fmt) in types) != x8
+        assert int(fmt) in fp32_types and X8_TYPES[int(fmt)] not in fp32_types
     deltas = [abs(a - b) for a, b in zip(fp32, int8)]
     assert len(deltas) == 63 and 0 < max(deltas) < TOLERANCE
     assert sum(deltas) / len(deltas) < MEAN_TOLERANCE
 
 
-def test_auto_kv_cache_dtype_follows_the_activations(run_with):
+def test_auto_kv_cache_dtype_follows_the_activations(monkeypatch):
     # kv_cache_dtype="auto" on a CPU worker: float16 beside the int8 path over GGUF blocks (the
     # default), the compute dtype beside the exact paths (fp32 activations, dequantized weights)
     def kv_dtype(llm):
@@ -118,3 +110,6 @@ def test_auto_kv_cache_dtype_follows_the_activations(run_with):
     assert run_with("fp32", kv_dtype) == torch.float32
     assert run_with("int8", kv_dtype, quantization="none") == torch.float32
     assert run_with("int8", kv_dtype, kv_cache_dtype="float32") == torch.float32
+    # not asked: HYBRIDLLM_GGUF_ACTIVATIONS decides
+    monkeypatch.setenv(envs.GGUF_ACTIVATIONS.name, "int8")
+    assert run_with(None, kv_dtype) == torch.float16

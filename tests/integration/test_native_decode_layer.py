@@ -59,13 +59,18 @@ def llama_gguf(tmp_path_factory):
 
 
 def run(
-    path: str, native: bool, monkeypatch, sharded: list | None = None, **engine_kwargs
+    path: str, native: bool | None, sharded: list | None = None, **engine_kwargs
 ) -> tuple[list, list[bool], bool]:
     """(tokens and logprobs of each output, whether each layer took the native op, and whether
-    one DecodeStack call ran them all); `sharded` gets, a layer, whether its qkv and gate/up
-    hold a tensor of blocks a shard."""
-    monkeypatch.setenv(envs.NATIVE_DECODE_LAYER.name, "1" if native else "0")
-    llm = LLM(path, skip_tokenizer_init=True, use_tqdm=False, **engine_kwargs)
+    one DecodeStack call ran them all) of an engine with `native_decode_layer=native`;
+    `sharded` gets, a layer, whether its qkv and gate/up hold a tensor of blocks a shard."""
+    llm = LLM(
+        path,
+        skip_tokenizer_init=True,
+        use_tqdm=False,
+        native_decode_layer=native,
+        **engine_kwargs,
+    )
     try:
         model = llm.llm_engine.executor.workers[0].model_runner.model
         used = [form is not None for form in model.execution.native_forms]
@@ -92,50 +97,59 @@ def run(
         llm.shutdown()
 
 
-def test_gguf_llama_native_equals_per_op(llama_gguf, monkeypatch):
-    native, used, stacked = run(llama_gguf, True, monkeypatch)
-    per_op, unused, unstacked = run(llama_gguf, False, monkeypatch)
+def test_gguf_llama_native_equals_per_op(llama_gguf):
+    native, used, stacked = run(llama_gguf, True)
+    per_op, unused, unstacked = run(llama_gguf, False)
     assert all(used) and not any(unused)
     assert stacked and not unstacked
     assert native == per_op
     assert all(len(tokens) == 16 for tokens, _ in native)
 
 
-def test_mixed_block_types_native_equals_per_op(tmp_path, monkeypatch):
+def test_the_environment_is_the_default(llama_gguf, monkeypatch):
+    # HYBRIDLLM_NATIVE_DECODE_LAYER decides only where the engine is not told
+    monkeypatch.setenv(envs.NATIVE_DECODE_LAYER.name, "0")
+    _, unused, unstacked = run(llama_gguf, None)
+    _, used, stacked = run(llama_gguf, True)
+    assert not any(unused) and not unstacked
+    assert all(used) and stacked
+
+
+def test_mixed_block_types_native_equals_per_op(tmp_path):
     path = llama_gguf_file(tmp_path, MIXED_TYPES)
     sharded: list = []
-    native, used, stacked = run(path, True, monkeypatch, sharded)
-    per_op, _, _ = run(path, False, monkeypatch)
+    native, used, stacked = run(path, True, sharded)
+    per_op, _, _ = run(path, False)
     assert sharded == [(True, True)] * len(used)
     assert all(used) and stacked
     assert native == per_op
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "mistral", "qwen3"])
-def test_fp32_folders_native_equals_per_op(arch, tmp_path, monkeypatch):
+def test_fp32_folders_native_equals_per_op(arch, tmp_path):
     # fp32 linears take the native path where they are read as F32 blocks (CPUs whose BLAS
     # lacks AVX-512 kernels); elsewhere the layers keep the per-op path and this still holds
     from hybridllm.layers.gguf_linear import own_f32_gemm_preferred
     from tests.model_helpers import make_tiny_model
 
     path = str(make_tiny_model(arch, tmp_path / arch))  # mistral: a window of 12
-    native, used, stacked = run(path, True, monkeypatch)
-    per_op, _, _ = run(path, False, monkeypatch)
+    native, used, stacked = run(path, True)
+    per_op, _, _ = run(path, False)
     assert native == per_op
     assert all(u == own_f32_gemm_preferred() for u in used)
     assert stacked == own_f32_gemm_preferred()
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "olmoe"])
-def test_moe_layers_native_attention_equals_per_op(arch, tmp_path, monkeypatch):
+def test_moe_layers_native_attention_equals_per_op(arch, tmp_path):
     # the op takes attention (Qwen3's q/k norms included) and returns the expert block's input;
     # OLMoE's own attention keeps the per-op path
     from hybridllm.layers.gguf_linear import own_f32_gemm_preferred
     from tests.moe_helpers import make_tiny_moe_model
 
     path = str(make_tiny_moe_model(arch, tmp_path / arch))
-    native, used, stacked = run(path, True, monkeypatch)
-    per_op, _, _ = run(path, False, monkeypatch)
+    native, used, stacked = run(path, True)
+    per_op, _, _ = run(path, False)
     assert native == per_op
     # one native call a layer, the expert block after it: these experts' 40-wide down rows are
     # no whole F32 blocks for fused_moe (the GGUF test below has the stack run them)
@@ -147,36 +161,35 @@ def test_moe_layers_native_attention_equals_per_op(arch, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda f: f.name)
-def test_gguf_moe_stack_with_x8_experts_equals_per_op(fmt, tmp_path, monkeypatch):
+def test_gguf_moe_stack_with_x8_experts_equals_per_op(fmt, tmp_path):
     # Qwen3-MoE from GGUF, K-quant experts on the int8 path: their blocks are repacked in x8
     # groups and the stack runs routing and experts; the per-layer path the same
     import torch
 
-    from hybridllm.layers import gguf_linear as gguf_linear_module
-    from hybridllm.layers.gguf_linear import X8_TYPES, own_f32_gemm_preferred
+    from hybridllm.layers.gguf_linear import INT8_ACTIVATIONS, X8_TYPES, own_f32_gemm_preferred
     from tests.moe_helpers import build_tiny_moe_model, write_moe_gguf
 
-    monkeypatch.setenv(gguf_linear_module.ACTIVATIONS_ENV, "int8")
-    gguf_linear_module.default_activations.cache_clear()
+    model = build_tiny_moe_model(
+        "qwen3_moe", hidden_size=256, moe_intermediate_size=256, intermediate_size=256
+    )  # whole 256-weight super-blocks
+    kinds = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+    path = str(write_moe_gguf(tmp_path / "q3.gguf", model, dict.fromkeys(kinds, fmt)))
+    llm = LLM(path, skip_tokenizer_init=True, use_tqdm=False, gguf_activations="int8")
     try:
-        model = build_tiny_moe_model(
-            "qwen3_moe", hidden_size=256, moe_intermediate_size=256, intermediate_size=256
-        )  # whole 256-weight super-blocks
-        kinds = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-        path = str(write_moe_gguf(tmp_path / "q3.gguf", model, dict.fromkeys(kinds, fmt)))
-        llm = LLM(path, skip_tokenizer_init=True, use_tqdm=False)
-        try:
-            layers = llm.llm_engine.executor.workers[0].model_runner.model.layers
-            x8 = torch.ops.hybridllm.x8_supported()
-            expected = X8_TYPES[int(fmt)] if x8 else int(fmt)
-            assert all(layer.mlp.experts.w13.ggml_type == expected for layer in layers)
-        finally:
-            llm.shutdown()
-        native, used, stacked = run(path, True, monkeypatch)
-        per_op, _, unstacked = run(path, False, monkeypatch)
+        layers = llm.llm_engine.executor.workers[0].model_runner.model.layers
+        x8 = torch.ops.hybridllm.x8_supported()
+        expected = X8_TYPES[int(fmt)] if x8 else int(fmt)
+        experts = [layer.mlp.experts for layer in layers]
+        assert all(e.w13.ggml_type == expected for e in experts)
+        assert (
+            {e.activations for e in experts}
+            == {e.w2.activations for e in experts}
+            == {INT8_ACTIVATIONS}
+        )
     finally:
-        monkeypatch.undo()
-        gguf_linear_module.default_activations.cache_clear()
+        llm.shutdown()
+    native, used, stacked = run(path, True, gguf_activations="int8")
+    per_op, _, unstacked = run(path, False, gguf_activations="int8")
     assert native == per_op and not unstacked
     assert stacked == own_f32_gemm_preferred() == all(used)
 

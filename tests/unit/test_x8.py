@@ -8,7 +8,6 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from hybridllm.layers import gguf_linear as gguf_linear_module
 from hybridllm.layers.expert_weights import StackedExpertWeight
 from hybridllm.layers.gguf_linear import INT8_ACTIVATIONS, X8_TYPES, repack_x8, unpack_x8
 from hybridllm.layers.linear import Linear
@@ -28,16 +27,6 @@ def _kernels():
 
 K_QUANTS = pytest.mark.parametrize("fmt", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda f: f.name)
 ROW_BYTES = {Q.Q4_K: 148, Q.Q5_K: 180, Q.Q6_K: 210}  # a row's x8 bytes per 256 weights
-
-
-@pytest.fixture
-def int8_mode(monkeypatch):
-    """Layers compute with int8 activations (the tests' default is fp32), as where they repack."""
-    monkeypatch.setenv(gguf_linear_module.ACTIVATIONS_ENV, "int8")
-    gguf_linear_module.default_activations.cache_clear()
-    yield
-    monkeypatch.undo()
-    gguf_linear_module.default_activations.cache_clear()
 
 
 @K_QUANTS
@@ -120,10 +109,11 @@ def _quantized(blocks: torch.Tensor, fmt: Q, rows: int, cols: int) -> QuantizedT
     return QuantizedTensor(blocks.numpy(), fmt, (rows, cols))
 
 
-def test_linear_repacks_its_k_quant_blocks_only(int8_mode):
+def test_linear_repacks_its_k_quant_blocks_only():
     # q (Q4_K), k (Q5_K) and v (Q8_0) of differing types: each shard its own blocks
     sizes, k = (32, 16, 16), 256
     layer = Linear(k, sizes, False, torch.float32, torch.device("cpu"))
+    layer.activations = INT8_ACTIVATIONS  # as an engine sets it where it repacks
     parts = []
     for shard, (rows, fmt) in enumerate(zip(sizes, (Q.Q4_K, Q.Q5_K, Q.Q8_0))):
         blocks, weight = random_blocks(fmt, rows, k, seed=shard)
@@ -146,9 +136,10 @@ def test_linear_repacks_its_k_quant_blocks_only(int8_mode):
     assert odd.ggml_type == int(Q.Q4_K)
 
 
-def test_expert_stack_repacks(int8_mode):
+def test_expert_stack_repacks():
     experts, rows, k = 3, 16, 256
     stack = StackedExpertWeight(experts, (rows,), k, torch.float32, torch.device("cpu"))
+    stack.activations = INT8_ACTIVATIONS
     blocks, _ = random_blocks(Q.Q4_K, experts * rows, k)
     stack.load(_quantized(blocks, Q.Q4_K, experts * rows, k), "w2", part=0)
     stack.finish_loading()
@@ -160,10 +151,11 @@ def test_expert_stack_repacks(int8_mode):
     assert torch.equal(unpack_x8(stack.qweight, 112)[0].reshape(experts * rows, -1), blocks)
 
 
-def test_untied_lm_head_repacks_a_tied_one_keeps_its_blocks(int8_mode):
+def test_untied_lm_head_repacks_a_tied_one_keeps_its_blocks():
     vocab, k, cpu = 64, 256, torch.device("cpu")
     blocks, weight = random_blocks(Q.Q6_K, vocab, k)
     head = LMHead(vocab, k, torch.float32, cpu)
+    head.activations = INT8_ACTIVATIONS
     head.load_blocks(_quantized(blocks, Q.Q6_K, vocab, k), "output.weight")
     x = torch.randn(2, k)
     before = head(x)

@@ -19,7 +19,7 @@ import torch
 from hybridllm.layers.linear import Linear
 from hybridllm.layers.vocab_embedding import LMHead, VocabEmbedding
 from hybridllm.loader.quantized_tensor import QuantizedTensor
-from hybridllm.plan.plan import partition
+from hybridllm.partition import partition
 
 if TYPE_CHECKING:
     from hybridllm.distributed.parallel_groups import TPGroup

@@ -8,8 +8,6 @@ from pathlib import Path
 import hybridllm
 
 PACKAGE = Path(hybridllm.__file__).parent
-# Imports another owner still has to move (layers/tensor_parallel.py takes plan.partition).
-NOT_YET_MOVED = {"layers/tensor_parallel.py"}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -36,8 +34,6 @@ def test_config_building_never_imports_the_layers_models_or_workers():
 def test_the_layers_never_import_the_plan():
     for path in sorted((PACKAGE / "layers").glob("*.py")):
         name = path.relative_to(PACKAGE).as_posix()
-        if name in NOT_YET_MOVED:
-            continue
         plan = {m for m in imported_modules(path) if m.startswith("hybridllm.plan")}
         assert plan == set(), name
 

@@ -119,6 +119,12 @@ def load_cpu_kernels() -> bool:
     return True
 
 
+def cpu_kernels_enabled(requested: bool) -> bool:
+    """Whether a CPU worker computes with the native kernels: its engine config asks for them
+    (`requested`, `--cpu-kernels`) and they are built and loadable in this process."""
+    return requested and load_cpu_kernels()
+
+
 # One source takes about 10-20 s of one core to compile (torch's headers are most of it);
 # ninja compiles as many at once as there are cores.
 _COMPILE_SECONDS = (10, 20)

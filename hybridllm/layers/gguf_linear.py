@@ -8,7 +8,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from hybridllm import envs
-from hybridllm.layers.cpu_kernels import load_cpu_kernels
+from hybridllm.layers.cpu_kernels import cpu_kernels_enabled, load_cpu_kernels
 from hybridllm.loader.block_sizes import GGUF_KERNEL_TYPES
 
 
@@ -20,9 +20,9 @@ def gguf_kernel_types(device: torch.device, cpu_kernels: bool) -> frozenset[int]
     Any activation dtype: the op computes in fp32 (a bf16 CPU stage of a GPU+CPU run reads
     its layers' 4-bit blocks, as llama.cpp's partial offload does).
     """
-    if device.type != "cpu" or not cpu_kernels:
+    if device.type != "cpu" or not cpu_kernels_enabled(cpu_kernels):
         return frozenset()
-    return GGUF_KERNEL_TYPES if load_cpu_kernels() else frozenset()
+    return GGUF_KERNEL_TYPES
 
 
 # GGML's type id of plain fp32 tensors: the op reads an fp32 weight's own bytes as 32-float blocks.

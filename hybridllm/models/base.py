@@ -11,7 +11,7 @@ from torch import nn
 
 from hybridllm.config import KernelConfig
 from hybridllm.layers.attention import PagedAttention
-from hybridllm.layers.cpu_kernels import load_cpu_kernels
+from hybridllm.layers.cpu_kernels import cpu_kernels_enabled
 from hybridllm.layers.expert_weights import StackedExpertWeight
 from hybridllm.layers.fused_moe import FusedMoE
 from hybridllm.layers.gguf_linear import ACTIVATIONS, own_f32_gemm_preferred, x8_repacking
@@ -33,12 +33,6 @@ _LAYER_INDEX = re.compile(r"^model\.(?:decoder\.)?layers\.(\d+)\.")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 # modules that compute from GGUF blocks with the native op, which takes their `activations`
 _BLOCK_MODULES = (Linear, LMHead, StackedExpertWeight, FusedMoE)
-
-
-def native_kernels(kernels: KernelConfig) -> bool:
-    """Whether CPU modules compute with the native kernels: the config asks for them and they
-    are built and loadable in this process."""
-    return kernels.cpu_kernels and load_cpu_kernels()
 
 
 def copy_loader(param: torch.Tensor, name: str) -> WeightLoader:
@@ -265,7 +259,8 @@ class CausalLMBase(nn.Module):
         self._weights_processed = True
         kernels = KernelConfig.from_env() if kernels is None else kernels
         activations = ACTIVATIONS[kernels.gguf_activations]
-        native_ops = self.device.type == "cpu" and native_kernels(kernels)
+        kernels_on = cpu_kernels_enabled(kernels.cpu_kernels)
+        native_ops = self.device.type == "cpu" and kernels_on
         for module in self.modules():
             if isinstance(module, _BLOCK_MODULES):
                 module.activations = activations
@@ -273,7 +268,7 @@ class CausalLMBase(nn.Module):
                 module.finish_loading()
             elif isinstance(module, (RMSNorm, GatedMLP, RotaryEmbedding)) and native_ops:
                 module.use_native_op()
-            elif isinstance(module, PagedAttention) and not native_kernels(kernels):
+            elif isinstance(module, PagedAttention) and not kernels_on:
                 # built with the native ops wherever they are loadable
                 module.use_torch_ops()
         if native_ops and own_f32_gemm_preferred():

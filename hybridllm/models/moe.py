@@ -20,12 +20,13 @@ import torch
 from torch import nn
 
 from hybridllm.config import KernelConfig
+from hybridllm.layers.cpu_kernels import cpu_kernels_enabled
 from hybridllm.layers.fused_moe import FusedMoE
 from hybridllm.layers.gguf_linear import ACTIVATIONS, own_f32_gemm_preferred, x8_repacking
 from hybridllm.layers.linear import Linear
 from hybridllm.layers.mlp import GatedMLP
 from hybridllm.loader.quantized_tensor import QuantizedTensor
-from hybridllm.models.base import WeightLoader, linear_loaders, native_kernels
+from hybridllm.models.base import WeightLoader, linear_loaders
 from hybridllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from hybridllm.plan.moe_size import expert_count, qwen_dense_layers
 
@@ -295,7 +296,7 @@ class MoeForCausalLM(LlamaForCausalLM):
             module.finish_loading()
         # before the base's: the native decode stack it sets up takes the experts' final blocks
         host = [m for m in experts if m.w13.weight.device.type == "cpu"]  # also a GPU stage's
-        if host and native_kernels(kernels):
+        if host and cpu_kernels_enabled(kernels.cpu_kernels):
             repack = x8_repacking(ACTIVATIONS[kernels.gguf_activations])
             for module in host:
                 module.use_native_op()

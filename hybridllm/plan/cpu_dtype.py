@@ -77,8 +77,6 @@ def cpu_kernels_built(asked: bool) -> bool:
     """Whether CPU workers compute with the native kernels: asked for (`--cpu-kernels`) and built
     on this machine. The plan counts GGUF blocks only where the kernels read them, so config
     building runs the build (once per machine, cached) before it places the model."""
-    if not asked:
-        return False
-    from hybridllm.layers.cpu_kernels import load_cpu_kernels  # deferred: torch and the build
+    from hybridllm.layers.cpu_kernels import cpu_kernels_enabled  # deferred: torch, the build
 
-    return load_cpu_kernels()
+    return cpu_kernels_enabled(asked)

@@ -10,7 +10,7 @@ import torch
 
 from hybridllm.config import EngineConfig
 from hybridllm.engine.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
-from hybridllm.layers.cpu_kernels import load_cpu_kernels
+from hybridllm.layers.cpu_kernels import cpu_kernels_enabled
 from hybridllm.plan.plan import StagePlan
 from hybridllm.platforms import Platform
 from hybridllm.sample import Sampler, compute_prompt_logprobs
@@ -64,8 +64,8 @@ class ModelRunner:
             self.block_size, self.device, self.is_first_stage, eos_token_ids, vocab_size
         )
         # greedy rows take the compiled argmax on a CPU last stage with the kernels on
-        native_argmax = (
-            self.device.type == "cpu" and config.kernel_config.cpu_kernels and load_cpu_kernels()
+        native_argmax = self.device.type == "cpu" and cpu_kernels_enabled(
+            config.kernel_config.cpu_kernels
         )
         self.sampler = Sampler(native_argmax=native_argmax)
 

@@ -26,7 +26,7 @@ def configure_logging(flag: str | None = None, default: str = "info") -> str:
     logging.basicConfig(format=LOG_FORMAT, level=level.upper(), force=True)
     # A first run's long steps (kernel build, cache writes) still say what they do under a
     # quiet default; a level the user chose (the flag or the environment) quiets them too.
-    chosen = resolve_log_level(flag, "info") == resolve_log_level(flag, "critical")
+    chosen = bool(flag or envs.read(envs.LOGGING_LEVEL))
     numeric = logging.getLevelName(level.upper())
     progress.set_level(numeric if chosen else min(numeric, logging.INFO))
     return level

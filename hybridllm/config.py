@@ -150,6 +150,12 @@ class KernelConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
+    def int8_over_blocks(self, cpu_blocks: object | None) -> bool:
+        """Whether CPU workers compute int8 activations over GGUF blocks: they keep some
+        (`cpu_blocks`, what the loader counts; None: every weight float, since blocks are kept
+        only where the kernels are built) and the activations are int8."""
+        return cpu_blocks is not None and self.gguf_activations == "int8"
+
     @classmethod
     def from_env(
         cls,
@@ -222,7 +228,7 @@ class EngineConfig:
         """What CPU workers' KV caches hold (plan/cpu_dtype.py): float16 under "auto" where they
         compute float32 from GGUF blocks with int8 activations, else the compute dtype."""
         mc = self.model_config
-        int8_blocks = mc.cpu_blocks is not None and self.kernel_config.gguf_activations == "int8"
+        int8_blocks = self.kernel_config.int8_over_blocks(mc.cpu_blocks)
         return cpu_kv_cache_dtype(self.cache_config.kv_cache_dtype, mc.dtype, int8_blocks)
 
     def describe_kernels(self) -> str:

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from hybridllm.config import (
     SUPPORTED_DEVICES,
@@ -21,6 +22,10 @@ from hybridllm.config import (
 )
 from hybridllm.plan.placement_args import PlacementArgs, parse_memory_size
 from hybridllm.plan.plan import Plan
+
+if TYPE_CHECKING:
+    from hybridllm.loader.model_source import ModelSource
+    from hybridllm.plan.model_size import GGUFBlockSizes
 
 logger = logging.getLogger(__name__)
 
@@ -116,18 +121,9 @@ class EngineArgs:
 
         max_model_len = self.resolve_max_model_len(hf_config)
         batched = self.resolve_max_num_batched_tokens(max_model_len)
-        from hybridllm.loader.block_sizes import cpu_block_sizes
-        from hybridllm.plan.cpu_dtype import cpu_kernels_built
-
-        cpu_blocks = cpu_block_sizes(
-            source,
-            hf_config,
-            self.quantization,
-            lambda: cpu_kernels_built(kernel_config.cpu_kernels),
-        )
+        cpu_blocks = self.kept_cpu_blocks(source, hf_config, kernel_config)
         cpu_auto = self._cpu_auto_dtype(hf_config, cpu_blocks)
-        # blocks are kept only where the kernels are built: they compute them
-        int8_blocks = cpu_blocks is not None and kernel_config.gguf_activations == "int8"
+        int8_blocks = kernel_config.int8_over_blocks(cpu_blocks)
         plan = self._build_plan(
             hf_config, batched, max_model_len, cpu_blocks, cpu_auto, int8_blocks
         )
@@ -233,6 +229,19 @@ class EngineArgs:
             stream_device=self.stream_device,
             cpu_moe=self.cpu_moe,
             n_cpu_moe=self.n_cpu_moe,
+        )
+
+    def kept_cpu_blocks(
+        self, source: ModelSource, hf_config: Any, kernels: KernelConfig
+    ) -> GGUFBlockSizes | None:
+        """What CPU workers keep as GGUF blocks under these flags (None: every weight float;
+        loader/block_sizes.py). The kernels are asked for (and built) only when
+        there are blocks to keep."""
+        from hybridllm.loader.block_sizes import cpu_block_sizes
+        from hybridllm.plan.cpu_dtype import cpu_kernels_built
+
+        return cpu_block_sizes(
+            source, hf_config, self.quantization, lambda: cpu_kernels_built(kernels.cpu_kernels)
         )
 
     def kernel_config(self) -> KernelConfig:

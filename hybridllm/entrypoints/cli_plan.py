@@ -80,9 +80,8 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     from hybridllm.loader import default_model_path, open_model_source
-    from hybridllm.loader.block_sizes import cpu_block_sizes
     from hybridllm.plan.cost_model import CostModel
-    from hybridllm.plan.cpu_dtype import auto_dtype_for, cpu_kernels_built
+    from hybridllm.plan.cpu_dtype import auto_dtype_for
     from hybridllm.plan.describe import describe_hardware, describe_plan
     from hybridllm.plan.hardware_profile import load_or_measure_profile
     from hybridllm.plan.memory_budget import memory_budgets
@@ -98,10 +97,8 @@ def run_plan(args: argparse.Namespace) -> int:
     # The context and step budget the engine would run with decide the KV and workspace.
     max_model_len = engine_args.resolve_max_model_len(hf_config)
     batched = engine_args.resolve_max_num_batched_tokens(max_model_len)
-    cpu_blocks = cpu_block_sizes(
-        source, hf_config, engine_args.quantization, lambda: cpu_kernels_built(kernels.cpu_kernels)
-    )
-    int8_blocks = cpu_blocks is not None and kernels.gguf_activations == "int8"
+    cpu_blocks = engine_args.kept_cpu_blocks(source, hf_config, kernels)
+    int8_blocks = kernels.int8_over_blocks(cpu_blocks)
     placement = engine_args.placement_args(max_model_len, batched, int8_blocks=int8_blocks)
     if args.kv_reserve_tokens is not None:
         placement = dataclasses.replace(placement, kv_reserve_tokens=args.kv_reserve_tokens)

@@ -36,6 +36,7 @@ SOURCES = [
         "gguf_linear_cpu.cpp",
         "gguf_q8_linear_cpu.cpp",
         "gguf_q8_gemm_cpu.cpp",
+        "gguf_dequantize_cpu.cpp",
         "gguf_x8_cpu.cpp",
         "rms_norm_cpu.cpp",
         "activation_cpu.cpp",

@@ -11,6 +11,9 @@
 #include <immintrin.h>
 #endif
 
+#include "gguf_code_blocks.h"
+#include "gguf_code_decoders.h"
+#include "gguf_iq_blocks.h"
 #include "gguf_types.h"
 
 namespace hybridllm_gguf {
@@ -233,6 +236,22 @@ void dequantize_row(const uint8_t* row, int64_t nb, float* out, float* d, float*
   constexpr int64_t bb = block_bytes(kType);
   if constexpr (kType == kF32) {
     std::memcpy(out, row, nb * bb);
+    return;
+  }
+  if constexpr (is_code_block_type(kType)) {
+    constexpr int64_t kSuper = gguf_type_info(kType).unit_bytes;
+    CodeBlock cb;
+    for (int64_t s = 0; s < nb * kBlock / kCodeBlockWeights; ++s) {
+      CodeBlockDecoder<kType>::decode(row + s * kSuper, &cb);
+      float* o = out + s * kCodeBlockWeights;
+      for (int64_t u = 0; u < kCodeBlockWeights / kCodeUnit; ++u) {
+        // (d * scale) * code + (dmin * min): gguf's order of roundings
+        const float scale = cb.d * static_cast<float>(cb.scales[u]);
+        const float min = cb.dmin * static_cast<float>(cb.mins[u]);
+        for (int64_t i = 0; i < kCodeUnit; ++i)
+          o[u * kCodeUnit + i] = scale * static_cast<float>(cb.codes[u * kCodeUnit + i]) + min;
+      }
+    }
     return;
   }
   block_scales<kType>(row, nb, d, m);

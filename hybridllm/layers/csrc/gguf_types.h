@@ -19,6 +19,9 @@ constexpr int64_t kBlock = 32;
 constexpr unsigned kFp32Kernels = 1;  // fp32 activations: gguf_linear_cpu.cpp, gguf_panel_gemm.h
 constexpr unsigned kInt8Kernels = 2;  // int8 activations: gguf_q8_linear_cpu.cpp, ..._gemm_cpu.cpp
 constexpr unsigned kX8Kernels = 4;    // rows in groups of 8 (gguf_x8.h), int8 activations only
+// Not a kernel family: the type's kernels are the code-block ones (gguf_code_blocks.h), which
+// see its super-blocks through its CodeBlockDecoder.
+constexpr unsigned kCodeBlocks = 8;
 
 // X(name, id, weights a unit, bytes a unit, kernels, computed as): `id` the GGMLQuantizationType
 // value; a row is whole units (a block of 32 weights or a super-block of 256); `computed as` the
@@ -78,6 +81,11 @@ constexpr GgufTypeInfo gguf_type_info(int64_t type) {
 }
 
 constexpr bool supported_type(int64_t type) { return gguf_type_info(type).id >= 0; }
+
+// Whether a type is computed through its CodeBlockDecoder (gguf_code_blocks.h).
+constexpr bool is_code_block_type(int64_t type) {
+  return (gguf_type_info(type).kernels & kCodeBlocks) != 0;
+}
 
 // Bytes per 32 weights (Q4_K: 144 / 8). Q6_K has no whole number (210 bytes a 256-weight
 // super-block), nor have the x8 groups: 0, and code that sizes or walks their rows uses

@@ -27,6 +27,11 @@ TORCH_LIBRARY(hybridllm, m) {
   // fp32 linears through gguf_linear (type F32) too.
   m.def("blas_has_avx512_kernels() -> bool");
 
+  // --- gguf_dequantize_cpu.cpp
+  // Weight rows [rows, in_features / 32 * block_bytes] uint8 of a block type -> float [rows,
+  // in_features], as gguf.quants.dequantize decodes them.
+  m.def("gguf_dequantize(Tensor blocks, int ggml_type, int in_features) -> Tensor");
+
   // --- gguf_x8_cpu.cpp
   // Q4_K / Q5_K / Q6_K blocks (ggml_type 12 / 13 / 14) [..., rows, K / 256 * 144, 176 or 210]
   // (rows % 8 == 0) -> the x8 layout [..., rows, K / 256 * 148, 180 or 210] that gguf_linear

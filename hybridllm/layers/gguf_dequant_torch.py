@@ -2,31 +2,43 @@
 
 A streamed CPU layer crosses the link as its GGUF blocks (about 4x fewer bytes than bf16) and
 the accelerator decodes them into its staging slot. Each decoder computes what llama.cpp's (and
-`gguf.quants.dequantize`) computes, `d * q (+ m)` in float32, so results match the host decode.
+`gguf.quants.dequantize`) computes, in float32 and in the same order of roundings, so results
+match the host decode bit for bit. A decoder works on all of a weight's blocks at once (a few
+kernel launches per weight, no loop over blocks); the grid types (IQ2/IQ3/IQ1) are in
+`gguf_dequant_torch_iq.py`.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import IQ4_NL
+
+from hybridllm.layers.gguf_dequant_torch_iq import IQ_DECODERS, const, f16, nibble_pairs
 
 Q = GGMLQuantizationType
-
-
-def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    """The float16 at byte `start` of each block, as float32 [n, 1]."""
-    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
+_f16 = f16
 
 
 def _shifts(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.uint8, device=device)
+    return const(values, torch.uint8, device)
+
+
+def _nibble_codes(packed: torch.Tensor) -> torch.Tensor:
+    """[n, 16] bytes -> [n, 32] uint8: low nibbles are elements 0..15, high nibbles 16..31."""
+    return torch.cat((packed & 15, packed >> 4), dim=-1)
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """[n, 16] bytes -> [n, 32]: low nibbles are elements 0..15, high nibbles 16..31."""
-    return torch.cat((packed & 15, packed >> 4), dim=-1).float()
+    return _nibble_codes(packed).float()
+
+
+def _bits32(packed: torch.Tensor) -> torch.Tensor:
+    """[n, 4] bytes (a little-endian uint32) -> [n, 32] uint8: bit i is element i."""
+    return ((packed[:, :, None] >> _shifts(tuple(range(8)), packed.device)) & 1).reshape(-1, 32)
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:  # f16 d, 32 x int8
@@ -39,6 +51,40 @@ def _q4_0(b: torch.Tensor) -> torch.Tensor:  # f16 d, 16 bytes of nibbles; (q - 
 
 def _q4_1(b: torch.Tensor) -> torch.Tensor:  # f16 d, f16 m, 16 bytes of nibbles; q * d + m
     return _nibbles(b[:, 4:]) * _f16(b, 0) + _f16(b, 2)
+
+
+def _q5(b: torch.Tensor, start: int) -> torch.Tensor:
+    """Q5_0/Q5_1 codes [n, 32] in 0..31: a uint32 of fifth bits at `start`, 16 nibble bytes."""
+    return _nibble_codes(b[:, start + 4 :]) | (_bits32(b[:, start : start + 4]) << 4)
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:  # f16 d, 4 high-bit bytes, 16 nibbles; d * (q - 16)
+    return _f16(b, 0) * (_q5(b, 2).float() - 16)
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:  # f16 d, f16 m, 4 high-bit bytes, 16 nibbles
+    return _f16(b, 0) * _q5(b, 4).float() + _f16(b, 2)
+
+
+@functools.cache
+def _kvalues(device: torch.device) -> torch.Tensor:
+    """IQ4_NL's and IQ4_XS's 16 non-linear levels, float32 on `device`."""
+    return torch.tensor(IQ4_NL.kvalues, dtype=torch.float32, device=device)
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:  # f16 d, 16 bytes of nibbles indexing kvalues
+    return _f16(b, 0) * _kvalues(b.device)[_nibble_codes(b[:, 2:]).long()]
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    """f16 d, a uint16 of 2-bit scale highs, 4 bytes of scale nibbles, 8 x 16 bytes of nibbles;
+    each 32 weights are d * (scale - 32) * kvalues[q]."""
+    n = b.shape[0]
+    high = (b[:, 2:4, None] >> _shifts((0, 2, 4, 6), b.device)) & 3  # [n, 2, 4]
+    scales = nibble_pairs(b[:, 4:8]) | (high.reshape(n, 8) << 4)
+    dl = _f16(b, 0) * (scales.float() - 32)  # [n, 8]
+    q = (b[:, 8:136].reshape(n, 8, 1, 16) >> _shifts((0, 4), b.device).view(1, 1, 2, 1)) & 15
+    return (dl[..., None] * _kvalues(b.device)[q.reshape(n, 8, 32).long()]).view(n, 256)
 
 
 def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,6 +101,34 @@ def _low_high(qs: torch.Tensor, n: int) -> torch.Tensor:
     one of high nibbles."""
     shifted = qs.view(n, 4, 1, 32) >> _shifts((0, 4), qs.device).view(1, 1, 2, 1)
     return (shifted & 15).view(n, 8, 32)
+
+
+def _crumbs(qs: torch.Tensor, n: int) -> torch.Tensor:
+    """Q2_K/Q3_K: [n, 64] bytes -> [n, 16, 16] 2-bit codes: each 32-byte run gives four
+    sub-blocks of 32, bits 0-1 of every byte first, then bits 2-3, 4-5, 6-7."""
+    shifted = qs.reshape(n, 2, 1, 32) >> _shifts((0, 2, 4, 6), qs.device).view(1, 1, 4, 1)
+    return (shifted & 3).view(n, 16, 16)
+
+
+def _q2_k(b: torch.Tensor) -> torch.Tensor:  # 16 scale/min bytes, 64 code bytes, d, dmin
+    n = b.shape[0]
+    sc = b[:, :16]
+    dl = _f16(b, 80) * (sc & 15).float()  # [n, 16]
+    ml = _f16(b, 82) * (sc >> 4).float()
+    return (dl[..., None] * _crumbs(b[:, 16:80], n).float() - ml[..., None]).view(n, 256)
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:  # 32 high-bit bytes, 64 code bytes, 12 scales, d
+    n = b.shape[0]
+    sc = b[:, 96:108]
+    low = (sc[:, None, :8] >> _shifts((0, 4), b.device).view(1, 2, 1)) & 15  # [n, 2, 8]
+    high = (sc[:, None, 8:] >> _shifts((0, 2, 4, 6), b.device).view(1, 4, 1)) & 3  # [n, 4, 4]
+    scales = (low.reshape(n, 16) | (high.reshape(n, 16) << 4)).float() - 32
+    dl = _f16(b, 108) * scales  # [n, 16]
+    hmask = b[:, :32].reshape(n, 1, 32) >> _shifts(tuple(range(8)), b.device).view(1, 8, 1)
+    minus4 = ((hmask & 1) ^ 1).view(n, 16, 16) << 2  # 4 where the high bit is clear
+    q = _crumbs(b[:, 32:96], n).float() - minus4.float()
+    return (dl[..., None] * q).view(n, 256)
 
 
 def _q4_k(b: torch.Tensor) -> torch.Tensor:  # d, dmin, 12 scale bytes, 128 nibble bytes
@@ -89,9 +163,16 @@ _DECODERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
     Q.Q8_0: _q8_0,
     Q.Q4_0: _q4_0,
     Q.Q4_1: _q4_1,
+    Q.Q5_0: _q5_0,
+    Q.Q5_1: _q5_1,
+    Q.IQ4_NL: _iq4_nl,
+    Q.IQ4_XS: _iq4_xs,
+    Q.Q2_K: _q2_k,
+    Q.Q3_K: _q3_k,
     Q.Q4_K: _q4_k,
     Q.Q5_K: _q5_k,
     Q.Q6_K: _q6_k,
+    **IQ_DECODERS,
 }
 TORCH_DECODED_TYPES: frozenset[int] = frozenset(int(t) for t in _DECODERS)
 

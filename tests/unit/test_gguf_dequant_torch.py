@@ -1,37 +1,109 @@
-"""The torch GGUF decoders (what an accelerator runs on streamed blocks) equal gguf's numpy ones."""
+"""The torch GGUF decoders (what an accelerator runs on streamed blocks) equal gguf's numpy ones
+bit for bit, for every block type they decode."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize
 
 from hybridllm.layers.gguf_dequant_torch import TORCH_DECODED_TYPES, dequantize_torch
-from tests.gguf_helpers import random_k_quant_blocks
+
+# Byte offsets of each type's float16 scale fields within a block (IQ1_M: see _random_blocks).
+_F16_FIELDS = {
+    Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2),
+    Q.IQ4_NL: (0,), Q.IQ4_XS: (0,), Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ2_XXS: (0,), Q.IQ2_XS: (0,), Q.IQ2_S: (0,),
+    Q.IQ3_XXS: (0,), Q.IQ3_S: (0,), Q.IQ1_S: (0,), Q.IQ1_M: (),
+}  # fmt: skip
+NEW_TYPES = {
+    Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS, Q.Q2_K, Q.Q3_K, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S,
+    Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M,
+}  # fmt: skip
 
 
-def _random_blocks(qtype: Q, rows: int, cols: int) -> np.ndarray:
-    """Random blocks of `qtype` [rows, bytes_per_row] with finite float16 scales."""
-    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
-        return random_k_quant_blocks((rows, cols), qtype)
-    values = np.random.default_rng(1).standard_normal((rows, cols)).astype(np.float32)
-    return quantize(values, qtype)
+def _random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random blocks of `qtype` [rows, bytes_per_row]: random bytes, each float16 scale field
+    replaced by a small normal half of either sign."""
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows * cols // block, type_size), dtype=np.uint8)
+    halves = lambda: (  # noqa: E731
+        rng.uniform(1e-4, 1e-2, len(raw)) * rng.choice((-1, 1), len(raw))
+    ).astype(np.float16)
+    for start in _F16_FIELDS[qtype]:
+        raw[:, start : start + 2] = halves().view(np.uint8).reshape(-1, 2)
+    if qtype == Q.IQ1_M:  # d's four nibbles are the top nibbles of the last four uint16s
+        bits = halves().view(np.uint16).astype(np.uint16)
+        scales = raw[:, 48:56].copy().view(np.uint16)  # [n, 4]
+        for i in range(4):
+            nibble = (bits >> np.uint16(4 * i)) & np.uint16(15)
+            scales[:, i] = (scales[:, i] & np.uint16(0x0FFF)) | (nibble << np.uint16(12))
+        raw[:, 48:56] = scales.view(np.uint8)
+    return raw.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("qtype", sorted(TORCH_DECODED_TYPES))
-def test_torch_decode_equals_gguf(qtype):
-    qtype = Q(qtype)
+def _quantizable(qtype: Q) -> bool:
+    try:
+        quantize(np.zeros((1, 256), np.float32), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def _check(raw: np.ndarray, qtype: Q, rows: int, cols: int, blocks: torch.Tensor) -> None:
+    want = gguf_dequantize(raw, qtype).reshape(rows, cols).astype(np.float32)
+    assert np.isfinite(want).all()
+    got = dequantize_torch(blocks, qtype, rows, cols)
+    assert got.dtype == torch.float32 and got.shape == (rows, cols)
+    assert torch.equal(got.cpu().view(torch.int32), torch.from_numpy(want).view(torch.int32))
+
+
+def test_every_new_type_is_decoded():
+    assert {int(t) for t in NEW_TYPES} <= TORCH_DECODED_TYPES
+    assert set(_F16_FIELDS) == {Q(t) for t in TORCH_DECODED_TYPES}
+
+
+@pytest.mark.parametrize("qtype", sorted(Q(t) for t in TORCH_DECODED_TYPES), ids=lambda q: q.name)
+def test_random_blocks_equal_gguf(qtype):
     rows, cols = 6, 512
     raw = _random_blocks(qtype, rows, cols)
-    want = gguf_dequantize(raw, qtype).reshape(rows, cols)
-    got = dequantize_torch(torch.from_numpy(np.ascontiguousarray(raw)), qtype, rows, cols)
-    assert got.dtype == torch.float32 and got.shape == (rows, cols)
-    assert np.array_equal(got.numpy(), want.astype(np.float32))
+    _check(raw, qtype, rows, cols, torch.from_numpy(raw.copy()))
+
+
+@pytest.mark.parametrize(
+    "qtype", [Q(t) for t in sorted(TORCH_DECODED_TYPES) if _quantizable(Q(t))], ids=lambda q: q.name
+)
+def test_quantized_blocks_equal_gguf(qtype):
+    rows, cols = 6, 512
+    values = np.random.default_rng(1).standard_normal((rows, cols)).astype(np.float32)
+    raw = quantize(values, qtype)
+    _check(raw, qtype, rows, cols, torch.from_numpy(np.ascontiguousarray(raw)))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q3_K, Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ1_M], ids=str)
+def test_blocks_at_an_odd_offset_of_a_byte_run(qtype):
+    """The weight streamer hands the decoder a view into a slot's raw bytes, not a fresh
+    tensor: offsets need not align to the type's 2- or 4-byte fields."""
+    rows, cols = 3, 256
+    raw = _random_blocks(qtype, rows, cols, seed=3)
+    run = torch.zeros(raw.size + 16, dtype=torch.uint8)
+    run[6 : 6 + raw.size] = torch.from_numpy(raw.copy()).flatten()
+    _check(raw, qtype, rows, cols, run[6 : 6 + raw.size].view(rows, -1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("qtype", sorted(Q(t) for t in TORCH_DECODED_TYPES), ids=lambda q: q.name)
+def test_cuda_decode_equals_gguf(qtype):
+    rows, cols = 16, 1024
+    raw = _random_blocks(qtype, rows, cols, seed=5)
+    _check(raw, qtype, rows, cols, torch.from_numpy(raw.copy()).cuda())
 
 
 def test_unknown_types_are_refused():
-    with pytest.raises(ValueError, match="Q5_0"):
-        dequantize_torch(torch.zeros(1, 22, dtype=torch.uint8), Q.Q5_0, 1, 32)
+    with pytest.raises(ValueError, match="MXFP4"):
+        dequantize_torch(torch.zeros(1, 17, dtype=torch.uint8), Q.MXFP4, 1, 32)

@@ -3,8 +3,9 @@
 Each group of 8 (IQ2, IQ1) or 4 (IQ3) weights is one row of a small lattice ("grid"), picked
 by an 8- to 11-bit index, times a per-sub-block scale, with signs from a bit mask (IQ2, IQ3) or
 an offset of +-1/8 (IQ1). The grids come from `gguf.quants` (its `init_grid` data), built once
-per device; a decoder gathers a whole weight's rows from them in one indexing op. Products are
-taken in the order `gguf.quants.dequantize` takes them, so results are equal bit for bit.
+per device; a decoder gathers a whole weight's rows from them in one indexing op and scales
+them in place. Each float32 product is the one `gguf.quants.dequantize` rounds (a sign flip is
+exact), so results are equal bit for bit.
 """
 
 from __future__ import annotations
@@ -58,14 +59,14 @@ def _grid(name: str, device: torch.device) -> torch.Tensor:
 
 @functools.cache
 def _signs(device: torch.device) -> torch.Tensor:
-    """[256, 8] float32: row `byte` is -1 where bit k of byte is set, else +1."""
+    """[256, 8] int8: row `byte` is -1 where bit k of byte is set, else +1."""
     bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
-    return (1 - 2 * bits).float().to(device)
+    return (1 - 2 * bits).to(torch.int8).to(device)
 
 
 @functools.cache
 def _ksigns(device: torch.device) -> torch.Tensor:
-    """[128, 8] float32: the signs of IQ2_XXS.ksigns[i] (7 stored sign bits, even parity)."""
+    """[128, 8] int8: the signs of IQ2_XXS.ksigns[i] (7 stored sign bits, even parity)."""
     ksigns = torch.from_numpy(np.frombuffer(gguf.quants.IQ2_XXS.ksigns, dtype=np.uint8).copy())
     return _signs(torch.device("cpu"))[ksigns.long()].to(device)
 
@@ -83,7 +84,7 @@ def _iq2_xxs(b: torch.Tensor) -> torch.Tensor:
     db = f16(b, 0) * (0.5 + (aux >> 28).float()) * 0.25
     signs = _ksigns(b.device)[_shifted7(aux)]  # [n, 8, 4, 8]
     grid = _grid("IQ2_XXS", b.device)[b[:, 2:66].reshape(n, 8, 2, 4)[:, :, 0].long()]
-    return (db[..., None, None] * grid * signs).view(n, 256)
+    return grid.mul_(db[..., None, None]).mul_(signs).view(n, 256)  # (db * grid) * sign
 
 
 def _iq2_xs(b: torch.Tensor) -> torch.Tensor:
@@ -93,7 +94,7 @@ def _iq2_xs(b: torch.Tensor) -> torch.Tensor:
     db = f16(b, 0) * (0.5 + nibble_pairs(b[:, 66:74]).float()) * 0.25  # [n, 16]
     signs = _ksigns(b.device)[(qs >> 9).long()].view(n, 16, 2, 8)
     grid = _grid("IQ2_XS", b.device)[(qs & 511).long()].view(n, 16, 2, 8)
-    return (db[..., None, None] * grid * signs).view(n, 256)
+    return grid.mul_(db[..., None, None]).mul_(signs).view(n, 256)  # (db * grid) * sign
 
 
 def _iq2_s(b: torch.Tensor) -> torch.Tensor:
@@ -105,7 +106,7 @@ def _iq2_s(b: torch.Tensor) -> torch.Tensor:
     high = (b[:, 66:74, None] >> const((0, 2, 4, 6), torch.uint8, b.device)) & 3
     index = b[:, 2:34].long() | (high.reshape(n, 32).long() << 8)
     grid = _grid("IQ2_S", b.device)[index].view(n, 16, 2, 8)
-    return (db[..., None, None] * grid * signs).view(n, 256)
+    return grid.mul_(db[..., None, None]).mul_(signs).view(n, 256)  # (db * grid) * sign
 
 
 def _iq3_xxs(b: torch.Tensor) -> torch.Tensor:
@@ -116,7 +117,7 @@ def _iq3_xxs(b: torch.Tensor) -> torch.Tensor:
     db = f16(b, 0) * (0.5 + (aux >> 28).float()) * 0.5
     signs = _ksigns(b.device)[_shifted7(aux)]  # [n, 8, 4, 8]
     grid = _grid("IQ3_XXS", b.device)[b[:, 2:66].long()].view(n, 8, 4, 8)
-    return (db[..., None, None] * grid * signs).view(n, 256)
+    return grid.mul_(db[..., None, None]).mul_(signs).view(n, 256)  # (db * grid) * sign
 
 
 def _iq3_s(b: torch.Tensor) -> torch.Tensor:
@@ -128,7 +129,7 @@ def _iq3_s(b: torch.Tensor) -> torch.Tensor:
     high = (b[:, 66:74, None] >> const(tuple(range(8)), torch.uint8, b.device)) & 1
     index = b[:, 2:66].long() | (high.reshape(n, 64).long() << 8)
     grid = _grid("IQ3_S", b.device)[index].view(n, 8, 4, 8)
-    return (db[..., None, None] * grid * signs).view(n, 256)
+    return grid.mul_(db[..., None, None]).mul_(signs).view(n, 256)  # (db * grid) * sign
 
 
 _DELTA = 0.125  # gguf.quants.IQ1_S.delta
@@ -144,7 +145,7 @@ def _iq1_s(b: torch.Tensor) -> torch.Tensor:
     high = (qh[..., None] >> const((0, 3, 6, 9), torch.int32, b.device)) & 7  # [n, 8, 4]
     index = b[:, 2:34].reshape(n, 8, 4).long() | (high.long() << 8)
     grid = _grid("IQ1_S", b.device)[index]  # [n, 8, 4, 8]
-    return (dl[..., None, None] * (grid + delta[..., None, None])).view(n, 256)
+    return grid.add_(delta[..., None, None]).mul_(dl[..., None, None]).view(n, 256)
 
 
 def _iq1_m(b: torch.Tensor) -> torch.Tensor:
@@ -159,8 +160,8 @@ def _iq1_m(b: torch.Tensor) -> torch.Tensor:
     qh = nibble_pairs(b[:, 32:48])  # [n, 32]
     index = b[:, :32].long() | ((qh & 7).long() << 8)
     delta = (1 - 2 * ((qh >> 3) & 1).float()) * _DELTA
-    grid = _grid("IQ1_M", b.device)[index]  # [n, 32, 8]
-    return (dl.view(n, 8, 2, 1, 1) * (grid + delta[..., None]).view(n, 8, 2, 2, 8)).view(n, 256)
+    grid = _grid("IQ1_M", b.device)[index].add_(delta[..., None])  # [n, 32, 8]
+    return grid.view(n, 8, 2, 2, 8).mul_(dl.view(n, 8, 2, 1, 1)).view(n, 256)
 
 
 IQ_DECODERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {

@@ -75,6 +75,16 @@ def test_random_blocks_equal_gguf(qtype):
     _check(raw, qtype, rows, cols, torch.from_numpy(raw.copy()))
 
 
+@pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M], ids=str)
+def test_decoding_leaves_the_cached_grids_unchanged(qtype):
+    """The grid decoders scale their gathered rows in place: a second decode of other blocks
+    still sees gguf's grids."""
+    rows, cols = 2, 256
+    for seed in (7, 8):
+        raw = _random_blocks(qtype, rows, cols, seed=seed)
+        _check(raw, qtype, rows, cols, torch.from_numpy(raw.copy()))
+
+
 @pytest.mark.parametrize(
     "qtype", [Q(t) for t in sorted(TORCH_DECODED_TYPES) if _quantizable(Q(t))], ids=lambda q: q.name
 )

@@ -98,8 +98,8 @@ def cpu_block_sizes(
         return sizes
     size = model_size(hf_config, "float32")
     layers = range(size.num_layers)
-    kept = sum(size.layer_matmul_params(i, routed=False) for i in layers)  # experts stay float
-    total = sum(size.layer_matmul_params(i) for i in layers)
+    # every decoder-layer linear, routed and shared experts included, is quantized at load
+    total = kept = sum(size.layer_matmul_params(i) for i in layers)
     head = round(size.vocab_size * size.hidden_size * bytes_per_param(HEAD_TYPE))
     return GGUFBlockSizes(
         kept_params=kept,

@@ -84,3 +84,27 @@ def test_cpu_moe_on_a_dense_model_is_one_clear_error(capsys, monkeypatch, cache_
         capsys, monkeypatch, cache_dir, str(tmp_path), "--fake-gpu", "H100:80", "--cpu-moe"
     )
     assert code == 2 and "not a mixture-of-experts model" in err
+
+
+@pytest.mark.parametrize(
+    "quantization, bytes_per_param", [("q4_0", 18 / 32), ("q8_0", 34 / 32), ("none", 2)]
+)
+def test_plan_counts_host_experts_at_the_onload_type(
+    capsys, monkeypatch, cache_dir, qwen3_moe_folder, quantization, bytes_per_param
+):
+    """--quantization q8_0|q4_0|q4_1 quantizes the routed experts at load too: the host holds
+    them at the block type's bytes (Q4_0: 18 bytes per 32 weights), not the checkpoint's bf16."""
+    from hybridllm.plan import cpu_dtype
+
+    monkeypatch.setattr(cpu_dtype, "cpu_kernels_built", lambda asked: True)
+    argv = (qwen3_moe_folder, "--fake-ram-gib", "256", "--fake-gpu", "RTX4090:24", "--cpu-moe")
+    code, out, err = run_plan(capsys, monkeypatch, cache_dir, *argv, "--quantization", quantization)
+    assert code == 0, err
+    c = QWEN3_30B
+    experts = c["num_hidden_layers"] * c["num_experts"] * 3 * c["hidden_size"]
+    experts *= c["moe_intermediate_size"]
+    expected_gib = experts * bytes_per_param / 2**30  # q4_0: 15.19 GiB, bf16: 54.00 GiB
+    match = re.search(r"routed experts of layers \[0, 48\) on cpu \(([\d.]+) GiB\)", out)
+    assert match, out
+    assert float(match.group(1)) == pytest.approx(expected_gib, abs=0.01)
+    assert f"cpu: 48 layers x 128 ({match.group(1)} GiB)" in experts_line(out)

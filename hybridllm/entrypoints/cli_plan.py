@@ -87,6 +87,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from hybridllm.plan.memory_budget import memory_budgets
     from hybridllm.plan.planner import build_plan, plan_model_size
     from hybridllm.platforms.discovery import discover_hardware
+    from hybridllm.worker.kv_cache_budget import cpu_kv_budget
 
     configure_logging(args.log_level, default="warning")
     engine_args = EngineArgs.from_cli_args(args)
@@ -130,7 +131,9 @@ def run_plan(args: argparse.Namespace) -> int:
     print(describe_hardware(hw, profile))
     prediction = cost.predict(plan, size)
     budgets = memory_budgets(hw, placement)
-    print(describe_plan(plan, size, budgets, prediction, path, node_names=names))
+    # the KV cache the CPU workers would allocate (resident as it fills), as the engine sizes it
+    host_kv = cpu_kv_budget(hw.available_ram, 1, None, None, 0)
+    print(describe_plan(plan, size, budgets, prediction, path, names, host_kv))
     return 0
 
 

@@ -191,7 +191,9 @@ class Linear(nn.Module):
                 f"weight {what}: expected shape {tuple(rows.shape)}, got {tuple(loaded.shape)}"
             )
         if isinstance(loaded, QuantizedTensor):
-            self._pending_blocks[shard] = loaded  # kept or dequantized in finish_loading
+            # kept or dequantized in finish_loading; copied now, while the loader has the
+            # file's pages in memory (it drops them once this returns, see GGUFSource)
+            self._pending_blocks[shard] = loaded.copy()
             return
         rows.copy_(loaded)
 
@@ -208,13 +210,17 @@ class Linear(nn.Module):
         if len(pending) == len(self.output_sizes):
             shards = [pending[shard] for shard in range(len(self.output_sizes))]
             if len(types) == 1:
-                # one copy out of the file's pages, whatever the number of stacked shards
-                raw = np.concatenate([blocks.raw for blocks in shards])
+                # stacked shards side by side (one shard: its copy as it is)
+                raw = shards[0].raw if len(shards) == 1 else np.concatenate([b.raw for b in shards])
                 self.qweight = torch.from_numpy(raw).to(self.weight.device)
                 self.ggml_type = int(types.pop())
             else:
                 self.shard_blocks = [
-                    (blocks.blocks().to(self.weight.device), int(blocks.ggml_type), rows)
+                    (
+                        torch.from_numpy(blocks.raw).to(self.weight.device),
+                        int(blocks.ggml_type),
+                        rows,
+                    )
                     for blocks, rows in zip(shards, self.output_sizes)
                 ]
             # the float weight was never written (torch.empty): free its address space

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
+from hybridllm.layers.cpu_kernels import load_cpu_kernels
 from hybridllm.layers.gguf_linear import (
     GGML_F32,
     default_activations,
@@ -49,8 +50,11 @@ class VocabEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             rows = self.qweight.index_select(0, input_ids)  # [num_tokens, bytes_per_row]
-            table = dequantize(rows.numpy(), self.ggml_type, (rows.shape[0], self.dim))
-            return table.to(self.dtype)  # [num_tokens, dim]
+            if rows.device.type == "cpu" and load_cpu_kernels():
+                table = torch.ops.hybridllm.gguf_dequantize(rows, int(self.ggml_type), self.dim)
+            else:
+                table = dequantize(rows.cpu().numpy(), self.ggml_type, (rows.shape[0], self.dim))
+            return table.to(device=rows.device, dtype=self.dtype)  # [num_tokens, dim]
         return F.embedding(input_ids, self.weight)  # [num_tokens, dim]
 
 

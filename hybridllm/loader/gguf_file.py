@@ -184,6 +184,24 @@ class GGUFFile:
         data = np.frombuffer(self._mmap, dtype=np.uint8, count=info.nbytes, offset=info.offset)
         return data.reshape(rows, -1)
 
+    def release_pages(self, info: GGUFTensorInfo) -> None:
+        """Drop the tensor's pages from this process's resident memory once it has been copied.
+
+        The mapping is shared and read-only, so the kernel only unmaps the pages (they stay in
+        the page cache, which is not the process's RSS); a view still in use reads them again on
+        its next access. Without this, loading holds the whole file's pages beside the copies
+        made of them until the mapping closes. Only pages wholly inside the tensor are
+        dropped (a neighbour may still be in use); where madvise is missing, nothing is.
+        """
+        page = mmap.PAGESIZE
+        start = -(-info.offset // page) * page
+        end = (info.offset + info.nbytes) // page * page
+        if end > start:
+            try:
+                self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+            except (AttributeError, OSError, ValueError):  # no madvise here, or a closed map
+                pass
+
     def file_identity(self) -> tuple[int, int]:
         st = os.stat(self.path)
         return st.st_size, st.st_mtime_ns

@@ -167,30 +167,42 @@ class GGUFSource(ModelSource):
         self, owns: WeightFilter, quantized_types: frozenset[int] = frozenset()
     ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         """The owned tensors straight from the GGUF file, in file order: 2-D ones of
-        `quantized_types` as QuantizedTensor, everything else dequantized."""
+        `quantized_types` as QuantizedTensor, everything else dequantized.
+
+        A QuantizedTensor may be a view of the file's mapped pages, valid while the consumer
+        runs; what it keeps it copies then. Once the consumer returns, the tensor's pages are
+        dropped from the process's resident memory (`GGUFFile.release_pages`), so loading holds
+        the copies and not also the whole mapped file."""
         gguf = self._gguf_file()
         for info in gguf.tensors.values():
             name = hf_tensor_name(info.name, self.path)
             if name is None or not owns(name):
                 continue
-            order = self._rope_row_order(name, info.shape[0])
-            raw = gguf.raw_rows(info)
-            if order is not None and len(info.shape) == 2:
-                raw = raw[order]  # [rows, bytes_per_row]: permute whole quantized rows
-            if info.ggml_type in quantized_types and len(info.shape) >= 2:
-                # a stack of experts [E, rows, cols] as blocks of its E * rows rows
-                shape = (math.prod(info.shape[:-1]), info.shape[-1])
-                yield name, QuantizedTensor(raw, info.ggml_type, shape)
-                continue
-            try:
-                tensor = dequantize(raw, info.ggml_type, info.shape)
-            except (NotImplementedError, ValueError) as e:
-                raise ModelLoadError(
-                    f"{self.path}: cannot decode tensor {info.name!r} ({info.ggml_type.name}): {e}"
-                ) from None
-            if order is not None and len(info.shape) == 1:  # q/k bias: [rows]
-                tensor = tensor[torch.from_numpy(order)]
-            yield name, tensor
+            yield name, self._read_tensor(gguf, info, name, quantized_types)
+            gguf.release_pages(info)
+
+    def _read_tensor(
+        self, gguf: GGUFFile, info: GGUFTensorInfo, name: str, quantized_types: frozenset[int]
+    ) -> torch.Tensor | QuantizedTensor:
+        """The tensor `info` (HF `name`) as `_iter_gguf` yields it."""
+        order = self._rope_row_order(name, info.shape[0])
+        raw = gguf.raw_rows(info)
+        if order is not None and len(info.shape) == 2:
+            raw = raw[order]  # [rows, bytes_per_row]: permute whole quantized rows
+        if info.ggml_type in quantized_types and len(info.shape) >= 2:
+            # a stack of experts [E, rows, cols] as blocks of its E * rows rows
+            return QuantizedTensor(
+                raw, info.ggml_type, (math.prod(info.shape[:-1]), info.shape[-1])
+            )
+        try:
+            tensor = dequantize(raw, info.ggml_type, info.shape)
+        except (NotImplementedError, ValueError) as e:
+            raise ModelLoadError(
+                f"{self.path}: cannot decode tensor {info.name!r} ({info.ggml_type.name}): {e}"
+            ) from None
+        if order is not None and len(info.shape) == 1:  # q/k bias: [rows]
+            tensor = tensor[torch.from_numpy(order)]
+        return tensor
 
     def _rope_row_order(self, hf_name: str, num_rows: int) -> np.ndarray | None:
         """For llama-arch q/k projections, the row order undoing llama.cpp's permutation."""

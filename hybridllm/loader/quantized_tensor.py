@@ -25,7 +25,12 @@ class QuantizedTensor:
 
     def blocks(self) -> torch.Tensor:
         """A copy of the blocks as a uint8 tensor [rows, bytes_per_row]."""
-        return torch.from_numpy(np.array(self.raw, dtype=np.uint8, copy=True))
+        return torch.from_numpy(self.copy().raw)
+
+    def copy(self) -> QuantizedTensor:
+        """The same blocks in memory of their own (contiguous), no longer a view of a file."""
+        raw = np.array(self.raw, dtype=np.uint8, copy=True, order="C")
+        return QuantizedTensor(raw, self.ggml_type, self.shape)
 
     def rows(self, start: int, end: int) -> QuantizedTensor:
         """Output rows [start, end): a view, since every row is its own run of blocks."""

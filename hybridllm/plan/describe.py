@@ -9,6 +9,7 @@ from hybridllm.plan.memory_budget import (
     device_memory,
     format_bytes,
     host_expert_bytes,
+    host_resident,
     stream_sent_layer_bytes,
     worker_shard,
     worker_weight_bytes,
@@ -60,10 +61,12 @@ def describe_plan(
     prediction: PlanPrediction | None = None,
     title: str = "",
     node_names: dict[str, str] | None = None,
+    host_kv_bytes: int | None = None,
 ) -> str:
     """Stages and workers, then memory per device, then predicted tokens/s (when given).
 
-    `node_names`: cluster node id -> how to show it, for a plan whose stages have nodes."""
+    `node_names`: cluster node id -> how to show it, for a plan whose stages have nodes;
+    `host_kv_bytes`: the CPU workers' KV cache bytes, to predict their resident memory."""
     lines = [
         f"plan{' for ' + title if title else ''}: {size.model_type}, {size.num_layers} layers, "
         f"{size.dtype}, {format_bytes(size.total_bytes)} of weights; tensor parallel "
@@ -106,6 +109,17 @@ def describe_plan(
         f"  KV cache: {capacity:,} tokens (the smallest device decides; "
         f"{budgets.kv_reserve_tokens:,} reserved)"
     )
+    if host_kv_bytes is not None:
+        cpu_workers = sum(w.is_cpu for stage in plan.stages for w in stage.workers)
+        resident = host_resident(usage, cpu_workers, host_kv_bytes)
+        if resident is not None:
+            lines.append(
+                f"  resident memory of the CPU workers' processes: {format_bytes(resident.loaded)}"
+                f" once loaded (weights + {format_bytes(resident.process_bytes)} for Python, "
+                f"torch and the engine), at most {format_bytes(resident.serving)} serving (+ "
+                f"{format_bytes(resident.kv_cache_bytes)} KV cache as it fills, + "
+                f"{format_bytes(resident.activation_bytes)} activations)"
+            )
     if prediction is not None:
         lines.append(f"predicted (context {prediction.context_len} tokens):")
         for batch, tps in prediction.decode_tokens_per_s:

@@ -4,9 +4,11 @@ CPU workers compute GGUF blocks with the native op at a fraction of the bytes of
 `--quantization q8_0|q4_0|q4_1` gives Hugging Face folders (and a GGUF's float tensors) the same
 kernels: each decoder-layer linear is quantized into that type, the LM head into Q8_0 (its rows
 pick the next token: llama.cpp keeps it at 6-8 bits too); embeddings, norms and MoE routers stay
-float, as do stacked experts. Blocks are written to `$HYBRIDLLM_CACHE_DIR/quantized/`, one `.npy`
-per tensor in a folder keyed by the weight files' paths, sizes and modification times, so the
-next load memory-maps them instead of quantizing again.
+float. MoE experts (per-expert tensors, or stacks [E, rows, cols] quantized as their E * rows
+rows) take the chosen type too: the fused MoE op reads their blocks. Blocks are written to
+`$HYBRIDLLM_CACHE_DIR/quantized/`, one `.npy` per tensor in a folder keyed by the weight files'
+paths, sizes and modification times, so the next load memory-maps them instead of quantizing
+again.
 """
 
 from __future__ import annotations
@@ -113,8 +115,9 @@ def quantize_weights(
     quantization: str,
     cache: QuantizedWeightCache,
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
-    """`weights` with each float 2-D weight that `role` names, and whose rows are whole
-    blocks, replaced by its blocks (GGUF blocks and everything else pass through)."""
+    """`weights` with each float weight that `role` names, and whose rows are whole blocks,
+    replaced by its blocks: a 2-D [rows, cols] one, or a stack of experts [E, rows, cols] as
+    blocks of its E * rows rows (GGUF blocks and everything else pass through)."""
     started: float | None = None  # when the first tensor missing from the cache came
     count = params = 0
     for name, tensor in weights:
@@ -123,11 +126,13 @@ def quantize_weights(
             kind is None
             or not isinstance(tensor, torch.Tensor)
             or not tensor.is_floating_point()
-            or tensor.dim() != 2
-            or tensor.shape[1] % BLOCK
+            or tensor.dim() not in (2, 3)
+            or tensor.shape[-1] % BLOCK
         ):
             yield name, tensor
             continue
+        if tensor.dim() == 3:  # experts stacked [E, rows, cols]: their rows one after another
+            tensor = tensor.reshape(-1, tensor.shape[-1])
         ggml_type = block_type_for(quantization, kind)
         if not cache.path(name, ggml_type).exists():
             if started is None:  # a first load: say why it takes longer than the next ones

@@ -158,6 +158,8 @@ class SparseMoeBlock(nn.Module):
             weight.load(loaded, name, part, expert)
 
         load.accepts_quantized = True  # type: ignore[attr-defined]  # stacks keep GGUF blocks
+        # --quantization q8_0|q4_0|q4_1 quantizes experts at load: the fused op reads the blocks
+        load.quantize_role = "linear"  # type: ignore[attr-defined]
         return load
 
     def _shared_gate_loader(self, name: str) -> WeightLoader:
@@ -259,6 +261,15 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def normalize_weight_name(self, name: str) -> str:
         return _STACKED_NO_SUFFIX.sub(r"\1.weight", name)
+
+    def quantize_role(self, name: str) -> str | None:
+        """As the base's on a CPU stage; a GPU stage quantizes only its host experts (the rest
+        is bound for the GPU, which computes floats)."""
+        role = super().quantize_role(name)
+        if role is None or self.device.type == "cpu":
+            return role
+        match = _EXPERT_LAYER.match(self.normalize_weight_name(name))
+        return role if match is not None and int(match.group(1)) < self._cpu_experts_end else None
 
     @torch.no_grad()
     def load_weights(

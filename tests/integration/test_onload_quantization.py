@@ -117,9 +117,9 @@ def test_plan_counts_the_quantized_bytes(model, folder):
     assert cpu_block_sizes(source, config, "auto", lambda: True) is None  # a float folder: floats
 
 
-def test_moe_router_and_experts_stay_float(tmp_path, monkeypatch):
-    # Qwen2-MoE: attention, the shared expert and the dense layer's MLP are quantized; the
-    # router (it picks the experts) and the routed experts are not
+def test_moe_router_stays_float_and_experts_are_quantized(tmp_path, monkeypatch):
+    # Qwen2-MoE: attention, the shared expert, the dense layer's MLP and the routed experts
+    # are quantized; the router (it picks the experts) is not
     from tests.moe_helpers import make_tiny_moe_model
 
     monkeypatch.setenv("HYBRIDLLM_CACHE_DIR", str(tmp_path / "cache"))
@@ -132,4 +132,6 @@ def test_moe_router_and_experts_stay_float(tmp_path, monkeypatch):
     assert "model.layers.1.mlp.gate_proj" in names  # mlp_only_layers=[1]: a dense MLP
     assert "model.layers.1.mlp.down_proj" not in names  # 72 columns: not whole blocks
     assert not any(".mlp.gate." in n or n.endswith(".mlp.gate") for n in names)
-    assert not any(".experts." in n for n in names)
+    assert "model.layers.0.mlp.experts.6.gate_proj" in names  # 96 columns
+    assert "model.layers.0.mlp.experts.6.up_proj" in names
+    assert not any(n.endswith(".down_proj") and ".experts." in n for n in names)  # 40 columns

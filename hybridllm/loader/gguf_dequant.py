@@ -79,10 +79,23 @@ def dequantize(
     if native is not None:
         # Copy out of the read-only mmap; uint8 -> target dtype is a reinterpretation.
         return torch.from_numpy(raw.copy()).view(native).reshape(shape)
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     kernel = _BLOCK_KERNELS.get(ggml_type)
-    if kernel is None:
-        values = gguf_dequantize(raw, ggml_type)  # K-quants, IQ formats: gguf's numpy code
-    else:
-        _, type_size = GGML_QUANT_SIZES[ggml_type]
-        values = kernel(raw.reshape(-1, type_size))
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
+    raw = raw.reshape(-1, raw.shape[-1]) if raw.ndim else raw.reshape(1, -1)
+    row_values = raw.shape[1] // type_size * block_size
+    out = np.empty((raw.shape[0], row_values), dtype=np.float32)
+    # Rows a chunk at a time: the decoders' temporaries stay a chunk's size, not the tensor's
+    # (a vocabulary's table decoded whole held twice its floats at once).
+    step = max(1, _CHUNK_VALUES // max(1, row_values))
+    for start in range(0, raw.shape[0], step):
+        chunk = raw[start : start + step]
+        if kernel is None:
+            values = gguf_dequantize(chunk, ggml_type)  # K-quants, IQ formats: gguf's numpy code
+        else:
+            values = kernel(chunk.reshape(-1, type_size))
+        out[start : start + step] = values.reshape(len(chunk), row_values)
+    return torch.from_numpy(out).reshape(shape)
+
+
+# Values decoded per chunk by `dequantize` (16 MiB of float32).
+_CHUNK_VALUES = 1 << 22

@@ -28,6 +28,7 @@ from tests.llamacpp_helpers import llama_server, llamacpp_bin, llamacpp_greedy, 
 pytestmark = pytest.mark.slow
 
 REFERENCE = "Q8_0"
+PATHS = ("prefill", "decode")
 TYPES = [
     "F16", "Q4_K_M", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL", "Q5_0", "Q5_1",
     "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M",
@@ -67,64 +68,87 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (PROMPT_LEN,), generator=g).tolist() for _ in range(PROMPTS)]
 
 
+def _compare_position(ours: dict, top: dict[int, float], token: int, acc: dict) -> None:
+    """One position: hybridllm's logprobs (`ours`, token -> Logprob) against llama.cpp's top
+    tokens (`top`) and its greedy `token`."""
+    assert token in ours
+    acc["diffs"] += [abs(ours[t].logprob - lp) for t, lp in top.items() if t in ours]
+    # a different argmax counts only where llama.cpp's top two are not a near tie
+    best = max(ours, key=lambda t: ours[t].logprob)
+    first, second = sorted(top.values())[-1], sorted(top.values())[-2]
+    if best != token and first - second > 0.1:
+        acc["disagreements"].append((best, token, round(first - second, 3)))
+
+
+def _summary(acc: dict) -> dict:
+    diffs = acc["diffs"]
+    return {
+        "distance": sum(diffs) / len(diffs),
+        "max": max(diffs),
+        "compared": len(diffs),
+        "disagreements": acc["disagreements"],
+    }
+
+
 def compare(type_name: str) -> dict:
-    """{distance, max, positions, disagreements} of hybridllm against llama.cpp on one type."""
+    """hybridllm against llama.cpp on one type, two ways, each {distance, max, compared,
+    disagreements}: "prefill" (the prompts and llama.cpp's greedy tokens read at once, prompt
+    logprobs) and "decode" (each prompt alone, hybridllm's own greedy decode at batch 1 with
+    logprobs, compared while its tokens are llama.cpp's), the two paths running different
+    kernels over the blocks."""
     if type_name in _cache:
         return _cache[type_name]
     from hybridllm import LLM, SamplingParams
 
     path = _files()[type_name]
     prompts = _prompts(49152)
-    with llama_server(_BIN, path, threads=1) as url:
-        theirs = [llamacpp_greedy(url, p, NEW_TOKENS, TOP) for p in prompts]
     # one thread on each side: a 256-wide model gains nothing from two, and on a loaded machine
     # two threads' barriers made each file take tens of seconds instead of one or two
+    with llama_server(_BIN, path, threads=1) as url:
+        theirs = [llamacpp_greedy(url, p, NEW_TOKENS, TOP) for p in prompts]
     llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, max_model_len=256,
               use_tqdm=False, cpu_threads=1)  # fmt: skip
     try:
         forced = [p + tokens for p, (tokens, _) in zip(prompts, theirs)]
-        outs = llm.generate(
+        prefill = llm.generate(
             [{"prompt_token_ids": f} for f in forced],
             SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=TOP),
         )
+        decode_params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=TOP)
+        decode = [llm.generate([{"prompt_token_ids": p}], decode_params)[0] for p in prompts]
     finally:
         llm.shutdown()
-    diffs: list[float] = []
-    disagreements = []
-    for (tokens, tops), out in zip(theirs, outs):
+    acc_prefill = {"diffs": [], "disagreements": []}
+    acc_decode = {"diffs": [], "disagreements": []}
+    for (tokens, tops), pre, dec in zip(theirs, prefill, decode):
+        ours_tokens = dec.outputs[0].token_ids
         for j, top in enumerate(tops):
-            ours = out.prompt_logprobs[PROMPT_LEN + j]
-            assert tokens[j] in ours
-            diffs += [abs(ours[t].logprob - lp) for t, lp in top.items() if t in ours]
-            # a different argmax counts only where llama.cpp's top two are not a near tie
-            best = max(ours, key=lambda t: ours[t].logprob)
-            margin = sorted(top.values())[-1] - sorted(top.values())[-2]
-            if best != tokens[j] and margin > 0.1:
-                disagreements.append((j, best, tokens[j], round(margin, 3)))
-    result = {
-        "distance": sum(diffs) / len(diffs),
-        "max": max(diffs),
-        "compared": len(diffs),
-        "disagreements": disagreements,
-    }
+            _compare_position(pre.prompt_logprobs[PROMPT_LEN + j], top, tokens[j], acc_prefill)
+            # position j of hybridllm's own decode read the same tokens as llama.cpp's
+            if ours_tokens[:j] == tokens[:j]:
+                _compare_position(dec.outputs[0].logprobs[j], top, tokens[j], acc_decode)
+    result = {"prefill": _summary(acc_prefill), "decode": _summary(acc_decode)}
     _cache[type_name] = result
     return result
 
 
 def test_reference_q8_0_matches_llamacpp():
     ref = compare(REFERENCE)
-    assert ref["distance"] < REFERENCE_MAX, ref
-    assert not ref["disagreements"], ref
-    assert math.isfinite(ref["max"])
+    for path in PATHS:
+        assert ref[path]["distance"] < REFERENCE_MAX, (path, ref[path])
+        assert not ref[path]["disagreements"], (path, ref[path])
+        assert math.isfinite(ref[path]["max"])
 
 
 @pytest.mark.parametrize("type_name", TYPES)
 def test_type_within_reference_distance(type_name):
     ref = compare(REFERENCE)
     got = compare(type_name)
-    bound = FACTOR * ref["distance"] + FLOOR
-    assert got["distance"] <= bound, (
-        f"{type_name}: mean |logprob difference| against llama.cpp {got['distance']:.4f} "
-        f"(max {got['max']:.4f}) above {bound:.4f} (Q8_0's {ref['distance']:.4f})"
-    )
-    assert not got["disagreements"], got
+    for path in PATHS:
+        bound = FACTOR * ref[path]["distance"] + FLOOR
+        assert got[path]["distance"] <= bound, (
+            f"{type_name}, {path}: mean |logprob difference| against llama.cpp "
+            f"{got[path]['distance']:.4f} (max {got[path]['max']:.4f}) above {bound:.4f} "
+            f"(Q8_0's {ref[path]['distance']:.4f})"
+        )
+        assert not got[path]["disagreements"], (path, got[path])

@@ -297,13 +297,26 @@ def main() -> None:
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         print(f"[bench_gguf_types] skipping missing files: {missing}", file=sys.stderr)
-    results = [bench_file(f, args) for f in files if f.is_file()]
+    results, failed = [], []
+    for f in files:
+        if not f.is_file():
+            continue
+        try:
+            results.append(bench_file(f, args))
+        except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
+            # one file failing (out of memory, a type one engine cannot run) ends its row only
+            print(f"[bench_gguf_types] {f.name} failed: {e}", file=sys.stderr, flush=True)
+            failed.append({"file": str(f), "error": str(e)})
     table = markdown(results, args)
+    if failed:
+        table += "\n\nfailed: " + ", ".join(Path(x["file"]).name for x in failed)
     print(table)
     if args.md:
         args.md.write_text(table + "\n")
     if args.json:
-        args.json.write_text(json.dumps({"threads": args.threads, "results": results}, indent=2))
+        args.json.write_text(
+            json.dumps({"threads": args.threads, "results": results, "failed": failed}, indent=2)
+        )
 
 
 if __name__ == "__main__":

@@ -109,7 +109,7 @@ class ModelRunner:
             else ()
         )
         weights = source.iter_weights(model.owns_weight, keep)
-        if model_config.quantization in ONLOAD_TYPES and keep and self.device.type == "cpu":
+        if model_config.quantization in ONLOAD_TYPES and keep and host.type == "cpu":
             # float linears into blocks the native op reads (cached on disk per checkpoint)
             cache = QuantizedWeightCache(checkpoint_key(source.weight_files()))
             weights = quantize_weights(

@@ -37,6 +37,13 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HYBRIDLLM_IQ_AVX512 1
+#else
+#define HYBRIDLLM_IQ_AVX512 0
+#endif
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -107,29 +114,7 @@ inline void clear_mins(CodeBlock* out) {
 template <int kWidth, bool kDelta, class Entry>
 inline void expand(const Entry* grid, const Unpacked& u, int8_t* codes) {
   static_assert(kWidth == 8 || kWidth == 4, "grids of 8 or 4 values");
-#if defined(__AVX512BW__)
-  const __m512i zero = _mm512_setzero_si512();
-  for (int c = 0; c < 4; ++c) {  // 64 codes a step
-    __m512i v;
-    if constexpr (kWidth == 8) {
-      const __m256i vi = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.index + 8 * c));
-      v = _mm512_i32gather_epi64(vi, grid, 8);
-    } else {
-      const __m512i vi = _mm512_load_si512(u.index + 16 * c);
-      v = _mm512_i32gather_epi32(vi, grid, 4);
-    }
-    uint64_t bits;
-    std::memcpy(&bits, u.signs + 8 * c, sizeof(bits));
-    const __mmask64 m = _cvtu64_mask64(bits);
-    if constexpr (kDelta) {
-      v = _mm512_add_epi8(v, _mm512_set1_epi8(1));
-      v = _mm512_mask_sub_epi8(v, m, v, _mm512_set1_epi8(2));
-    } else {
-      v = _mm512_mask_sub_epi8(v, m, zero, v);
-    }
-    _mm512_storeu_si512(codes + 64 * c, v);
-  }
-#elif defined(__AVX2__)
+#if defined(__AVX2__)
   // Sign byte j of the 4 broadcast into bytes 8j..8j+7, then bit k of byte 8j + k tested.
   const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
@@ -169,12 +154,254 @@ inline void expand(const Entry* grid, const Unpacked& u, int8_t* codes) {
 #endif
 }
 
+
+#if HYBRIDLLM_IQ_AVX512
+// The AVX-512 decoders: the unpacking vectorized too, the grids read by gathers, the signs (or
+// IQ1's deltas) applied by masked subtraction, 64 codes a step.
+
+// c = 0..3 called as f(std::integral_constant<int, c>): the four 64-code chunks, unrolled with
+// their indices as constants (intrinsics' immediates).
+template <class F>
+[[gnu::always_inline]] inline void for_chunks(F f) {
+  f(std::integral_constant<int, 0>{});
+  f(std::integral_constant<int, 1>{});
+  f(std::integral_constant<int, 2>{});
+  f(std::integral_constant<int, 3>{});
+}
+
+template <int kLane>
+inline __m256i half_of(__m512i x) {
+  return kLane == 0 ? _mm512_castsi512_si256(x) : _mm512_extracti64x4_epi64(x, kLane);
+}
+
+// Qword c of a 256-bit vector as a mask (its byte j's bit k: weight 8 (8c + j) + k).
+template <int c>
+inline __mmask64 qword_mask(__m256i x) {
+  return _cvtu64_mask64(static_cast<uint64_t>(_mm256_extract_epi64(x, c)));
+}
+
+inline __mmask64 load_mask(const uint8_t* p) {
+  uint64_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return _cvtu64_mask64(bits);
+}
+
+inline void store_signed(int8_t* codes, __m512i v, __mmask64 negative) {
+  _mm512_storeu_si512(codes, _mm512_mask_sub_epi8(v, negative, _mm512_setzero_si512(), v));
+}
+
+// IQ1: value + 1, or value - 1 where the delta is negative.
+inline void store_delta(int8_t* codes, __m512i v, __mmask64 negative) {
+  v = _mm512_add_epi8(v, _mm512_set1_epi8(1));
+  _mm512_storeu_si512(codes, _mm512_mask_sub_epi8(v, negative, v, _mm512_set1_epi8(2)));
+}
+
+// 7-bit sign indices (in 16- or 32-bit lanes) to their sign bytes: the index with its parity as
+// bit 7 (kIQSigns[x], computed).
+inline __m512i with_parity32(__m512i x) {
+  __m512i t = _mm512_xor_si512(x, _mm512_srli_epi32(x, 4));
+  t = _mm512_xor_si512(t, _mm512_srli_epi32(t, 2));
+  t = _mm512_xor_si512(t, _mm512_srli_epi32(t, 1));
+  return _mm512_or_si512(x, _mm512_slli_epi32(_mm512_and_si512(t, _mm512_set1_epi32(1)), 7));
+}
+
+inline __m512i with_parity16(__m512i x) {
+  __m512i t = _mm512_xor_si512(x, _mm512_srli_epi16(x, 4));
+  t = _mm512_xor_si512(t, _mm512_srli_epi16(t, 2));
+  t = _mm512_xor_si512(t, _mm512_srli_epi16(t, 1));
+  return _mm512_or_si512(x, _mm512_slli_epi16(_mm512_and_si512(t, _mm512_set1_epi16(1)), 7));
+}
+
+alignas(64) inline constexpr int32_t kAuxLane[2][16] = {
+    {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3},
+    {4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7}};
+alignas(64) inline constexpr int32_t kAuxShift[16] = {0, 7, 14, 21, 0, 7, 14, 21,
+                                                      0, 7, 14, 21, 0, 7, 14, 21};
+
+// IQ2_XXS, IQ3_XXS: the 32 sign bytes of the 8 words aux (group 4j + i: bits 7i of word j), and
+// the 16 scales 2 (aux >> 28) + 1, one per 16 weights.
+inline __m256i aux_signs(__m256i aux, CodeBlock* out) {
+  const __m512i a = _mm512_castsi256_si512(aux);
+  const __m512i shift = _mm512_load_si512(kAuxShift), low7 = _mm512_set1_epi32(127);
+  const __m512i lo = with_parity32(_mm512_and_si512(
+      _mm512_srlv_epi32(_mm512_permutexvar_epi32(_mm512_load_si512(kAuxLane[0]), a), shift),
+      low7));
+  const __m512i hi = with_parity32(_mm512_and_si512(
+      _mm512_srlv_epi32(_mm512_permutexvar_epi32(_mm512_load_si512(kAuxLane[1]), a), shift),
+      low7));
+  const __m256i sc = _mm256_add_epi32(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1),
+                                      _mm256_set1_epi32(1));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out->scales),
+                      _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)));
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(lo)),
+                                 _mm512_cvtepi32_epi8(hi), 1);
+}
+
+// IQ2_XS, IQ2_S: the 16 scales 2 s + 1 of 8 bytes of nibbles (low nibble first).
+inline void nibble_scales16(const uint8_t* p, CodeBlock* out) {
+  const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i lo = _mm_and_si128(x, _mm_set1_epi16(15)), hi = _mm_srli_epi16(x, 4);
+  const __m128i one = _mm_set1_epi16(1);
+  const __m128i a = _mm_unpacklo_epi16(lo, hi), b = _mm_unpackhi_epi16(lo, hi);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out->scales),
+                   _mm_add_epi16(_mm_slli_epi16(a, 1), one));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out->scales + 8),
+                   _mm_add_epi16(_mm_slli_epi16(b, 1), one));
+}
+
+// 8 scales 2 s + 1 (one per 32 weights, in int16 lanes) to the 16 per 16 weights.
+inline void scales32_to_16(__m128i s, CodeBlock* out) {
+  const __m128i v = _mm_add_epi16(_mm_slli_epi16(s, 1), _mm_set1_epi16(1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out->scales), _mm_unpacklo_epi16(v, v));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out->scales + 8), _mm_unpackhi_epi16(v, v));
+}
+
+// Grid indices in 32 int16 lanes (one a group of 8) to the dword indices of chunk c's 8 groups.
+template <int c>
+inline __m256i chunk_index(__m512i index16) {
+  return half_of<c % 2>(_mm512_cvtepu16_epi32(half_of<c / 2>(index16)));
+}
+
+inline void decode_iq2_xxs(const uint8_t* super, CodeBlock* out) {
+  const __m512i raw = _mm512_loadu_si512(super + 2);  // 8 x (4 index bytes, aux word)
+  const __m256i index8 = _mm512_cvtepi64_epi32(raw);
+  const __m256i signs = aux_signs(_mm512_cvtepi64_epi32(_mm512_srli_epi64(raw, 32)), out);
+  for_chunks([&](auto c) {
+    const __m128i bytes = _mm256_extracti128_si256(index8, c / 2);
+    const __m256i vi = _mm256_cvtepu8_epi32(c % 2 ? _mm_srli_si128(bytes, 8) : bytes);
+    store_signed(out->codes + 64 * c, _mm512_i32gather_epi64(vi, kIQ2XXSGrid, 8),
+                 qword_mask<c>(signs));
+  });
+}
+
+inline void decode_iq2_xs(const uint8_t* super, CodeBlock* out) {
+  const __m512i q = _mm512_loadu_si512(super + 2);  // 32 x (9-bit index, 7-bit sign index)
+  const __m512i index = _mm512_and_si512(q, _mm512_set1_epi16(511));
+  const __m256i signs = _mm512_cvtepi16_epi8(with_parity16(_mm512_srli_epi16(q, 9)));
+  nibble_scales16(super + 66, out);
+  for_chunks([&](auto c) {
+    store_signed(out->codes + 64 * c,
+                 _mm512_i32gather_epi64(chunk_index<c>(index), kIQ2XSGrid, 8),
+                 qword_mask<c>(signs));
+  });
+}
+
+alignas(64) inline constexpr uint16_t kQuarterLane[32] = {
+    0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3,
+    4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7};
+alignas(64) inline constexpr uint16_t kHalfLane[32] = {
+    0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7,
+    8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
+alignas(64) inline constexpr uint16_t kShift2[32] = {0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6,
+                                                     0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6};
+alignas(64) inline constexpr uint16_t kShift3[32] = {0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9,
+                                                     0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9};
+alignas(64) inline constexpr uint16_t kShift4[32] = {0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4,
+                                                     0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4};
+
+inline __m512i load512(const void* p) { return _mm512_loadu_si512(p); }
+
+inline void decode_iq2_s(const uint8_t* super, CodeBlock* out) {
+  const __m512i low = _mm512_cvtepu8_epi16(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 2)));
+  const __m512i qh = _mm512_castsi256_si512(
+      _mm256_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 66))));
+  const __m512i high = _mm512_and_si512(
+      _mm512_srlv_epi16(_mm512_permutexvar_epi16(load512(kQuarterLane), qh), load512(kShift2)),
+      _mm512_set1_epi16(3));
+  const __m512i index = _mm512_or_si512(low, _mm512_slli_epi16(high, 8));
+  nibble_scales16(super + 74, out);
+  for_chunks([&](auto c) {
+    store_signed(out->codes + 64 * c,
+                 _mm512_i32gather_epi64(chunk_index<c>(index), kIQ2SGrid, 8),
+                 load_mask(super + 34 + 8 * c));
+  });
+}
+
+inline void decode_iq3_xxs(const uint8_t* super, CodeBlock* out) {
+  const __m256i signs =
+      aux_signs(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 66)), out);
+  for_chunks([&](auto c) {
+    const __m512i vi = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(super + 2 + 16 * c)));
+    store_signed(out->codes + 64 * c, _mm512_i32gather_epi32(vi, kIQ3XXSGrid, 4),
+                 qword_mask<c>(signs));
+  });
+}
+
+inline void decode_iq3_s(const uint8_t* super, CodeBlock* out) {
+  const __m128i x = _mm_cvtepu8_epi16(_mm_cvtsi32_si128(static_cast<int>(load32(super + 106))));
+  scales32_to_16(_mm_unpacklo_epi16(_mm_and_si128(x, _mm_set1_epi16(15)), _mm_srli_epi16(x, 4)),
+                 out);
+  for_chunks([&](auto c) {
+    __m512i vi = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(super + 2 + 16 * c)));
+    vi = _mm512_mask_or_epi32(vi, _cvtu32_mask16(load16(super + 66 + 2 * c)), vi,
+                              _mm512_set1_epi32(256));
+    store_signed(out->codes + 64 * c, _mm512_i32gather_epi32(vi, kIQ3SGrid, 4),
+                 load_mask(super + 74 + 8 * c));
+  });
+}
+
+inline void decode_iq1_s(const uint8_t* super, CodeBlock* out) {
+  const __m512i low = _mm512_cvtepu8_epi16(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 2)));
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(super + 34));
+  const __m512i hg = _mm512_permutexvar_epi16(load512(kQuarterLane), _mm512_castsi128_si512(h));
+  const __m512i high =
+      _mm512_and_si512(_mm512_srlv_epi16(hg, load512(kShift3)), _mm512_set1_epi16(7));
+  const __m512i index = _mm512_or_si512(low, _mm512_slli_epi16(high, 8));
+  const __m256i negative = _mm256_movm_epi8(_mm512_movepi16_mask(hg));  // bit 15: delta < 0
+  scales32_to_16(_mm_and_si128(_mm_srli_epi16(h, 12), _mm_set1_epi16(7)), out);
+  for_chunks([&](auto c) {
+    store_delta(out->codes + 64 * c,
+                _mm512_i32gather_epi64(chunk_index<c>(index), kIQ1Grid8, 8),
+                qword_mask<c>(negative));
+  });
+}
+
+inline void decode_iq1_m(const uint8_t* super, CodeBlock* out) {
+  const __m512i low =
+      _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super)));
+  const __m512i qh = _mm512_castsi256_si512(
+      _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super + 32))));
+  const __m512i nibble = _mm512_and_si512(
+      _mm512_srlv_epi16(_mm512_permutexvar_epi16(load512(kHalfLane), qh), load512(kShift4)),
+      _mm512_set1_epi16(15));
+  const __m512i index = _mm512_or_si512(
+      low, _mm512_slli_epi16(_mm512_and_si512(nibble, _mm512_set1_epi16(7)), 8));
+  const __m256i negative =
+      _mm256_movm_epi8(_mm512_test_epi16_mask(nibble, _mm512_set1_epi16(8)));
+  const __m256i w = _mm256_castsi128_si256(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 48)));
+  const __m256i s = _mm256_and_si256(
+      _mm256_srlv_epi16(
+          _mm256_permutexvar_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                       kQuarterLane)),
+                                   w),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kShift3))),
+      _mm256_set1_epi16(7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out->scales),
+                      _mm256_add_epi16(_mm256_slli_epi16(s, 1), _mm256_set1_epi16(1)));
+  for_chunks([&](auto c) {
+    store_delta(out->codes + 64 * c,
+                _mm512_i32gather_epi64(chunk_index<c>(index), kIQ1Grid8, 8),
+                qword_mask<c>(negative));
+  });
+}
+#endif  // HYBRIDLLM_IQ_AVX512
+
 }  // namespace iq
 
 template <>
 struct CodeBlockDecoder<kIQ2_XXS> {
   static constexpr bool kHasMins = false;
   static void decode(const uint8_t* super, CodeBlock* out) {
+    out->d = iq::half_to_float(iq::load16(super)) * 0.125f;
+    iq::clear_mins(out);
+#if HYBRIDLLM_IQ_AVX512
+    iq::decode_iq2_xxs(super, out);
+#else
     iq::Unpacked u;
     for (int j = 0; j < 8; ++j) {  // 32 weights a step
       const uint8_t* q = super + 2 + 8 * j;
@@ -185,9 +412,8 @@ struct CodeBlockDecoder<kIQ2_XXS> {
       }
       iq::set_scale32(out, j, static_cast<int>(aux >> 28));
     }
-    out->d = iq::half_to_float(iq::load16(super)) * 0.125f;
-    iq::clear_mins(out);
     iq::expand<8, false>(kIQ2XXSGrid, u, out->codes);
+#endif
   }
 };
 
@@ -195,6 +421,11 @@ template <>
 struct CodeBlockDecoder<kIQ2_XS> {
   static constexpr bool kHasMins = false;
   static void decode(const uint8_t* super, CodeBlock* out) {
+    out->d = iq::half_to_float(iq::load16(super)) * 0.125f;
+    iq::clear_mins(out);
+#if HYBRIDLLM_IQ_AVX512
+    iq::decode_iq2_xs(super, out);
+#else
     iq::Unpacked u;
     for (int g = 0; g < 32; ++g) {
       const uint16_t q = iq::load16(super + 2 + 2 * g);
@@ -206,9 +437,8 @@ struct CodeBlockDecoder<kIQ2_XS> {
       out->scales[2 * j] = static_cast<int16_t>(2 * (s & 15) + 1);
       out->scales[2 * j + 1] = static_cast<int16_t>(2 * (s >> 4) + 1);
     }
-    out->d = iq::half_to_float(iq::load16(super)) * 0.125f;
-    iq::clear_mins(out);
     iq::expand<8, false>(kIQ2XSGrid, u, out->codes);
+#endif
   }
 };
 
@@ -216,6 +446,11 @@ template <>
 struct CodeBlockDecoder<kIQ2_S> {
   static constexpr bool kHasMins = false;
   static void decode(const uint8_t* super, CodeBlock* out) {
+    out->d = iq::half_to_float(iq::load16(super)) * 0.125f;
+    iq::clear_mins(out);
+#if HYBRIDLLM_IQ_AVX512
+    iq::decode_iq2_s(super, out);
+#else
     iq::Unpacked u;
     const uint8_t* qs = super + 2;
     const uint8_t* qh = super + 66;
@@ -226,9 +461,8 @@ struct CodeBlockDecoder<kIQ2_S> {
       out->scales[2 * j] = static_cast<int16_t>(2 * (s & 15) + 1);
       out->scales[2 * j + 1] = static_cast<int16_t>(2 * (s >> 4) + 1);
     }
-    out->d = iq::half_to_float(iq::load16(super)) * 0.125f;
-    iq::clear_mins(out);
     iq::expand<8, false>(kIQ2SGrid, u, out->codes);
+#endif
   }
 };
 
@@ -236,6 +470,11 @@ template <>
 struct CodeBlockDecoder<kIQ3_XXS> {
   static constexpr bool kHasMins = false;
   static void decode(const uint8_t* super, CodeBlock* out) {
+    out->d = iq::half_to_float(iq::load16(super)) * 0.25f;
+    iq::clear_mins(out);
+#if HYBRIDLLM_IQ_AVX512
+    iq::decode_iq3_xxs(super, out);
+#else
     iq::Unpacked u;
     for (int e = 0; e < 64; ++e) u.index[e] = super[2 + e];
     for (int j = 0; j < 8; ++j) {  // 32 weights a step
@@ -243,9 +482,8 @@ struct CodeBlockDecoder<kIQ3_XXS> {
       for (int i = 0; i < 4; ++i) u.signs[4 * j + i] = kIQSigns[(aux >> (7 * i)) & 127];
       iq::set_scale32(out, j, static_cast<int>(aux >> 28));
     }
-    out->d = iq::half_to_float(iq::load16(super)) * 0.25f;
-    iq::clear_mins(out);
     iq::expand<4, false>(kIQ3XXSGrid, u, out->codes);
+#endif
   }
 };
 
@@ -253,6 +491,11 @@ template <>
 struct CodeBlockDecoder<kIQ3_S> {
   static constexpr bool kHasMins = false;
   static void decode(const uint8_t* super, CodeBlock* out) {
+    out->d = iq::half_to_float(iq::load16(super));
+    iq::clear_mins(out);
+#if HYBRIDLLM_IQ_AVX512
+    iq::decode_iq3_s(super, out);
+#else
     iq::Unpacked u;
     const uint8_t* qs = super + 2;
     const uint8_t* qh = super + 66;
@@ -263,9 +506,8 @@ struct CodeBlockDecoder<kIQ3_S> {
       iq::set_scale32(out, 2 * j, s & 15);
       iq::set_scale32(out, 2 * j + 1, s >> 4);
     }
-    out->d = iq::half_to_float(iq::load16(super));
-    iq::clear_mins(out);
     iq::expand<4, false>(kIQ3SGrid, u, out->codes);
+#endif
   }
 };
 
@@ -273,6 +515,11 @@ template <>
 struct CodeBlockDecoder<kIQ1_S> {
   static constexpr bool kHasMins = false;
   static void decode(const uint8_t* super, CodeBlock* out) {
+    out->d = iq::half_to_float(iq::load16(super)) * 0.125f;
+    iq::clear_mins(out);
+#if HYBRIDLLM_IQ_AVX512
+    iq::decode_iq1_s(super, out);
+#else
     iq::Unpacked u;
     const uint8_t* qs = super + 2;
     for (int j = 0; j < 8; ++j) {  // 32 weights a step
@@ -284,9 +531,8 @@ struct CodeBlockDecoder<kIQ1_S> {
       }
       iq::set_scale32(out, j, (h >> 12) & 7);
     }
-    out->d = iq::half_to_float(iq::load16(super)) * 0.125f;
-    iq::clear_mins(out);
     iq::expand<8, true>(kIQ1Grid8, u, out->codes);
+#endif
   }
 };
 
@@ -294,6 +540,15 @@ template <>
 struct CodeBlockDecoder<kIQ1_M> {
   static constexpr bool kHasMins = false;
   static void decode(const uint8_t* super, CodeBlock* out) {
+    uint16_t sc[4];  // the scale words; their top nibbles are d's
+    for (int j = 0; j < 4; ++j) sc[j] = iq::load16(super + 48 + 2 * j);
+    const uint16_t d = (sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) |
+                       (sc[3] & 0xf000);
+    out->d = iq::half_to_float(d) * 0.125f;
+    iq::clear_mins(out);
+#if HYBRIDLLM_IQ_AVX512
+    iq::decode_iq1_m(super, out);
+#else
     iq::Unpacked u;
     const uint8_t* qh = super + 32;
     for (int g = 0; g < 32; ++g) {
@@ -301,17 +556,11 @@ struct CodeBlockDecoder<kIQ1_M> {
       u.index[g] = super[g] | (nibble & 7) << 8;
       u.signs[g] = (nibble & 8) ? 0xff : 0;
     }
-    uint16_t sc[4];
-    for (int j = 0; j < 4; ++j) {
-      sc[j] = iq::load16(super + 48 + 2 * j);
+    for (int j = 0; j < 4; ++j)
       for (int i = 0; i < 4; ++i)
         out->scales[4 * j + i] = static_cast<int16_t>(2 * ((sc[j] >> (3 * i)) & 7) + 1);
-    }
-    const uint16_t d = (sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) |
-                       (sc[3] & 0xf000);
-    out->d = iq::half_to_float(d) * 0.125f;
-    iq::clear_mins(out);
     iq::expand<8, true>(kIQ1Grid8, u, out->codes);
+#endif
   }
 };
 

@@ -39,10 +39,16 @@
 #include <cstring>
 #include <type_traits>
 
+// The decoders' path: AVX-512 or AVX2 (HYBRIDLLM_IQ_SIMD: both are iq::decode_*), else scalar.
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HYBRIDLLM_IQ_AVX512 1
+#define HYBRIDLLM_IQ_SIMD 1
+#elif defined(__AVX2__)
+#define HYBRIDLLM_IQ_AVX512 0
+#define HYBRIDLLM_IQ_SIMD 1
 #else
 #define HYBRIDLLM_IQ_AVX512 0
+#define HYBRIDLLM_IQ_SIMD 0
 #endif
 
 #if defined(__AVX2__) || defined(__F16C__)
@@ -155,6 +161,28 @@ inline void expand(const Entry* grid, const Unpacked& u, int8_t* codes) {
 }
 
 
+#if HYBRIDLLM_IQ_AVX512 || defined(__AVX2__)
+// IQ2_XS, IQ2_S: the 16 scales 2 s + 1 of 8 bytes of nibbles (low nibble first).
+inline void nibble_scales16(const uint8_t* p, CodeBlock* out) {
+  const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i lo = _mm_and_si128(x, _mm_set1_epi16(15)), hi = _mm_srli_epi16(x, 4);
+  const __m128i one = _mm_set1_epi16(1);
+  const __m128i a = _mm_unpacklo_epi16(lo, hi), b = _mm_unpackhi_epi16(lo, hi);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out->scales),
+                   _mm_add_epi16(_mm_slli_epi16(a, 1), one));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out->scales + 8),
+                   _mm_add_epi16(_mm_slli_epi16(b, 1), one));
+}
+
+// 8 scales 2 s + 1 (one per 32 weights, in int16 lanes) to the 16 per 16 weights.
+inline void scales32_to_16(__m128i s, CodeBlock* out) {
+  const __m128i v = _mm_add_epi16(_mm_slli_epi16(s, 1), _mm_set1_epi16(1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out->scales), _mm_unpacklo_epi16(v, v));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out->scales + 8), _mm_unpackhi_epi16(v, v));
+}
+
+#endif
+
 #if HYBRIDLLM_IQ_AVX512
 // The AVX-512 decoders: the unpacking vectorized too, the grids read by gathers, the signs (or
 // IQ1's deltas) applied by masked subtraction, 64 codes a step.
@@ -237,25 +265,6 @@ inline __m256i aux_signs(__m256i aux, CodeBlock* out) {
                                  _mm512_cvtepi32_epi8(hi), 1);
 }
 
-// IQ2_XS, IQ2_S: the 16 scales 2 s + 1 of 8 bytes of nibbles (low nibble first).
-inline void nibble_scales16(const uint8_t* p, CodeBlock* out) {
-  const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i lo = _mm_and_si128(x, _mm_set1_epi16(15)), hi = _mm_srli_epi16(x, 4);
-  const __m128i one = _mm_set1_epi16(1);
-  const __m128i a = _mm_unpacklo_epi16(lo, hi), b = _mm_unpackhi_epi16(lo, hi);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out->scales),
-                   _mm_add_epi16(_mm_slli_epi16(a, 1), one));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out->scales + 8),
-                   _mm_add_epi16(_mm_slli_epi16(b, 1), one));
-}
-
-// 8 scales 2 s + 1 (one per 32 weights, in int16 lanes) to the 16 per 16 weights.
-inline void scales32_to_16(__m128i s, CodeBlock* out) {
-  const __m128i v = _mm_add_epi16(_mm_slli_epi16(s, 1), _mm_set1_epi16(1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out->scales), _mm_unpacklo_epi16(v, v));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out->scales + 8), _mm_unpackhi_epi16(v, v));
-}
-
 // Grid indices in 32 int16 lanes (one a group of 8) to the dword indices of chunk c's 8 groups.
 template <int c>
 inline __m256i chunk_index(__m512i index16) {
@@ -292,12 +301,12 @@ alignas(64) inline constexpr uint16_t kQuarterLane[32] = {
 alignas(64) inline constexpr uint16_t kHalfLane[32] = {
     0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7,
     8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
-alignas(64) inline constexpr uint16_t kShift2[32] = {0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6,
-                                                     0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6};
-alignas(64) inline constexpr uint16_t kShift3[32] = {0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9,
-                                                     0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9};
-alignas(64) inline constexpr uint16_t kShift4[32] = {0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4,
-                                                     0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4};
+alignas(64) inline constexpr uint16_t kShift2[32] = {
+    0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6};
+alignas(64) inline constexpr uint16_t kShift3[32] = {
+    0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9};
+alignas(64) inline constexpr uint16_t kShift4[32] = {
+    0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4};
 
 inline __m512i load512(const void* p) { return _mm512_loadu_si512(p); }
 
@@ -391,6 +400,163 @@ inline void decode_iq1_m(const uint8_t* super, CodeBlock* out) {
 }
 #endif  // HYBRIDLLM_IQ_AVX512
 
+
+#if !HYBRIDLLM_IQ_AVX512 && defined(__AVX2__)
+// The AVX2 decoders: the unpacking vectorized into an Unpacked, then expand's AVX2 branch.
+
+inline __m128i load64(const uint8_t* p) {
+  return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+}
+
+inline void store_index8(Unpacked* u, int at, __m256i index) {
+  _mm256_store_si256(reinterpret_cast<__m256i*>(u->index + at), index);
+}
+
+// IQ2_XXS, IQ3_XXS: from 8 aux words, the 32 sign bytes (group 4j + i: bits 7i of word j, with
+// its parity as bit 7) and the 16 scales 2 (aux >> 28) + 1. The four 7-bit indices of a word
+// packed into its four bytes, each byte's parity folds into its bit 0 without crossing bytes.
+inline void aux_signs(__m256i aux, Unpacked* u, CodeBlock* out) {
+  const __m256i low7 = _mm256_set1_epi32(127);
+  __m256i y = _mm256_and_si256(aux, low7);
+  y = _mm256_or_si256(y, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(aux, 7), low7), 8));
+  y = _mm256_or_si256(y,
+                      _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(aux, 14), low7), 16));
+  y = _mm256_or_si256(y,
+                      _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(aux, 21), low7), 24));
+  __m256i t = _mm256_xor_si256(y, _mm256_srli_epi32(y, 4));
+  t = _mm256_xor_si256(t, _mm256_srli_epi32(t, 2));
+  t = _mm256_xor_si256(t, _mm256_srli_epi32(t, 1));
+  y = _mm256_or_si256(y, _mm256_slli_epi32(_mm256_and_si256(t, _mm256_set1_epi8(1)), 7));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(u->signs), y);
+  const __m256i sc = _mm256_add_epi32(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1),
+                                      _mm256_set1_epi32(1));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out->scales),
+                      _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)));
+}
+
+inline void decode_iq2_xxs(const uint8_t* super, CodeBlock* out) {
+  Unpacked u;
+  const __m256i even_odd = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m256i p = _mm256_permutevar8x32_epi32(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 2)), even_odd);
+  const __m256i q = _mm256_permutevar8x32_epi32(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 34)), even_odd);
+  const __m128i pi = _mm256_castsi256_si128(p), qi = _mm256_castsi256_si128(q);
+  store_index8(&u, 0, _mm256_cvtepu8_epi32(pi));
+  store_index8(&u, 8, _mm256_cvtepu8_epi32(_mm_srli_si128(pi, 8)));
+  store_index8(&u, 16, _mm256_cvtepu8_epi32(qi));
+  store_index8(&u, 24, _mm256_cvtepu8_epi32(_mm_srli_si128(qi, 8)));
+  aux_signs(_mm256_permute2x128_si256(p, q, 0x31), &u, out);
+  expand<8, false>(kIQ2XXSGrid, u, out->codes);
+}
+
+// 16 uint16 sign indices (7 bits) to their sign bytes, in 16-bit lanes.
+inline __m256i with_parity16(__m256i x) {
+  __m256i t = _mm256_xor_si256(x, _mm256_srli_epi16(x, 4));
+  t = _mm256_xor_si256(t, _mm256_srli_epi16(t, 2));
+  t = _mm256_xor_si256(t, _mm256_srli_epi16(t, 1));
+  return _mm256_or_si256(x, _mm256_slli_epi16(_mm256_and_si256(t, _mm256_set1_epi16(1)), 7));
+}
+
+inline void decode_iq2_xs(const uint8_t* super, CodeBlock* out) {
+  Unpacked u;
+  const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 2));
+  const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 34));
+  const __m256i mask9 = _mm256_set1_epi16(511);
+  const __m256i i0 = _mm256_and_si256(q0, mask9), i1 = _mm256_and_si256(q1, mask9);
+  store_index8(&u, 0, _mm256_cvtepu16_epi32(_mm256_castsi256_si128(i0)));
+  store_index8(&u, 8, _mm256_cvtepu16_epi32(_mm256_extracti128_si256(i0, 1)));
+  store_index8(&u, 16, _mm256_cvtepu16_epi32(_mm256_castsi256_si128(i1)));
+  store_index8(&u, 24, _mm256_cvtepu16_epi32(_mm256_extracti128_si256(i1, 1)));
+  const __m256i s = _mm256_packus_epi16(with_parity16(_mm256_srli_epi16(q0, 9)),
+                                        with_parity16(_mm256_srli_epi16(q1, 9)));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(u.signs), _mm256_permute4x64_epi64(s, 0xd8));
+  nibble_scales16(super + 66, out);
+  expand<8, false>(kIQ2XSGrid, u, out->codes);
+}
+
+inline void decode_iq2_s(const uint8_t* super, CodeBlock* out) {
+  Unpacked u;
+  const __m256i shift = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+  for (int k = 0; k < 4; ++k) {  // 8 groups, two bytes of high index bits
+    const __m256i h = _mm256_srlv_epi32(_mm256_set1_epi32(load16(super + 66 + 2 * k)), shift);
+    const __m256i high = _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(3)), 8);
+    const __m256i low = _mm256_cvtepu8_epi32(load64(super + 2 + 8 * k));
+    store_index8(&u, 8 * k, _mm256_or_si256(low, high));
+  }
+  std::memcpy(u.signs, super + 34, 32);
+  nibble_scales16(super + 74, out);
+  expand<8, false>(kIQ2SGrid, u, out->codes);
+}
+
+inline void decode_iq3_xxs(const uint8_t* super, CodeBlock* out) {
+  Unpacked u;
+  for (int k = 0; k < 8; ++k)
+    store_index8(&u, 8 * k, _mm256_cvtepu8_epi32(load64(super + 2 + 8 * k)));
+  aux_signs(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 66)), &u, out);
+  expand<4, false>(kIQ3XXSGrid, u, out->codes);
+}
+
+inline void decode_iq3_s(const uint8_t* super, CodeBlock* out) {
+  Unpacked u;
+  const __m256i shift = _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1);  // bit k to bit 8
+  const __m256i bit8 = _mm256_set1_epi32(256);
+  for (int k = 0; k < 8; ++k) {  // 8 entries, one byte of high bits
+    const __m256i h = _mm256_sllv_epi32(_mm256_set1_epi32(super[66 + k]), shift);
+    store_index8(&u, 8 * k, _mm256_or_si256(_mm256_cvtepu8_epi32(load64(super + 2 + 8 * k)),
+                                            _mm256_and_si256(h, bit8)));
+  }
+  std::memcpy(u.signs, super + 74, 32);
+  const __m128i x = _mm_cvtepu8_epi16(_mm_cvtsi32_si128(static_cast<int>(load32(super + 106))));
+  scales32_to_16(_mm_unpacklo_epi16(_mm_and_si128(x, _mm_set1_epi16(15)), _mm_srli_epi16(x, 4)),
+                 out);
+  expand<4, false>(kIQ3SGrid, u, out->codes);
+}
+
+inline void decode_iq1_s(const uint8_t* super, CodeBlock* out) {
+  Unpacked u;
+  const __m256i shift = _mm256_setr_epi32(0, 3, 6, 9, 16, 19, 22, 25);
+  for (int k = 0; k < 4; ++k) {  // 8 groups, two words of high index bits
+    const __m256i words = _mm256_set1_epi32(static_cast<int>(load32(super + 34 + 4 * k)));
+    const __m256i high = _mm256_slli_epi32(
+        _mm256_and_si256(_mm256_srlv_epi32(words, shift), _mm256_set1_epi32(7)), 8);
+    const __m256i low = _mm256_cvtepu8_epi32(load64(super + 2 + 8 * k));
+    store_index8(&u, 8 * k, _mm256_or_si256(low, high));
+  }
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(super + 34));
+  const __m128i negative = _mm_packs_epi16(_mm_srai_epi16(h, 15), _mm_setzero_si128());
+  const __m128i pairs = _mm_unpacklo_epi8(negative, negative);
+  _mm_store_si128(reinterpret_cast<__m128i*>(u.signs), _mm_unpacklo_epi16(pairs, pairs));
+  _mm_store_si128(reinterpret_cast<__m128i*>(u.signs + 16), _mm_unpackhi_epi16(pairs, pairs));
+  scales32_to_16(_mm_and_si128(_mm_srli_epi16(h, 12), _mm_set1_epi16(7)), out);
+  expand<8, true>(kIQ1Grid8, u, out->codes);
+}
+
+inline void decode_iq1_m(const uint8_t* super, CodeBlock* out) {
+  Unpacked u;
+  const __m256i shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  for (int k = 0; k < 4; ++k) {  // 8 groups, four bytes of nibbles
+    const __m256i bytes = _mm256_set1_epi32(static_cast<int>(load32(super + 32 + 4 * k)));
+    const __m256i high = _mm256_slli_epi32(
+        _mm256_and_si256(_mm256_srlv_epi32(bytes, shift), _mm256_set1_epi32(7)), 8);
+    const __m256i low = _mm256_cvtepu8_epi32(load64(super + 8 * k));
+    store_index8(&u, 8 * k, _mm256_or_si256(low, high));
+  }
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(super + 32));
+  const __m128i lo8 = _mm_set1_epi8(8), hi8 = _mm_set1_epi8(static_cast<char>(0x80));
+  const __m128i even = _mm_cmpeq_epi8(_mm_and_si128(x, lo8), lo8);
+  const __m128i odd = _mm_cmpeq_epi8(_mm_and_si128(x, hi8), hi8);
+  _mm_store_si128(reinterpret_cast<__m128i*>(u.signs), _mm_unpacklo_epi8(even, odd));
+  _mm_store_si128(reinterpret_cast<__m128i*>(u.signs + 16), _mm_unpackhi_epi8(even, odd));
+  for (int j = 0; j < 4; ++j) {
+    const uint16_t w = load16(super + 48 + 2 * j);
+    for (int i = 0; i < 4; ++i)
+      out->scales[4 * j + i] = static_cast<int16_t>(2 * ((w >> (3 * i)) & 7) + 1);
+  }
+  expand<8, true>(kIQ1Grid8, u, out->codes);
+}
+#endif  // AVX2
+
 }  // namespace iq
 
 template <>
@@ -399,7 +565,7 @@ struct CodeBlockDecoder<kIQ2_XXS> {
   static void decode(const uint8_t* super, CodeBlock* out) {
     out->d = iq::half_to_float(iq::load16(super)) * 0.125f;
     iq::clear_mins(out);
-#if HYBRIDLLM_IQ_AVX512
+#if HYBRIDLLM_IQ_SIMD
     iq::decode_iq2_xxs(super, out);
 #else
     iq::Unpacked u;
@@ -423,7 +589,7 @@ struct CodeBlockDecoder<kIQ2_XS> {
   static void decode(const uint8_t* super, CodeBlock* out) {
     out->d = iq::half_to_float(iq::load16(super)) * 0.125f;
     iq::clear_mins(out);
-#if HYBRIDLLM_IQ_AVX512
+#if HYBRIDLLM_IQ_SIMD
     iq::decode_iq2_xs(super, out);
 #else
     iq::Unpacked u;
@@ -448,7 +614,7 @@ struct CodeBlockDecoder<kIQ2_S> {
   static void decode(const uint8_t* super, CodeBlock* out) {
     out->d = iq::half_to_float(iq::load16(super)) * 0.125f;
     iq::clear_mins(out);
-#if HYBRIDLLM_IQ_AVX512
+#if HYBRIDLLM_IQ_SIMD
     iq::decode_iq2_s(super, out);
 #else
     iq::Unpacked u;
@@ -472,7 +638,7 @@ struct CodeBlockDecoder<kIQ3_XXS> {
   static void decode(const uint8_t* super, CodeBlock* out) {
     out->d = iq::half_to_float(iq::load16(super)) * 0.25f;
     iq::clear_mins(out);
-#if HYBRIDLLM_IQ_AVX512
+#if HYBRIDLLM_IQ_SIMD
     iq::decode_iq3_xxs(super, out);
 #else
     iq::Unpacked u;
@@ -493,7 +659,7 @@ struct CodeBlockDecoder<kIQ3_S> {
   static void decode(const uint8_t* super, CodeBlock* out) {
     out->d = iq::half_to_float(iq::load16(super));
     iq::clear_mins(out);
-#if HYBRIDLLM_IQ_AVX512
+#if HYBRIDLLM_IQ_SIMD
     iq::decode_iq3_s(super, out);
 #else
     iq::Unpacked u;
@@ -517,7 +683,7 @@ struct CodeBlockDecoder<kIQ1_S> {
   static void decode(const uint8_t* super, CodeBlock* out) {
     out->d = iq::half_to_float(iq::load16(super)) * 0.125f;
     iq::clear_mins(out);
-#if HYBRIDLLM_IQ_AVX512
+#if HYBRIDLLM_IQ_SIMD
     iq::decode_iq1_s(super, out);
 #else
     iq::Unpacked u;
@@ -546,7 +712,7 @@ struct CodeBlockDecoder<kIQ1_M> {
                        (sc[3] & 0xf000);
     out->d = iq::half_to_float(d) * 0.125f;
     iq::clear_mins(out);
-#if HYBRIDLLM_IQ_AVX512
+#if HYBRIDLLM_IQ_SIMD
     iq::decode_iq1_m(super, out);
 #else
     iq::Unpacked u;

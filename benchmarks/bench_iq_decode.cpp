@@ -1,8 +1,9 @@
 // The IQ grid types' decoders (gguf_iq_blocks.h) on their own, without torch: a throughput
 // benchmark and a dump of decoded CodeBlocks, so that the AVX-512, AVX2 and scalar paths can be
-// compared on one machine by building this three ways:
+// compared on one machine by building this for each (tests/unit/test_gguf_iq_decoders.py does):
 //
 //   g++ -O3 -march=native    -std=c++17 -Ihybridllm/layers/csrc benchmarks/bench_iq_decode.cpp
+//   g++ -O3 -march=native -mno-avx512vbmi ...  (AVX-512 without VBMI: gathers only)
 //   g++ -O3 -march=x86-64-v3 -std=c++17 ...  (AVX2)
 //   g++ -O3 -march=x86-64    -std=c++17 ...  (scalar)
 //
@@ -27,7 +28,9 @@ using namespace hybridllm_gguf;
 namespace {
 
 const char* path_name() {
-#if defined(__AVX512BW__)
+#if defined(__AVX512VBMI__)
+  return "avx512vbmi";
+#elif defined(__AVX512BW__)
   return "avx512bw";
 #elif defined(__AVX2__)
   return "avx2";

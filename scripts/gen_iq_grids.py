@@ -9,7 +9,11 @@ The header holds them in the packing the decoders of gguf_iq_blocks.h read:
   - a grid of 4 values an entry (IQ3_XXS, IQ3_S): one uint32_t an entry, likewise;
   - IQ1_S/IQ1_M's grid (values -1, 0, 1) is stored as 8 * value, the decoders' codes being
     8 * value +- 1 (the format's delta of +-1/8 in units of 1/8);
-  - kIQSigns: the 128 sign bytes (bit k: weight k of a group of 8 is negative).
+  - kIQSigns: the 128 sign bytes (bit k: weight k of a group of 8 is negative);
+  - IQ2_XXS's and IQ3_XXS's grids again as level codes (kIQ2XXSLevels, kIQ3XXSLevels): one
+    uint16_t an entry, weight k's position in the grid's `grid_map` at bits 2k (grids of 8
+    values) or 3k (of 4), for decoders that look entries up by permutes rather than gathers,
+    then map levels to values (kIQ2Values, kIQ3XXSValues: the grid_map as int8, in 16 bytes).
 
 Run by hand after a gguf upgrade, from the repository root:
 
@@ -40,6 +44,15 @@ GRIDS = [
     ("kIQ1Grid8", quants.IQ1_S, 8, "IQ1_S and IQ1_M: 2048 entries of 8 values, 8 * (-1, 0, 1)"),
 ]
 
+# The grids also written as level codes (those of 256 entries: two permutes of 64 words
+# each look up 32 entries faster than gathers; larger grids take more permutes than gathers'
+# time), and their levels' values.
+LEVELS = [
+    ("kIQ2XXSLevels", quants.IQ2_XXS, "IQ2_XXS"),
+    ("kIQ3XXSLevels", quants.IQ3_XXS, "IQ3_XXS"),
+]
+VALUES = [("kIQ2Values", quants.IQ2_XXS, 1), ("kIQ3XXSValues", quants.IQ3_XXS, 1)]
+
 
 def grid_values(cls, multiplier: int) -> np.ndarray:
     """[entries, width] int8: the class's grid as gguf.quants expands it, times `multiplier`."""
@@ -48,6 +61,30 @@ def grid_values(cls, multiplier: int) -> np.ndarray:
     values = grid.astype(np.int8)
     assert np.array_equal(values.astype(np.float32), grid), cls.__name__
     return values
+
+
+def grid_levels(cls) -> np.ndarray:
+    """[entries, width] uint8: each value's position in the class's grid_map."""
+    values = grid_values(cls, 1).astype(np.float32)
+    levels = np.searchsorted(np.asarray(cls.grid_map, dtype=np.float32), values)
+    assert np.array_equal(np.asarray(cls.grid_map, dtype=np.float32)[levels], values)
+    return levels.astype(np.uint8)
+
+
+def render_levels(name: str, cls, what: str) -> list[str]:
+    levels = grid_levels(cls).astype(np.uint32)
+    entries, width = levels.shape
+    bits = 2 if width == 8 else 3
+    codes = (levels << (bits * np.arange(width, dtype=np.uint32))).sum(axis=1)
+    assert codes.max() < 1 << 16
+    lines = [
+        f"// {what}: level codes, {bits} bits a weight",
+        f"alignas(64) inline constexpr uint16_t {name}[{entries}] = {{",
+    ]
+    for i in range(0, entries, 12):
+        lines.append("    " + ", ".join(f"0x{int(c):04x}" for c in codes[i : i + 12]) + ",")
+    lines += ["};", ""]
+    return lines
 
 
 def render() -> str:
@@ -83,6 +120,13 @@ def render() -> str:
     for i in range(0, 128, 16):
         lines.append("    " + ", ".join(f"0x{s:02x}" for s in signs[i : i + 16]) + ",")
     lines.append("};")
+    lines.append("")
+    for name, cls, what in LEVELS:
+        lines += render_levels(name, cls, what)
+    lines.append("// The levels' values, 16 bytes (zeros after the levels) for byte shuffles.")
+    for name, cls, multiplier in VALUES:
+        values = ", ".join(str(int(v) * multiplier) for v in cls.grid_map)
+        lines.append(f"alignas(16) inline constexpr int8_t {name}[16] = {{{values}}};")
     lines.append("")
     lines.append("}  // namespace hybridllm_gguf")
     return "\n".join(lines) + "\n"

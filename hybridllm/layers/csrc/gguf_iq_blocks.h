@@ -271,6 +271,7 @@ inline __m256i chunk_index(__m512i index16) {
   return half_of<c % 2>(_mm512_cvtepu16_epi32(half_of<c / 2>(index16)));
 }
 
+#if !defined(__AVX512VBMI__)  // else the permute decoder below
 inline void decode_iq2_xxs(const uint8_t* super, CodeBlock* out) {
   const __m512i raw = _mm512_loadu_si512(super + 2);  // 8 x (4 index bytes, aux word)
   const __m256i index8 = _mm512_cvtepi64_epi32(raw);
@@ -282,6 +283,7 @@ inline void decode_iq2_xxs(const uint8_t* super, CodeBlock* out) {
                  qword_mask<c>(signs));
   });
 }
+#endif
 
 inline void decode_iq2_xs(const uint8_t* super, CodeBlock* out) {
   const __m512i q = _mm512_loadu_si512(super + 2);  // 32 x (9-bit index, 7-bit sign index)
@@ -327,6 +329,7 @@ inline void decode_iq2_s(const uint8_t* super, CodeBlock* out) {
   });
 }
 
+#if !defined(__AVX512VBMI__)  // else the permute decoder below
 inline void decode_iq3_xxs(const uint8_t* super, CodeBlock* out) {
   const __m256i signs =
       aux_signs(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 66)), out);
@@ -337,6 +340,7 @@ inline void decode_iq3_xxs(const uint8_t* super, CodeBlock* out) {
                  qword_mask<c>(signs));
   });
 }
+#endif
 
 inline void decode_iq3_s(const uint8_t* super, CodeBlock* out) {
   const __m128i x = _mm_cvtepu8_epi16(_mm_cvtsi32_si128(static_cast<int>(load32(super + 106))));
@@ -398,6 +402,84 @@ inline void decode_iq1_m(const uint8_t* super, CodeBlock* out) {
                 qword_mask<c>(negative));
   });
 }
+
+#if defined(__AVX512VBMI__)
+// Without gathers (VBMI): a grid's entries looked up as 16-bit level codes (gguf_iq_grids.h) by
+// two-table word permutes, 64 entries each, blended by the index's higher bits; then each code's
+// levels cut into bytes by a multishift and mapped to their values by a byte shuffle.
+
+// The level codes of the kEntries-entry table at the 32 indices of `index` (16-bit lanes).
+template <int kEntries>
+[[gnu::always_inline]] inline __m512i lookup_levels(const uint16_t* table, __m512i index) {
+  static_assert(kEntries % 64 == 0, "whole pairs of 32-word tables");
+  constexpr int kParts = kEntries / 64;
+  __m512i part[kParts];
+  for (int k = 0; k < kParts; ++k)
+    part[k] = _mm512_permutex2var_epi16(load512(table + 64 * k), index,
+                                        load512(table + 64 * k + 32));
+  for (int width = 1, bit = 64; width < kParts; width *= 2, bit *= 2) {
+    const __mmask32 upper = _mm512_test_epi16_mask(index, _mm512_set1_epi16(bit));
+    for (int k = 0; k < kParts; k += 2 * width)
+      part[k] = _mm512_mask_blend_epi16(upper, part[k], part[k + width]);
+  }
+  return part[0];
+}
+
+// A 16-byte value table (kIQ2Values, ...) in every 128-bit lane, for _mm512_shuffle_epi8.
+inline __m512i value_table(const int8_t* values) {
+  return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(values)));
+}
+
+// 8 level codes (2 bits a weight; codes c = 2 k, 2 k + 1 of the 16-bit lanes' 128-bit chunk c)
+// to the 64 values of their 8 groups.
+template <int c>
+inline __m512i values8(__m512i codes, __m512i values) {
+  const __m128i chunk = _mm512_extracti32x4_epi32(codes, c);
+  const __m512i x = _mm512_cvtepu16_epi64(chunk);
+  const __m512i shifts = _mm512_set1_epi64(0x0e0c0a0806040200);  // byte k: bits 2k
+  const __m512i levels = _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, x),
+                                          _mm512_set1_epi8(3));
+  return _mm512_shuffle_epi8(values, levels);
+}
+
+// 16 level codes (3 bits a weight, the 256-bit half h of `codes`) to the 64 values of their 16
+// entries.
+template <int h>
+inline __m512i values4(__m512i codes, __m512i values) {
+  const __m512i x = _mm512_cvtepu16_epi32(half_of<h>(codes));
+  const __m512i shifts = _mm512_set1_epi64(0x2926232009060300);  // bytes: bits 3k, 32 + 3k
+  const __m512i levels = _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, x),
+                                          _mm512_set1_epi8(7));
+  return _mm512_shuffle_epi8(values, levels);
+}
+
+inline void decode_iq2_xxs(const uint8_t* super, CodeBlock* out) {
+  const __m512i raw = _mm512_loadu_si512(super + 2);  // 8 x (4 index bytes, aux word)
+  const __m256i index8 = _mm512_cvtepi64_epi32(raw);
+  const __m256i signs = aux_signs(_mm512_cvtepi64_epi32(_mm512_srli_epi64(raw, 32)), out);
+  const __m512i codes = lookup_levels<256>(kIQ2XXSLevels, _mm512_cvtepu8_epi16(index8));
+  const __m512i values = value_table(kIQ2Values);
+  for_chunks([&](auto c) {
+    store_signed(out->codes + 64 * c, values8<c>(codes, values), qword_mask<c>(signs));
+  });
+}
+
+inline void decode_iq3_xxs(const uint8_t* super, CodeBlock* out) {
+  const __m256i signs =
+      aux_signs(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 66)), out);
+  const __m512i codes[2] = {
+      lookup_levels<256>(kIQ3XXSLevels, _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+                                            reinterpret_cast<const __m256i*>(super + 2)))),
+      lookup_levels<256>(kIQ3XXSLevels, _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+                                            reinterpret_cast<const __m256i*>(super + 34))))};
+  const __m512i values = value_table(kIQ3XXSValues);
+  for_chunks([&](auto c) {
+    store_signed(out->codes + 64 * c, values4<c % 2>(codes[c / 2], values),
+                 qword_mask<c>(signs));
+  });
+}
+
+#endif  // __AVX512VBMI__
 #endif  // HYBRIDLLM_IQ_AVX512
 
 

@@ -10,10 +10,11 @@ The header holds them in the packing the decoders of gguf_iq_blocks.h read:
   - IQ1_S/IQ1_M's grid (values -1, 0, 1) is stored as 8 * value, the decoders' codes being
     8 * value +- 1 (the format's delta of +-1/8 in units of 1/8);
   - kIQSigns: the 128 sign bytes (bit k: weight k of a group of 8 is negative);
-  - IQ2_XXS's and IQ3_XXS's grids again as level codes (kIQ2XXSLevels, kIQ3XXSLevels): one
-    uint16_t an entry, weight k's position in the grid's `grid_map` at bits 2k (grids of 8
-    values) or 3k (of 4), for decoders that look entries up by permutes rather than gathers,
-    then map levels to values (kIQ2Values, kIQ3XXSValues: the grid_map as int8, in 16 bytes).
+  - IQ2_XXS's, IQ2_XS's, IQ3_XXS's and IQ3_S's grids again as level codes (kIQ2XXSLevels,
+    ...): weight k's position in the grid's `grid_map` at bits 2k (grids of 8 values) or 3k (of
+    4) of a 16-bit code an entry, stored as two byte planes (low bytes, high bytes) for
+    byte-permute lookups, and the levels' values (kIQ2Values, ...: the grid_map as int8, in 16
+    bytes for byte shuffles).
 
 Run by hand after a gguf upgrade, from the repository root:
 
@@ -44,14 +45,20 @@ GRIDS = [
     ("kIQ1Grid8", quants.IQ1_S, 8, "IQ1_S and IQ1_M: 2048 entries of 8 values, 8 * (-1, 0, 1)"),
 ]
 
-# The grids also written as level codes (those of 256 entries: two permutes of 64 words
-# each look up 32 entries faster than gathers; larger grids take more permutes than gathers'
-# time), and their levels' values.
+# The grids again as level codes, for the AVX-512 VBMI decoders of the grids of up to 512
+# entries: there, byte permutes of 128-byte tables look them up faster than gathers read the
+# grids (not so for IQ2_S's 1024 and IQ1's 2048 entries, measured).
 LEVELS = [
     ("kIQ2XXSLevels", quants.IQ2_XXS, "IQ2_XXS"),
+    ("kIQ2XSLevels", quants.IQ2_XS, "IQ2_XS"),
     ("kIQ3XXSLevels", quants.IQ3_XXS, "IQ3_XXS"),
+    ("kIQ3SLevels", quants.IQ3_S, "IQ3_S"),
 ]
-VALUES = [("kIQ2Values", quants.IQ2_XXS, 1), ("kIQ3XXSValues", quants.IQ3_XXS, 1)]
+VALUES = [
+    ("kIQ2Values", quants.IQ2_XXS, 1),
+    ("kIQ3XXSValues", quants.IQ3_XXS, 1),
+    ("kIQ3SValues", quants.IQ3_S, 1),
+]
 
 
 def grid_values(cls, multiplier: int) -> np.ndarray:
@@ -78,11 +85,14 @@ def render_levels(name: str, cls, what: str) -> list[str]:
     codes = (levels << (bits * np.arange(width, dtype=np.uint32))).sum(axis=1)
     assert codes.max() < 1 << 16
     lines = [
-        f"// {what}: level codes, {bits} bits a weight",
-        f"alignas(64) inline constexpr uint16_t {name}[{entries}] = {{",
+        f"// {what}: level codes, {bits} bits a weight; [0] their low bytes, [1] their high bytes",
+        f"alignas(64) inline constexpr uint8_t {name}[2][{entries}] = {{",
     ]
-    for i in range(0, entries, 12):
-        lines.append("    " + ", ".join(f"0x{int(c):04x}" for c in codes[i : i + 12]) + ",")
+    for plane in (codes & 0xFF, codes >> 8):
+        lines.append("    {")
+        for i in range(0, entries, 16):
+            lines.append("        " + ", ".join(f"{int(c)}" for c in plane[i : i + 16]) + ",")
+        lines.append("    },")
     lines += ["};", ""]
     return lines
 

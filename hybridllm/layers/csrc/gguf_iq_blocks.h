@@ -160,8 +160,9 @@ inline void expand(const Entry* grid, const Unpacked& u, int8_t* codes) {
 #endif
 }
 
-
 #if HYBRIDLLM_IQ_AVX512 || defined(__AVX2__)
+// Helpers of both the AVX-512 and the AVX2 decoders.
+
 // IQ2_XS, IQ2_S: the 16 scales 2 s + 1 of 8 bytes of nibbles (low nibble first).
 inline void nibble_scales16(const uint8_t* p, CodeBlock* out) {
   const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -181,11 +182,33 @@ inline void scales32_to_16(__m128i s, CodeBlock* out) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out->scales + 8), _mm_unpackhi_epi16(v, v));
 }
 
+// IQ2_XXS, IQ3_XXS: from 8 aux words, the 32 sign bytes (group 4j + i: bits 7i of word j, with
+// its parity as bit 7) and the 16 scales 2 (aux >> 28) + 1. The four 7-bit indices of a word
+// packed into its four bytes, each byte's parity folds into its bit 0 without crossing bytes.
+inline __m256i aux_signs(__m256i aux, CodeBlock* out) {
+  const __m256i low7 = _mm256_set1_epi32(127);
+  __m256i y = _mm256_and_si256(aux, low7);
+  y = _mm256_or_si256(y, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(aux, 7), low7), 8));
+  y = _mm256_or_si256(y,
+                      _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(aux, 14), low7), 16));
+  y = _mm256_or_si256(y,
+                      _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(aux, 21), low7), 24));
+  __m256i t = _mm256_xor_si256(y, _mm256_srli_epi32(y, 4));
+  t = _mm256_xor_si256(t, _mm256_srli_epi32(t, 2));
+  t = _mm256_xor_si256(t, _mm256_srli_epi32(t, 1));
+  y = _mm256_or_si256(y, _mm256_slli_epi32(_mm256_and_si256(t, _mm256_set1_epi8(1)), 7));
+  const __m256i sc = _mm256_add_epi32(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1),
+                                      _mm256_set1_epi32(1));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out->scales),
+                      _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)));
+  return y;
+}
 #endif
 
 #if HYBRIDLLM_IQ_AVX512
-// The AVX-512 decoders: the unpacking vectorized too, the grids read by gathers, the signs (or
-// IQ1's deltas) applied by masked subtraction, 64 codes a step.
+// The AVX-512 decoders: the unpacking vectorized too, the grids read by gathers (with VBMI, the
+// grids of up to 512 entries by byte permutes instead, below), the signs (or IQ1's deltas)
+// applied by masked subtraction, 64 codes a step.
 
 // c = 0..3 called as f(std::integral_constant<int, c>): the four 64-code chunks, unrolled with
 // their indices as constants (intrinsics' immediates).
@@ -224,45 +247,13 @@ inline void store_delta(int8_t* codes, __m512i v, __mmask64 negative) {
   _mm512_storeu_si512(codes, _mm512_mask_sub_epi8(v, negative, v, _mm512_set1_epi8(2)));
 }
 
-// 7-bit sign indices (in 16- or 32-bit lanes) to their sign bytes: the index with its parity as
-// bit 7 (kIQSigns[x], computed).
-inline __m512i with_parity32(__m512i x) {
-  __m512i t = _mm512_xor_si512(x, _mm512_srli_epi32(x, 4));
-  t = _mm512_xor_si512(t, _mm512_srli_epi32(t, 2));
-  t = _mm512_xor_si512(t, _mm512_srli_epi32(t, 1));
-  return _mm512_or_si512(x, _mm512_slli_epi32(_mm512_and_si512(t, _mm512_set1_epi32(1)), 7));
-}
-
+// 7-bit sign indices (in 16-bit lanes) to their sign bytes: the index with its parity as bit 7
+// (kIQSigns[x], computed).
 inline __m512i with_parity16(__m512i x) {
   __m512i t = _mm512_xor_si512(x, _mm512_srli_epi16(x, 4));
   t = _mm512_xor_si512(t, _mm512_srli_epi16(t, 2));
   t = _mm512_xor_si512(t, _mm512_srli_epi16(t, 1));
   return _mm512_or_si512(x, _mm512_slli_epi16(_mm512_and_si512(t, _mm512_set1_epi16(1)), 7));
-}
-
-alignas(64) inline constexpr int32_t kAuxLane[2][16] = {
-    {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3},
-    {4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7}};
-alignas(64) inline constexpr int32_t kAuxShift[16] = {0, 7, 14, 21, 0, 7, 14, 21,
-                                                      0, 7, 14, 21, 0, 7, 14, 21};
-
-// IQ2_XXS, IQ3_XXS: the 32 sign bytes of the 8 words aux (group 4j + i: bits 7i of word j), and
-// the 16 scales 2 (aux >> 28) + 1, one per 16 weights.
-inline __m256i aux_signs(__m256i aux, CodeBlock* out) {
-  const __m512i a = _mm512_castsi256_si512(aux);
-  const __m512i shift = _mm512_load_si512(kAuxShift), low7 = _mm512_set1_epi32(127);
-  const __m512i lo = with_parity32(_mm512_and_si512(
-      _mm512_srlv_epi32(_mm512_permutexvar_epi32(_mm512_load_si512(kAuxLane[0]), a), shift),
-      low7));
-  const __m512i hi = with_parity32(_mm512_and_si512(
-      _mm512_srlv_epi32(_mm512_permutexvar_epi32(_mm512_load_si512(kAuxLane[1]), a), shift),
-      low7));
-  const __m256i sc = _mm256_add_epi32(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1),
-                                      _mm256_set1_epi32(1));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out->scales),
-                      _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)));
-  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(lo)),
-                                 _mm512_cvtepi32_epi8(hi), 1);
 }
 
 // Grid indices in 32 int16 lanes (one a group of 8) to the dword indices of chunk c's 8 groups.
@@ -285,6 +276,7 @@ inline void decode_iq2_xxs(const uint8_t* super, CodeBlock* out) {
 }
 #endif
 
+#if !defined(__AVX512VBMI__)  // else the permute decoder below
 inline void decode_iq2_xs(const uint8_t* super, CodeBlock* out) {
   const __m512i q = _mm512_loadu_si512(super + 2);  // 32 x (9-bit index, 7-bit sign index)
   const __m512i index = _mm512_and_si512(q, _mm512_set1_epi16(511));
@@ -296,6 +288,7 @@ inline void decode_iq2_xs(const uint8_t* super, CodeBlock* out) {
                  qword_mask<c>(signs));
   });
 }
+#endif
 
 alignas(64) inline constexpr uint16_t kQuarterLane[32] = {
     0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3,
@@ -342,6 +335,7 @@ inline void decode_iq3_xxs(const uint8_t* super, CodeBlock* out) {
 }
 #endif
 
+#if !defined(__AVX512VBMI__)  // else the permute decoder below
 inline void decode_iq3_s(const uint8_t* super, CodeBlock* out) {
   const __m128i x = _mm_cvtepu8_epi16(_mm_cvtsi32_si128(static_cast<int>(load32(super + 106))));
   scales32_to_16(_mm_unpacklo_epi16(_mm_and_si128(x, _mm_set1_epi16(15)), _mm_srli_epi16(x, 4)),
@@ -355,6 +349,7 @@ inline void decode_iq3_s(const uint8_t* super, CodeBlock* out) {
                  load_mask(super + 74 + 8 * c));
   });
 }
+#endif
 
 inline void decode_iq1_s(const uint8_t* super, CodeBlock* out) {
   const __m512i low = _mm512_cvtepu8_epi16(
@@ -373,6 +368,21 @@ inline void decode_iq1_s(const uint8_t* super, CodeBlock* out) {
   });
 }
 
+// IQ1_M's 16 scales: 2 s + 1, s the 3-bit fields at bits 3i of word j (scale 4j + i).
+inline void iq1_m_scales(const uint8_t* super, CodeBlock* out) {
+  const __m256i w = _mm256_castsi128_si256(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 48)));
+  const __m256i s = _mm256_and_si256(
+      _mm256_srlv_epi16(
+          _mm256_permutexvar_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                       kQuarterLane)),
+                                   w),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kShift3))),
+      _mm256_set1_epi16(7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out->scales),
+                      _mm256_add_epi16(_mm256_slli_epi16(s, 1), _mm256_set1_epi16(1)));
+}
+
 inline void decode_iq1_m(const uint8_t* super, CodeBlock* out) {
   const __m512i low =
       _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super)));
@@ -385,17 +395,7 @@ inline void decode_iq1_m(const uint8_t* super, CodeBlock* out) {
       low, _mm512_slli_epi16(_mm512_and_si512(nibble, _mm512_set1_epi16(7)), 8));
   const __m256i negative =
       _mm256_movm_epi8(_mm512_test_epi16_mask(nibble, _mm512_set1_epi16(8)));
-  const __m256i w = _mm256_castsi128_si256(
-      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 48)));
-  const __m256i s = _mm256_and_si256(
-      _mm256_srlv_epi16(
-          _mm256_permutexvar_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                       kQuarterLane)),
-                                   w),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kShift3))),
-      _mm256_set1_epi16(7));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out->scales),
-                      _mm256_add_epi16(_mm256_slli_epi16(s, 1), _mm256_set1_epi16(1)));
+  iq1_m_scales(super, out);
   for_chunks([&](auto c) {
     store_delta(out->codes + 64 * c,
                 _mm512_i32gather_epi64(chunk_index<c>(index), kIQ1Grid8, 8),
@@ -404,23 +404,27 @@ inline void decode_iq1_m(const uint8_t* super, CodeBlock* out) {
 }
 
 #if defined(__AVX512VBMI__)
-// Without gathers (VBMI): a grid's entries looked up as 16-bit level codes (gguf_iq_grids.h) by
-// two-table word permutes, 64 entries each, blended by the index's higher bits; then each code's
-// levels cut into bytes by a multishift and mapped to their values by a byte shuffle.
+// Without gathers (VBMI): a grid's entries looked up as 16-bit level codes (gguf_iq_grids.h),
+// whose two byte planes are looked up by byte permutes of 128-byte tables, blended by the
+// index's higher bits; then each code's levels cut into bytes by a multishift and mapped to
+// their values by a byte shuffle.
 
-// The level codes of the kEntries-entry table at the 32 indices of `index` (16-bit lanes).
+// Bytes table[index] of a kEntries-byte table for the 64 indices whose low 8 bits are the bytes
+// of `low` and whose bits 8, 9, ... are the masks high[0], high[1], ...
 template <int kEntries>
-[[gnu::always_inline]] inline __m512i lookup_levels(const uint16_t* table, __m512i index) {
-  static_assert(kEntries % 64 == 0, "whole pairs of 32-word tables");
-  constexpr int kParts = kEntries / 64;
+[[gnu::always_inline]] inline __m512i lookup_bytes(const uint8_t* table, __m512i low,
+                                                   const __mmask64* high) {
+  static_assert(kEntries >= 256 && kEntries % 128 == 0, "whole 128-byte tables, at least two");
+  constexpr int kParts = kEntries / 128;
   __m512i part[kParts];
   for (int k = 0; k < kParts; ++k)
-    part[k] = _mm512_permutex2var_epi16(load512(table + 64 * k), index,
-                                        load512(table + 64 * k + 32));
-  for (int width = 1, bit = 64; width < kParts; width *= 2, bit *= 2) {
-    const __mmask32 upper = _mm512_test_epi16_mask(index, _mm512_set1_epi16(bit));
+    part[k] = _mm512_permutex2var_epi8(load512(table + 128 * k), low,
+                                       load512(table + 128 * k + 64));
+  __mmask64 upper = _mm512_movepi8_mask(low);  // bit 7
+  for (int width = 1, b = 0; width < kParts; width *= 2) {
     for (int k = 0; k < kParts; k += 2 * width)
-      part[k] = _mm512_mask_blend_epi16(upper, part[k], part[k + width]);
+      part[k] = _mm512_mask_blend_epi8(upper, part[k], part[k + width]);
+    if (2 * width < kParts) upper = high[b++];
   }
   return part[0];
 }
@@ -430,23 +434,34 @@ inline __m512i value_table(const int8_t* values) {
   return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(values)));
 }
 
-// 8 level codes (2 bits a weight; codes c = 2 k, 2 k + 1 of the 16-bit lanes' 128-bit chunk c)
-// to the 64 values of their 8 groups.
+// The 32 codes of a grid of 8 values at 32 indices (the low 32 lanes of `low`; high: their
+// bits 8 and up) as 16-bit lanes.
+template <int kEntries>
+inline __m512i lookup_codes8(const uint8_t (&planes)[2][kEntries], __m512i low,
+                             const __mmask64* high) {
+  const __m512i lo = lookup_bytes<kEntries>(planes[0], low, high);
+  const __m512i hi = lookup_bytes<kEntries>(planes[1], low, high);
+  return _mm512_or_si512(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo)),
+                         _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi)), 8));
+}
+
+// Codes 8c .. 8c + 7 (2 bits a weight, in 16-bit lanes) to the 64 values of their 8 groups.
 template <int c>
 inline __m512i values8(__m512i codes, __m512i values) {
-  const __m128i chunk = _mm512_extracti32x4_epi32(codes, c);
-  const __m512i x = _mm512_cvtepu16_epi64(chunk);
+  const __m512i x = _mm512_cvtepu16_epi64(_mm512_extracti32x4_epi32(codes, c));
   const __m512i shifts = _mm512_set1_epi64(0x0e0c0a0806040200);  // byte k: bits 2k
   const __m512i levels = _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, x),
                                           _mm512_set1_epi8(3));
   return _mm512_shuffle_epi8(values, levels);
 }
 
-// 16 level codes (3 bits a weight, the 256-bit half h of `codes`) to the 64 values of their 16
-// entries.
-template <int h>
-inline __m512i values4(__m512i codes, __m512i values) {
-  const __m512i x = _mm512_cvtepu16_epi32(half_of<h>(codes));
+// Entries 16c .. 16c + 15 of a grid of 4 values (their codes' byte planes lo, hi: 3 bits a
+// weight) to their 64 values.
+template <int c>
+inline __m512i values4(__m512i lo, __m512i hi, __m512i values) {
+  const __m512i x =
+      _mm512_or_si512(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(lo, c)),
+                      _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(hi, c)), 8));
   const __m512i shifts = _mm512_set1_epi64(0x2926232009060300);  // bytes: bits 3k, 32 + 3k
   const __m512i levels = _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, x),
                                           _mm512_set1_epi8(7));
@@ -455,9 +470,22 @@ inline __m512i values4(__m512i codes, __m512i values) {
 
 inline void decode_iq2_xxs(const uint8_t* super, CodeBlock* out) {
   const __m512i raw = _mm512_loadu_si512(super + 2);  // 8 x (4 index bytes, aux word)
-  const __m256i index8 = _mm512_cvtepi64_epi32(raw);
   const __m256i signs = aux_signs(_mm512_cvtepi64_epi32(_mm512_srli_epi64(raw, 32)), out);
-  const __m512i codes = lookup_levels<256>(kIQ2XXSLevels, _mm512_cvtepu8_epi16(index8));
+  const __m512i codes = lookup_codes8(
+      kIQ2XXSLevels, _mm512_castsi256_si512(_mm512_cvtepi64_epi32(raw)), nullptr);
+  const __m512i values = value_table(kIQ2Values);
+  for_chunks([&](auto c) {
+    store_signed(out->codes + 64 * c, values8<c>(codes, values), qword_mask<c>(signs));
+  });
+}
+
+inline void decode_iq2_xs(const uint8_t* super, CodeBlock* out) {
+  const __m512i q = _mm512_loadu_si512(super + 2);  // 32 x (9-bit index, 7-bit sign index)
+  const __mmask64 bit8 = _mm512_test_epi16_mask(q, _mm512_set1_epi16(256));
+  const __m512i codes =
+      lookup_codes8(kIQ2XSLevels, _mm512_castsi256_si512(_mm512_cvtepi16_epi8(q)), &bit8);
+  const __m256i signs = _mm512_cvtepi16_epi8(with_parity16(_mm512_srli_epi16(q, 9)));
+  nibble_scales16(super + 66, out);
   const __m512i values = value_table(kIQ2Values);
   for_chunks([&](auto c) {
     store_signed(out->codes + 64 * c, values8<c>(codes, values), qword_mask<c>(signs));
@@ -467,15 +495,26 @@ inline void decode_iq2_xxs(const uint8_t* super, CodeBlock* out) {
 inline void decode_iq3_xxs(const uint8_t* super, CodeBlock* out) {
   const __m256i signs =
       aux_signs(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 66)), out);
-  const __m512i codes[2] = {
-      lookup_levels<256>(kIQ3XXSLevels, _mm512_cvtepu8_epi16(_mm256_loadu_si256(
-                                            reinterpret_cast<const __m256i*>(super + 2)))),
-      lookup_levels<256>(kIQ3XXSLevels, _mm512_cvtepu8_epi16(_mm256_loadu_si256(
-                                            reinterpret_cast<const __m256i*>(super + 34))))};
+  const __m512i low = load512(super + 2);
+  const __m512i lo = lookup_bytes<256>(kIQ3XXSLevels[0], low, nullptr);
+  const __m512i hi = lookup_bytes<256>(kIQ3XXSLevels[1], low, nullptr);
   const __m512i values = value_table(kIQ3XXSValues);
   for_chunks([&](auto c) {
-    store_signed(out->codes + 64 * c, values4<c % 2>(codes[c / 2], values),
-                 qword_mask<c>(signs));
+    store_signed(out->codes + 64 * c, values4<c>(lo, hi, values), qword_mask<c>(signs));
+  });
+}
+
+inline void decode_iq3_s(const uint8_t* super, CodeBlock* out) {
+  const __m128i x = _mm_cvtepu8_epi16(_mm_cvtsi32_si128(static_cast<int>(load32(super + 106))));
+  scales32_to_16(_mm_unpacklo_epi16(_mm_and_si128(x, _mm_set1_epi16(15)), _mm_srli_epi16(x, 4)),
+                 out);
+  const __m512i low = load512(super + 2);
+  const __mmask64 bit8 = load_mask(super + 66);
+  const __m512i lo = lookup_bytes<512>(kIQ3SLevels[0], low, &bit8);
+  const __m512i hi = lookup_bytes<512>(kIQ3SLevels[1], low, &bit8);
+  const __m512i values = value_table(kIQ3SValues);
+  for_chunks([&](auto c) {
+    store_signed(out->codes + 64 * c, values4<c>(lo, hi, values), load_mask(super + 74 + 8 * c));
   });
 }
 
@@ -494,28 +533,6 @@ inline void store_index8(Unpacked* u, int at, __m256i index) {
   _mm256_store_si256(reinterpret_cast<__m256i*>(u->index + at), index);
 }
 
-// IQ2_XXS, IQ3_XXS: from 8 aux words, the 32 sign bytes (group 4j + i: bits 7i of word j, with
-// its parity as bit 7) and the 16 scales 2 (aux >> 28) + 1. The four 7-bit indices of a word
-// packed into its four bytes, each byte's parity folds into its bit 0 without crossing bytes.
-inline void aux_signs(__m256i aux, Unpacked* u, CodeBlock* out) {
-  const __m256i low7 = _mm256_set1_epi32(127);
-  __m256i y = _mm256_and_si256(aux, low7);
-  y = _mm256_or_si256(y, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(aux, 7), low7), 8));
-  y = _mm256_or_si256(y,
-                      _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(aux, 14), low7), 16));
-  y = _mm256_or_si256(y,
-                      _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(aux, 21), low7), 24));
-  __m256i t = _mm256_xor_si256(y, _mm256_srli_epi32(y, 4));
-  t = _mm256_xor_si256(t, _mm256_srli_epi32(t, 2));
-  t = _mm256_xor_si256(t, _mm256_srli_epi32(t, 1));
-  y = _mm256_or_si256(y, _mm256_slli_epi32(_mm256_and_si256(t, _mm256_set1_epi8(1)), 7));
-  _mm256_store_si256(reinterpret_cast<__m256i*>(u->signs), y);
-  const __m256i sc = _mm256_add_epi32(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1),
-                                      _mm256_set1_epi32(1));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out->scales),
-                      _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)));
-}
-
 inline void decode_iq2_xxs(const uint8_t* super, CodeBlock* out) {
   Unpacked u;
   const __m256i even_odd = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
@@ -528,7 +545,8 @@ inline void decode_iq2_xxs(const uint8_t* super, CodeBlock* out) {
   store_index8(&u, 8, _mm256_cvtepu8_epi32(_mm_srli_si128(pi, 8)));
   store_index8(&u, 16, _mm256_cvtepu8_epi32(qi));
   store_index8(&u, 24, _mm256_cvtepu8_epi32(_mm_srli_si128(qi, 8)));
-  aux_signs(_mm256_permute2x128_si256(p, q, 0x31), &u, out);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(u.signs),
+                     aux_signs(_mm256_permute2x128_si256(p, q, 0x31), out));
   expand<8, false>(kIQ2XXSGrid, u, out->codes);
 }
 
@@ -575,7 +593,8 @@ inline void decode_iq3_xxs(const uint8_t* super, CodeBlock* out) {
   Unpacked u;
   for (int k = 0; k < 8; ++k)
     store_index8(&u, 8 * k, _mm256_cvtepu8_epi32(load64(super + 2 + 8 * k)));
-  aux_signs(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 66)), &u, out);
+  const __m256i aux = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 66));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(u.signs), aux_signs(aux, out));
   expand<4, false>(kIQ3XXSGrid, u, out->codes);
 }
 

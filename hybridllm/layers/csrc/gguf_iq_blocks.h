@@ -35,7 +35,7 @@
 // grids by gathers or, with VBMI and grids of up to 512 entries, by byte permutes, and applies
 // signs by masked subtraction; AVX2 unpacks in vector lanes into an Unpacked, then gathers;
 // scalar code unpacks and looks up one value at a time. On a Zen 5 core (one thread,
-// benchmarks/bench_iq_decode.cpp): AVX-512 VBMI 11.5-19 ns a super-block, AVX2 16-24.
+// benchmarks/bench_iq_decode.cpp): AVX-512 VBMI 8-19 ns a super-block, AVX2 16-24.
 #pragma once
 
 #include <cstdint>
@@ -437,21 +437,28 @@ inline __m512i value_table(const int8_t* values) {
   return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(values)));
 }
 
-// The 32 codes of a grid of 8 values at 32 indices (the low 32 lanes of `low`; high: their
-// bits 8 and up) as 16-bit lanes.
-template <int kEntries>
-inline __m512i lookup_codes8(const uint8_t (&planes)[2][kEntries], __m512i low,
-                             const __mmask64* high) {
-  const __m512i lo = lookup_bytes<kEntries>(planes[0], low, high);
-  const __m512i hi = lookup_bytes<kEntries>(planes[1], low, high);
-  return _mm512_or_si512(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo)),
-                         _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi)), 8));
+// For byte permutes of two 64-byte code planes (lo: entry e's low code byte at byte e, hi: its
+// high one): at[c] places the codes of chunk c's entries (entry_bytes bytes an entry of values,
+// 64 / entry_bytes entries a chunk) in the low 16 bits of their value lanes (the rest copies).
+struct CodeBytes {
+  alignas(64) uint8_t at[4][64];
+};
+constexpr CodeBytes code_bytes(int entry_bytes) {
+  CodeBytes t{};
+  for (int c = 0; c < 4; ++c)
+    for (int i = 0; i < 64; ++i) {
+      const int e = c * (64 / entry_bytes) + i / entry_bytes;
+      t.at[c][i] = static_cast<uint8_t>(i % entry_bytes == 1 ? 64 + e : e);
+    }
+  return t;
 }
+inline constexpr CodeBytes kCodeBytes8 = code_bytes(8), kCodeBytes4 = code_bytes(4);
 
-// Codes 8c .. 8c + 7 (2 bits a weight, in 16-bit lanes) to the 64 values of their 8 groups.
+// Entries 8c .. 8c + 7 of a grid of 8 values (their codes' byte planes lo, hi: 2 bits a
+// weight) to the 64 values of their 8 groups.
 template <int c>
-inline __m512i values8(__m512i codes, __m512i values) {
-  const __m512i x = _mm512_cvtepu16_epi64(_mm512_extracti32x4_epi32(codes, c));
+inline __m512i values8(__m512i lo, __m512i hi, __m512i values) {
+  const __m512i x = _mm512_permutex2var_epi8(lo, load512(kCodeBytes8.at[c]), hi);
   const __m512i shifts = _mm512_set1_epi64(0x0e0c0a0806040200);  // byte k: bits 2k
   const __m512i levels = _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, x),
                                           _mm512_set1_epi8(3));
@@ -462,9 +469,7 @@ inline __m512i values8(__m512i codes, __m512i values) {
 // weight) to their 64 values.
 template <int c>
 inline __m512i values4(__m512i lo, __m512i hi, __m512i values) {
-  const __m512i x =
-      _mm512_or_si512(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(lo, c)),
-                      _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(hi, c)), 8));
+  const __m512i x = _mm512_permutex2var_epi8(lo, load512(kCodeBytes4.at[c]), hi);
   const __m512i shifts = _mm512_set1_epi64(0x2926232009060300);  // bytes: bits 3k, 32 + 3k
   const __m512i levels = _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, x),
                                           _mm512_set1_epi8(7));
@@ -474,24 +479,26 @@ inline __m512i values4(__m512i lo, __m512i hi, __m512i values) {
 inline void decode_iq2_xxs(const uint8_t* super, CodeBlock* out) {
   const __m512i raw = _mm512_loadu_si512(super + 2);  // 8 x (4 index bytes, aux word)
   const __m256i signs = aux_signs(_mm512_cvtepi64_epi32(_mm512_srli_epi64(raw, 32)), out);
-  const __m512i codes = lookup_codes8(
-      kIQ2XXSLevels, _mm512_castsi256_si512(_mm512_cvtepi64_epi32(raw)), nullptr);
+  const __m512i low = _mm512_castsi256_si512(_mm512_cvtepi64_epi32(raw));
+  const __m512i lo = lookup_bytes<256>(kIQ2XXSLevels[0], low, nullptr);
+  const __m512i hi = lookup_bytes<256>(kIQ2XXSLevels[1], low, nullptr);
   const __m512i values = value_table(kIQ2Values);
   for_chunks([&](auto c) {
-    store_signed(out->codes + 64 * c, values8<c>(codes, values), qword_mask<c>(signs));
+    store_signed(out->codes + 64 * c, values8<c>(lo, hi, values), qword_mask<c>(signs));
   });
 }
 
 inline void decode_iq2_xs(const uint8_t* super, CodeBlock* out) {
   const __m512i q = _mm512_loadu_si512(super + 2);  // 32 x (9-bit index, 7-bit sign index)
   const __mmask64 bit8 = _mm512_test_epi16_mask(q, _mm512_set1_epi16(256));
-  const __m512i codes =
-      lookup_codes8(kIQ2XSLevels, _mm512_castsi256_si512(_mm512_cvtepi16_epi8(q)), &bit8);
+  const __m512i low = _mm512_castsi256_si512(_mm512_cvtepi16_epi8(q));
+  const __m512i lo = lookup_bytes<512>(kIQ2XSLevels[0], low, &bit8);
+  const __m512i hi = lookup_bytes<512>(kIQ2XSLevels[1], low, &bit8);
   const __m256i signs = _mm512_cvtepi16_epi8(with_parity16(_mm512_srli_epi16(q, 9)));
   nibble_scales16(super + 66, out);
   const __m512i values = value_table(kIQ2Values);
   for_chunks([&](auto c) {
-    store_signed(out->codes + 64 * c, values8<c>(codes, values), qword_mask<c>(signs));
+    store_signed(out->codes + 64 * c, values8<c>(lo, hi, values), qword_mask<c>(signs));
   });
 }
 

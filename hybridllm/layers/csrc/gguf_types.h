@@ -38,6 +38,9 @@ constexpr unsigned kCodeBlocks = 8;
 //         (bit j of byte l is weight l's of sub-block j), then the 128 bytes of nibbles.
 //   Q6_K  super-blocks of 256 weights: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales
 //         (one per 16 weights), fp16 d last; w = d * scale * (q - 32) for 6-bit q.
+//   IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M  super-blocks of 256 weights in groups
+//         of 4 or 8 looked up in a grid, with signs; computed as code blocks (their formats:
+//         gguf_iq_blocks.h).
 //   Q4_KX8, Q5_KX8, Q6_KX8  not ggml types: Q4_K / Q5_K / Q6_K rows repacked in groups of 8 for
 //         the int8 kernels (gguf_x8.h); a weight's row count is a multiple of 8.
 #define HYBRIDLLM_GGUF_TYPES(X)                                      \
@@ -48,6 +51,13 @@ constexpr unsigned kCodeBlocks = 8;
   X(Q4_K, 12, 256, 144, kFp32Kernels | kInt8Kernels, Q4_K)           \
   X(Q5_K, 13, 256, 176, kFp32Kernels | kInt8Kernels, Q5_K)           \
   X(Q6_K, 14, 256, 210, kFp32Kernels | kInt8Kernels, Q6_K)           \
+  X(IQ2_XXS, 16, 256, 66, kCodeBlocks, IQ2_XXS)                      \
+  X(IQ2_XS, 17, 256, 74, kCodeBlocks, IQ2_XS)                        \
+  X(IQ3_XXS, 18, 256, 98, kCodeBlocks, IQ3_XXS)                      \
+  X(IQ1_S, 19, 256, 50, kCodeBlocks, IQ1_S)                          \
+  X(IQ3_S, 21, 256, 110, kCodeBlocks, IQ3_S)                         \
+  X(IQ2_S, 22, 256, 82, kCodeBlocks, IQ2_S)                          \
+  X(IQ1_M, 29, 256, 56, kCodeBlocks, IQ1_M)                          \
   X(Q4_KX8, 112, 256, 148, kX8Kernels, Q4_K)                         \
   X(Q5_KX8, 113, 256, 180, kX8Kernels, Q5_K)                         \
   X(Q6_KX8, 114, 256, 210, kX8Kernels, Q6_K)

@@ -28,6 +28,8 @@ struct CodeBlock {
 // decode(super, out): the 256 weights of the super-block at `super` (gguf_type_info(kType)
 // .unit_bytes bytes) into *out, computing what gguf.quants.dequantize computes once multiplied
 // out as (d * scale) * code + (dmin * min) in fp32. kHasMins: whether mins are ever nonzero.
+// Optionally kUnsignedCodes: true where codes are never negative (the int8 kernels then skip
+// their signs; gguf_q8_dot.h's unsigned_codes).
 template <int64_t kType>
 struct CodeBlockDecoder;
 

@@ -5,15 +5,15 @@
 //           2-bit q (weight 128 n + 32 j + l: bits 2 j of byte 32 n + l), fp16 d, fp16 dmin;
 //           w = d * sc * q - dmin * m: codes q, scales sc, mins m, dmin stored negated.
 //   Q3_K    110 bytes: 32 hmask bytes (weight i: bit i / 32 of byte i % 32), 64 bytes of 2-bit q
-//           (as Q2_K's), 12 bytes of 6-bit unit scales (unit k: low 4 bits the nibble k % 8 of
-//           byte k % 8, k < 8 low, else high; top 2 bits at bits 2 (k / 4) of byte 8 + k % 4),
+//           (as Q2_K's), 12 bytes of 6-bit unit scales (unit k: its low 4 bits the low nibble of
+//           byte k % 8 for k < 8, else the high one; its top 2 at bits 2 (k / 4) of byte 8 + k % 4),
 //           fp16 d; w = d * (sc - 32) * (q - 4 where the hmask bit is clear).
 //   IQ4_XS  136 bytes: fp16 d, uint16 scales_h, 4 bytes scales_l, 128 bytes of nibbles; 32-weight
 //           sub-block j: ls = nibble j % 2 of scales_l[j / 2] | bits 2 j of scales_h << 4, its
 //           weights the low then the high nibbles of bytes 16 j .. 16 j + 15, w = d * (ls - 32) *
 //           kIq4Values[nibble].
-// Types without mins store dmin = -0: (d * scale) * code + (-0 * 0) is then the product itself,
-// its zeros' signs included.
+// Q2_K's codes are never negative (kUnsignedCodes). Types without mins store dmin = -0:
+// (d * scale) * code + (-0 * 0) is then the product itself, its zeros' signs included.
 #pragma once
 
 #include <cstdint>
@@ -53,35 +53,27 @@ inline float code_half_to_float(const uint8_t* p) {
 
 namespace code_decoders {
 
-// The 2-bit fields of Q2_K / Q3_K's 64 bytes qs as bytes 0-3 in out->codes (weight 128 n + 32 j
-// + l: bits 2 j of qs[32 n + l]). AVX-512: 64 codes a store (half n = z / 2, fields j = 2 (z % 2)
-// and 2 (z % 2) + 1), the width the kernels load them at.
-inline void two_bit_fields(const uint8_t* qs, int8_t* codes) {
+// The 2-bit fields of Q2_K / Q3_K's 64 bytes qs (weight 128 n + 32 j + l: bits 2 j of
+// qs[32 n + l]) as bytes. AVX-512: codes 64 z .. 64 z + 63 (half n = z / 2, fields j = 2 (z % 2)
+// and 2 (z % 2) + 1), stored 64 at a time, the width the kernels load them at; AVX2: codes
+// 32 b .. 32 b + 31. 16-bit shifts: what crosses from the neighbour byte is masked off.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  const __m512i three = _mm512_set1_epi8(3);
-  for (int z = 0; z < 4; ++z) {
-    const __m512i v = _mm512_broadcast_i64x4(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (z / 2))));
-    const __m512i shifts = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<short>(4 * (z % 2))),
-                                              _mm256_set1_epi16(static_cast<short>(4 * (z % 2) + 2)),
-                                              1);
-    // 16-bit shifts: what crosses from the neighbour byte is masked off
-    _mm512_store_si512(codes + 64 * z, _mm512_and_si512(_mm512_srlv_epi16(v, shifts), three));
-  }
+inline __m512i two_bit_codes64(const uint8_t* qs, int z) {
+  const __m512i v = _mm512_broadcast_i64x4(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (z / 2))));
+  const __m512i shifts =
+      _mm512_inserti64x4(_mm512_set1_epi16(static_cast<short>(4 * (z % 2))),
+                         _mm256_set1_epi16(static_cast<short>(4 * (z % 2) + 2)), 1);
+  return _mm512_and_si512(_mm512_srlv_epi16(v, shifts), _mm512_set1_epi8(3));
+}
 #elif defined(__AVX2__)
-  const __m256i three = _mm256_set1_epi8(3);
-  for (int n = 0; n < 2; ++n) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * n));
-    __m256i* out = reinterpret_cast<__m256i*>(codes + 128 * n);
-    _mm256_store_si256(out, _mm256_and_si256(v, three));
-    _mm256_store_si256(out + 1, _mm256_and_si256(_mm256_srli_epi16(v, 2), three));
-    _mm256_store_si256(out + 2, _mm256_and_si256(_mm256_srli_epi16(v, 4), three));
-    _mm256_store_si256(out + 3, _mm256_and_si256(_mm256_srli_epi16(v, 6), three));
-  }
-#else
-  for (int i = 0; i < 256; ++i)
-    codes[i] = static_cast<int8_t>((qs[32 * (i / 128) + i % 32] >> (2 * (i / 32 % 4))) & 3);
+inline __m256i two_bit_codes32(const uint8_t* qs, int b) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (b / 4)));
+  return _mm256_and_si256(_mm256_srli_epi16(v, 2 * (b % 4)), _mm256_set1_epi8(3));
+}
 #endif
+inline int8_t two_bit_code(const uint8_t* qs, int i) {
+  return static_cast<int8_t>((qs[32 * (i / 128) + i % 32] >> (2 * (i / 32 % 4))) & 3);
 }
 
 inline void zero_mins(CodeBlock* out) {
@@ -97,8 +89,19 @@ inline void zero_mins(CodeBlock* out) {
 template <>
 struct CodeBlockDecoder<kQ2_K> {
   static constexpr bool kHasMins = true;
+  static constexpr bool kUnsignedCodes = true;  // 0 .. 3
   static void decode(const uint8_t* super, CodeBlock* out) {
-    code_decoders::two_bit_fields(super + 16, out->codes);
+    const uint8_t* qs = super + 16;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    for (int z = 0; z < 4; ++z)
+      _mm512_store_si512(out->codes + 64 * z, code_decoders::two_bit_codes64(qs, z));
+#elif defined(__AVX2__)
+    for (int b = 0; b < 8; ++b)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(out->codes + 32 * b),
+                         code_decoders::two_bit_codes32(qs, b));
+#else
+    for (int i = 0; i < 256; ++i) out->codes[i] = code_decoders::two_bit_code(qs, i);
+#endif
 #if defined(__AVX2__)
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(super));
     const __m128i low = _mm_set1_epi8(15);
@@ -122,14 +125,15 @@ struct CodeBlockDecoder<kQ3_K> {
   static constexpr bool kHasMins = false;
   static void decode(const uint8_t* super, CodeBlock* out) {
     const uint8_t* hmask = super;
-    code_decoders::two_bit_fields(super + 32, out->codes);
+    const uint8_t* qs = super + 32;
     // q - 4 where weight i's bit i / 32 of hmask[i % 32] is clear
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hmask)));
+    const __m512i hb =
+        _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hmask)));
     for (int z = 0; z < 4; ++z) {
       const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << (2 * z))),
                                              _mm256_set1_epi8(static_cast<char>(2 << (2 * z))), 1);
-      const __m512i q = _mm512_load_si512(out->codes + 64 * z);
+      const __m512i q = code_decoders::two_bit_codes64(qs, z);
       _mm512_store_si512(out->codes + 64 * z,
                          _mm512_mask_sub_epi8(q, _mm512_testn_epi8_mask(hb, bit), q,
                                               _mm512_set1_epi8(4)));
@@ -138,14 +142,15 @@ struct CodeBlockDecoder<kQ3_K> {
     const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hmask));
     for (int b = 0; b < 8; ++b) {
       const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << b));
-      __m256i* p = reinterpret_cast<__m256i*>(out->codes + 32 * b);
       const __m256i clear = _mm256_cmpeq_epi8(_mm256_and_si256(hb, bit), _mm256_setzero_si256());
-      _mm256_store_si256(p, _mm256_sub_epi8(_mm256_load_si256(p),
-                                            _mm256_and_si256(clear, _mm256_set1_epi8(4))));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(out->codes + 32 * b),
+                         _mm256_sub_epi8(code_decoders::two_bit_codes32(qs, b),
+                                         _mm256_and_si256(clear, _mm256_set1_epi8(4))));
     }
 #else
     for (int i = 0; i < 256; ++i)
-      if (((hmask[i % 32] >> (i / 32)) & 1) == 0) out->codes[i] -= 4;
+      out->codes[i] = static_cast<int8_t>(code_decoders::two_bit_code(qs, i) -
+                                          (((hmask[i % 32] >> (i / 32)) & 1) == 0 ? 4 : 0));
 #endif
     // the 12 scale bytes (96 .. 107), loaded as bytes 2 .. 13 of the 16 at 94: no read past the
     // super-block
@@ -211,11 +216,23 @@ struct CodeBlockDecoder<kIQ4_XS> {
       out->codes[i] = kIq4Values[(qs[16 * (i / 32) + i % 16] >> (4 * (i / 16 % 2))) & 15];
 #endif
     uint16_t high;
+    uint32_t low;
     std::memcpy(&high, super + 2, sizeof(high));
+    std::memcpy(&low, super + 4, sizeof(low));
+#if defined(__BMI2__) && defined(__AVX2__)
+    // byte j of ls: nibble j of scales_l, and bits 2 j, 2 j + 1 of scales_h above it
+    const uint64_t ls =
+        _pdep_u64(low, 0x0f0f0f0f0f0f0f0full) | _pdep_u64(high, 0x0303030303030303ull) << 4;
+    const __m128i bytes = _mm_cvtsi64_si128(static_cast<long long>(ls));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out->scales),
+                       _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(bytes, bytes)),
+                                        _mm256_set1_epi16(32)));
+#else
     for (int j = 0; j < 8; ++j) {
-      const int ls = ((super[4 + j / 2] >> (4 * (j % 2))) & 15) | ((high >> (2 * j)) & 3) << 4;
+      const int ls = ((low >> (4 * j)) & 15) | ((high >> (2 * j)) & 3) << 4;
       out->scales[2 * j] = out->scales[2 * j + 1] = static_cast<int16_t>(ls - 32);
     }
+#endif
     code_decoders::zero_mins(out);
     out->d = code_half_to_float(super);
     out->dmin = -0.f;

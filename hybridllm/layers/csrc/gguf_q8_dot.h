@@ -158,6 +158,14 @@ inline __m256i code_min_sums(const int16_t* mins, const int16_t* bsums) {
                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums)));
 }
 
+// Whether a CodeBlockDecoder says its codes are never negative (an optional kUnsignedCodes):
+// they then meet x in vpmaddubsw as they are, without the signs' three operations a chunk.
+template <class D, class = void>
+struct unsigned_codes : std::false_type {};
+template <class D>
+struct unsigned_codes<D, std::void_t<decltype(D::kUnsignedCodes)>>
+    : std::bool_constant<D::kUnsignedCodes> {};
+
 // q8_dot_super_blocks for a type computed as code blocks: each weight row's super-block decoded
 // once (its CodeBlockDecoder), its signed codes meeting every row of x as |code| times x with
 // the code's sign (vpmaddubsw), times the int16 unit scales into int32 (vpdpwssd); then one
@@ -181,13 +189,19 @@ void q8_dot_code_blocks(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, in
       for (int r = 0; r < kRows; ++r) sums[r][0] = sums[r][1] = S::zero();
 #pragma GCC unroll 4
       for (int z = 0; z < 4; ++z) {  // codes 64 z .. 64 z + 63: units 4 z .. 4 z + 3
-        const V codes = S::load64(cb[c].codes + 64 * z);
-        const V magnitudes = S::abs8(codes), sc = S::code_scales(cb[c].scales, z);
-        const typename S::Signs signs = S::code_signs(codes);
-        for (int r = 0; r < kRows; ++r)
-          sums[r][z % 2] = S::dot_scaled(
-              sums[r][z % 2], magnitudes,
-              S::signed_x(S::load64(x.row(r).q + sb * kCodeBlockWeights + 64 * z), signs), sc);
+        const V codes = S::load64(cb[c].codes + 64 * z), sc = S::code_scales(cb[c].scales, z);
+        const int8_t* xq = x.q + sb * kCodeBlockWeights + 64 * z;
+        if constexpr (unsigned_codes<Decoder>::value) {
+          for (int r = 0; r < kRows; ++r)
+            sums[r][z % 2] =
+                S::dot_scaled(sums[r][z % 2], codes, S::load64(xq + r * x.q_stride), sc);
+        } else {
+          const V magnitudes = S::abs8(codes);
+          const typename S::Signs signs = S::code_signs(codes);
+          for (int r = 0; r < kRows; ++r)
+            sums[r][z % 2] = S::dot_scaled(
+                sums[r][z % 2], magnitudes, S::signed_x(S::load64(xq + r * x.q_stride), signs), sc);
+        }
       }
       for (int r = 0; r < kRows; ++r) {
         const Q8Rows xr = x.row(r);

@@ -83,13 +83,15 @@ struct Avx512Vnni {
   // The int16 unit scales of codes 64 z .. 64 z + 63 (units 4 z .. 4 z + 3, one a 128-bit lane)
   // spread over the int16 pair sums of vpmaddubsw
   static V code_scales(const int16_t* scales, int z) {
-    int64_t four;
-    std::memcpy(&four, scales + 4 * z, sizeof(four));
-    return _mm512_shuffle_epi8(
-        _mm512_set1_epi64(four),
-        _mm512_setr_epi64(0x0100010001000100, 0x0100010001000100, 0x0302030203020302,
-                          0x0302030203020302, 0x0504050405040504, 0x0504050405040504,
-                          0x0706070607060706, 0x0706070607060706));
+    const __m512i all = _mm512_castsi256_si512(
+        _mm256_load_si256(reinterpret_cast<const __m256i*>(scales)));  // loaded once a block
+    return _mm512_permutexvar_epi16(
+        _mm512_add_epi16(_mm512_set1_epi16(static_cast<short>(4 * z)),
+                         _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_setr_m128i(
+                                                _mm_set1_epi16(0), _mm_set1_epi16(1))),
+                                            _mm256_setr_m128i(_mm_set1_epi16(2), _mm_set1_epi16(3)),
+                                            1)),
+        all);
   }
   // K-quant sub-block scales (bytes 0-7) as int16 in every 128-bit lane; pair i's: units 2i, 2i+1
   static V k_scales(__m128i scales) { return _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(scales)); }

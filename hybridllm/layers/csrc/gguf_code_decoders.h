@@ -5,14 +5,15 @@
 //           2-bit q (weight 128 n + 32 j + l: bits 2 j of byte 32 n + l), fp16 d, fp16 dmin;
 //           w = d * sc * q - dmin * m: codes q, scales sc, mins m, dmin stored negated.
 //   Q3_K    110 bytes: 32 hmask bytes (weight i: bit i / 32 of byte i % 32), 64 bytes of 2-bit q
-//           (as Q2_K's), 12 bytes of 6-bit unit scales (unit k: its low 4 bits the low nibble of
-//           byte k % 8 for k < 8, else the high one; its top 2 at bits 2 (k / 4) of byte 8 + k % 4),
+//           (as Q2_K's), 12 bytes of 6-bit unit scales (unit k: its low 4 bits the low nibble
+//           of byte k % 8 for k < 8, else the high one; its top 2 at bits 2 (k / 4) of byte
+//           8 + k % 4),
 //           fp16 d; w = d * (sc - 32) * (q - 4 where the hmask bit is clear).
 //   IQ4_XS  136 bytes: fp16 d, uint16 scales_h, 4 bytes scales_l, 128 bytes of nibbles; 32-weight
 //           sub-block j: ls = nibble j % 2 of scales_l[j / 2] | bits 2 j of scales_h << 4, its
 //           weights the low then the high nibbles of bytes 16 j .. 16 j + 15, w = d * (ls - 32) *
 //           kIq4Values[nibble].
-// Q2_K's codes are never negative (kUnsignedCodes). Types without mins store dmin = -0:
+// kCodeOffset: Q2_K's codes are 0 .. 3, Q3_K's -4 .. 3. Types without mins store dmin = -0:
 // (d * scale) * code + (-0 * 0) is then the product itself, its zeros' signs included.
 #pragma once
 
@@ -89,7 +90,7 @@ inline void zero_mins(CodeBlock* out) {
 template <>
 struct CodeBlockDecoder<kQ2_K> {
   static constexpr bool kHasMins = true;
-  static constexpr bool kUnsignedCodes = true;  // 0 .. 3
+  static constexpr int kCodeOffset = 0;
   static void decode(const uint8_t* super, CodeBlock* out) {
     const uint8_t* qs = super + 16;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -123,6 +124,7 @@ struct CodeBlockDecoder<kQ2_K> {
 template <>
 struct CodeBlockDecoder<kQ3_K> {
   static constexpr bool kHasMins = false;
+  static constexpr int kCodeOffset = 4;
   static void decode(const uint8_t* super, CodeBlock* out) {
     const uint8_t* hmask = super;
     const uint8_t* qs = super + 32;

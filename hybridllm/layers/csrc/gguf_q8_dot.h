@@ -158,24 +158,28 @@ inline __m256i code_min_sums(const int16_t* mins, const int16_t* bsums) {
                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums)));
 }
 
-// Whether a CodeBlockDecoder says its codes are never negative (an optional kUnsignedCodes):
-// they then meet x in vpmaddubsw as they are, without the signs' three operations a chunk.
+// A CodeBlockDecoder's optional kCodeOffset (code + offset in [0, 128] for every code), or -1:
+// with one, codes + offset meet x in vpmaddubsw as unsigned bytes, and offset * sum_j scale_j *
+// bsum_j is taken off the integer sums, instead of the signs' three operations a chunk.
 template <class D, class = void>
-struct unsigned_codes : std::false_type {};
+struct code_offset : std::integral_constant<int, -1> {};
 template <class D>
-struct unsigned_codes<D, std::void_t<decltype(D::kUnsignedCodes)>>
-    : std::bool_constant<D::kUnsignedCodes> {};
+struct code_offset<D, std::void_t<decltype(D::kCodeOffset)>>
+    : std::integral_constant<int, D::kCodeOffset> {};
 
 // q8_dot_super_blocks for a type computed as code blocks: each weight row's super-block decoded
 // once (its CodeBlockDecoder), its signed codes meeting every row of x as |code| times x with
-// the code's sign (vpmaddubsw), times the int16 unit scales into int32 (vpdpwssd); then one
-// float multiply a super-block with d * dx, and the mins' dmin * dx * sum_j min_j * bsum_j.
+// the code's sign, or as code + kCodeOffset (vpmaddubsw), times the int16 unit scales into int32
+// (vpdpwssd); then one float multiply a super-block with d * dx, and the mins' dmin * dx *
+// sum_j min_j * bsum_j.
 template <class S, int64_t kType, int kRows, int kCols>
 void q8_dot_code_blocks(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
                         int64_t ldy, const PrefetchWindow& prefetch) {
   using V = typename S::V;
   using Decoder = CodeBlockDecoder<kType>;
   constexpr int64_t kSuper = gguf_type_info(kType).unit_bytes;
+  constexpr int kOffset = code_offset<Decoder>::value;
+  static_assert(kOffset <= 128, "codes + kCodeOffset must fit vpmaddubsw's unsigned bytes");
   __m256 acc[kRows][kCols];
   for (int r = 0; r < kRows; ++r)
     for (int c = 0; c < kCols; ++c) acc[r][c] = _mm256_setzero_ps();
@@ -191,10 +195,10 @@ void q8_dot_code_blocks(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, in
       for (int z = 0; z < 4; ++z) {  // codes 64 z .. 64 z + 63: units 4 z .. 4 z + 3
         const V codes = S::load64(cb[c].codes + 64 * z), sc = S::code_scales(cb[c].scales, z);
         const int8_t* xq = x.q + sb * kCodeBlockWeights + 64 * z;
-        if constexpr (unsigned_codes<Decoder>::value) {
+        if constexpr (kOffset >= 0) {
+          const V u = kOffset > 0 ? S::add8(codes, kOffset) : codes;
           for (int r = 0; r < kRows; ++r)
-            sums[r][z % 2] =
-                S::dot_scaled(sums[r][z % 2], codes, S::load64(xq + r * x.q_stride), sc);
+            sums[r][z % 2] = S::dot_scaled(sums[r][z % 2], u, S::load64(xq + r * x.q_stride), sc);
         } else {
           const V magnitudes = S::abs8(codes);
           const typename S::Signs signs = S::code_signs(codes);
@@ -203,9 +207,20 @@ void q8_dot_code_blocks(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, in
                 sums[r][z % 2], magnitudes, S::signed_x(S::load64(xq + r * x.q_stride), signs), sc);
         }
       }
+      // the offset's share: offset * scale_j, times each row's bsums
+      __m256i offset_scales;
+      if constexpr (kOffset > 0)
+        offset_scales =
+            _mm256_mullo_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(cb[c].scales)),
+                               _mm256_set1_epi16(static_cast<short>(kOffset)));
       for (int r = 0; r < kRows; ++r) {
         const Q8Rows xr = x.row(r);
-        const __m256i total = S::fold(S::add32(sums[r][0], sums[r][1]));
+        __m256i total = S::fold(S::add32(sums[r][0], sums[r][1]));
+        if constexpr (kOffset > 0) {
+          const __m256i bsums =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.bsums + sb * 16));
+          total = _mm256_sub_epi32(total, _mm256_madd_epi16(offset_scales, bsums));
+        }
         if constexpr (Decoder::kHasMins)
           acc[r][c] =
               add_super_block(acc[r][c], total, cb[c].d * xr.d[sb],

@@ -79,6 +79,7 @@ struct Avx512Vnni {
   using Signs = __mmask64;
   static Signs code_signs(V w) { return _mm512_movepi8_mask(w); }
   static V abs8(V w) { return _mm512_abs_epi8(w); }
+  static V add8(V w, int c) { return _mm512_add_epi8(w, _mm512_set1_epi8(static_cast<char>(c))); }
   static V signed_x(V x, Signs s) { return _mm512_mask_sub_epi8(x, s, _mm512_setzero_si512(), x); }
   // The int16 unit scales of codes 64 z .. 64 z + 63 (units 4 z .. 4 z + 3, one a 128-bit lane)
   // spread over the int16 pair sums of vpmaddubsw
@@ -251,6 +252,10 @@ struct Avx2Q8 {
   using Signs = V;
   static Signs code_signs(V w) { return w; }
   static V abs8(V w) { return {_mm256_abs_epi8(w.lo), _mm256_abs_epi8(w.hi)}; }
+  static V add8(V w, int c) {
+    const __m256i v = _mm256_set1_epi8(static_cast<char>(c));
+    return {_mm256_add_epi8(w.lo, v), _mm256_add_epi8(w.hi, v)};
+  }
   static V signed_x(V x, Signs s) {
     return {_mm256_sign_epi8(x.lo, s.lo), _mm256_sign_epi8(x.hi, s.hi)};
   }

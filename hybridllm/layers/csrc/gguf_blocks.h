@@ -244,13 +244,43 @@ void dequantize_row(const uint8_t* row, int64_t nb, float* out, float* d, float*
     for (int64_t s = 0; s < nb * kBlock / kCodeBlockWeights; ++s) {
       CodeBlockDecoder<kType>::decode(row + s * kSuper, &cb);
       float* o = out + s * kCodeBlockWeights;
+#if defined(__AVX512F__)
+      // (d * scale) * code + (dmin * min): gguf's order of roundings, the product rounded
+      // before the add (the empty asm keeps the compiler from fusing them into an FMA)
+      const __m512 scales = _mm512_mul_ps(
+          _mm512_set1_ps(cb.d),
+          _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
+              _mm256_load_si256(reinterpret_cast<const __m256i*>(cb.scales)))));
+      const __m512 mins = _mm512_mul_ps(
+          _mm512_set1_ps(cb.dmin),
+          _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
+              _mm256_load_si256(reinterpret_cast<const __m256i*>(cb.mins)))));
+      alignas(64) float unit_scales[16], unit_mins[16];
+      _mm512_store_ps(unit_scales, scales);
+      _mm512_store_ps(unit_mins, mins);
+      for (int64_t u = 0; u < kCodeBlockWeights / kCodeUnit; ++u) {
+        const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_load_si128(reinterpret_cast<const __m128i*>(cb.codes + u * kCodeUnit))));
+        __m512 product = _mm512_mul_ps(_mm512_set1_ps(unit_scales[u]), codes);
+        asm("" : "+v"(product));
+        _mm512_storeu_ps(o + u * kCodeUnit, _mm512_add_ps(product, _mm512_set1_ps(unit_mins[u])));
+      }
+#else
       for (int64_t u = 0; u < kCodeBlockWeights / kCodeUnit; ++u) {
         // (d * scale) * code + (dmin * min): gguf's order of roundings
         const float scale = cb.d * static_cast<float>(cb.scales[u]);
         const float min = cb.dmin * static_cast<float>(cb.mins[u]);
-        for (int64_t i = 0; i < kCodeUnit; ++i)
-          o[u * kCodeUnit + i] = scale * static_cast<float>(cb.codes[u * kCodeUnit + i]) + min;
+        for (int64_t i = 0; i < kCodeUnit; ++i) {
+#if defined(__x86_64__)
+          float product = scale * static_cast<float>(cb.codes[u * kCodeUnit + i]);
+          asm("" : "+x"(product));  // rounded before the add, as above
+#else
+          volatile float product = scale * static_cast<float>(cb.codes[u * kCodeUnit + i]);
+#endif
+          o[u * kCodeUnit + i] = product + min;
+        }
       }
+#endif
     }
     return;
   }

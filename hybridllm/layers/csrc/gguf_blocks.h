@@ -66,34 +66,6 @@ inline float* thread_scratch(size_t n) {
   return align64(buffer.data());
 }
 
-inline uint16_t load_u16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-// IEEE half -> float for one scale (exact).
-inline float half_to_float(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
-  uint32_t bits;
-  if (exponent == 0x1f) {
-    bits = sign | 0x7f800000u | (mantissa << 13);  // inf / nan
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);  // rebias 15 -> 127
-  } else {
-    const float v = static_cast<float>(mantissa) * 5.9604645e-8f;  // zero / subnormal: m * 2^-24
-    return sign ? -v : v;
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-#endif
-}
-
 // The fp32 scales of `count` consecutive blocks (a run of whole weight rows: the blocks of
 // consecutive rows are evenly spaced too): d[i] = the fp16 at byte 0 of block i and, for Q4_1,
 // m[i] = the fp16 at byte 2. d and m have room for count rounded up to 16.
@@ -244,13 +216,43 @@ void dequantize_row(const uint8_t* row, int64_t nb, float* out, float* d, float*
     for (int64_t s = 0; s < nb * kBlock / kCodeBlockWeights; ++s) {
       CodeBlockDecoder<kType>::decode(row + s * kSuper, &cb);
       float* o = out + s * kCodeBlockWeights;
+#if defined(__AVX512F__)
+      // (d * scale) * code + (dmin * min): gguf's order of roundings, the product rounded
+      // before the add (the empty asm keeps the compiler from fusing them into an FMA)
+      const __m512 scales = _mm512_mul_ps(
+          _mm512_set1_ps(cb.d),
+          _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
+              _mm256_load_si256(reinterpret_cast<const __m256i*>(cb.scales)))));
+      const __m512 mins = _mm512_mul_ps(
+          _mm512_set1_ps(cb.dmin),
+          _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
+              _mm256_load_si256(reinterpret_cast<const __m256i*>(cb.mins)))));
+      alignas(64) float unit_scales[16], unit_mins[16];
+      _mm512_store_ps(unit_scales, scales);
+      _mm512_store_ps(unit_mins, mins);
+      for (int64_t u = 0; u < kCodeBlockWeights / kCodeUnit; ++u) {
+        const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_load_si128(reinterpret_cast<const __m128i*>(cb.codes + u * kCodeUnit))));
+        __m512 product = _mm512_mul_ps(_mm512_set1_ps(unit_scales[u]), codes);
+        asm("" : "+v"(product));
+        _mm512_storeu_ps(o + u * kCodeUnit, _mm512_add_ps(product, _mm512_set1_ps(unit_mins[u])));
+      }
+#else
       for (int64_t u = 0; u < kCodeBlockWeights / kCodeUnit; ++u) {
         // (d * scale) * code + (dmin * min): gguf's order of roundings
         const float scale = cb.d * static_cast<float>(cb.scales[u]);
         const float min = cb.dmin * static_cast<float>(cb.mins[u]);
-        for (int64_t i = 0; i < kCodeUnit; ++i)
-          o[u * kCodeUnit + i] = scale * static_cast<float>(cb.codes[u * kCodeUnit + i]) + min;
+        for (int64_t i = 0; i < kCodeUnit; ++i) {
+#if defined(__x86_64__)
+          float product = scale * static_cast<float>(cb.codes[u * kCodeUnit + i]);
+          asm("" : "+x"(product));  // rounded before the add, as above
+#else
+          volatile float product = scale * static_cast<float>(cb.codes[u * kCodeUnit + i]);
+#endif
+          o[u * kCodeUnit + i] = product + min;
+        }
       }
+#endif
     }
     return;
   }

@@ -78,28 +78,6 @@ inline uint32_t load32(const uint8_t* p) {
   return v;
 }
 
-// IEEE half -> float (exact).
-inline float half_to_float(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
-  uint32_t bits;
-  if (exponent == 0x1f) {
-    bits = sign | 0x7f800000u | (mantissa << 13);
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else {
-    const float v = static_cast<float>(mantissa) * 5.9604645e-8f;  // m * 2^-24
-    return sign ? -v : v;
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-#endif
-}
-
 // A super-block unpacked: grid entry indices (32 of 8 weights or 64 of 4), and a byte a group
 // of 8 weights (bit k for weight k): the sign bits (negate), or for IQ1 the delta's sign
 // (all 8 bits set when the group's delta is -1/8).
@@ -695,7 +673,7 @@ template <>
 struct CodeBlockDecoder<kIQ2_XXS> {
   static constexpr bool kHasMins = false;
   static void decode(const uint8_t* super, CodeBlock* out) {
-    out->d = iq::half_to_float(iq::load16(super)) * 0.125f;
+    out->d = half_to_float(iq::load16(super)) * 0.125f;
     iq::clear_mins(out);
 #if HYBRIDLLM_IQ_SIMD
     iq::decode_iq2_xxs(super, out);
@@ -719,7 +697,7 @@ template <>
 struct CodeBlockDecoder<kIQ2_XS> {
   static constexpr bool kHasMins = false;
   static void decode(const uint8_t* super, CodeBlock* out) {
-    out->d = iq::half_to_float(iq::load16(super)) * 0.125f;
+    out->d = half_to_float(iq::load16(super)) * 0.125f;
     iq::clear_mins(out);
 #if HYBRIDLLM_IQ_SIMD
     iq::decode_iq2_xs(super, out);
@@ -744,7 +722,7 @@ template <>
 struct CodeBlockDecoder<kIQ2_S> {
   static constexpr bool kHasMins = false;
   static void decode(const uint8_t* super, CodeBlock* out) {
-    out->d = iq::half_to_float(iq::load16(super)) * 0.125f;
+    out->d = half_to_float(iq::load16(super)) * 0.125f;
     iq::clear_mins(out);
 #if HYBRIDLLM_IQ_SIMD
     iq::decode_iq2_s(super, out);
@@ -768,7 +746,7 @@ template <>
 struct CodeBlockDecoder<kIQ3_XXS> {
   static constexpr bool kHasMins = false;
   static void decode(const uint8_t* super, CodeBlock* out) {
-    out->d = iq::half_to_float(iq::load16(super)) * 0.25f;
+    out->d = half_to_float(iq::load16(super)) * 0.25f;
     iq::clear_mins(out);
 #if HYBRIDLLM_IQ_SIMD
     iq::decode_iq3_xxs(super, out);
@@ -789,7 +767,7 @@ template <>
 struct CodeBlockDecoder<kIQ3_S> {
   static constexpr bool kHasMins = false;
   static void decode(const uint8_t* super, CodeBlock* out) {
-    out->d = iq::half_to_float(iq::load16(super));
+    out->d = half_to_float(iq::load16(super));
     iq::clear_mins(out);
 #if HYBRIDLLM_IQ_SIMD
     iq::decode_iq3_s(super, out);
@@ -813,7 +791,7 @@ template <>
 struct CodeBlockDecoder<kIQ1_S> {
   static constexpr bool kHasMins = false;
   static void decode(const uint8_t* super, CodeBlock* out) {
-    out->d = iq::half_to_float(iq::load16(super)) * 0.125f;
+    out->d = half_to_float(iq::load16(super)) * 0.125f;
     iq::clear_mins(out);
 #if HYBRIDLLM_IQ_SIMD
     iq::decode_iq1_s(super, out);
@@ -842,7 +820,7 @@ struct CodeBlockDecoder<kIQ1_M> {
     for (int j = 0; j < 4; ++j) sc[j] = iq::load16(super + 48 + 2 * j);
     const uint16_t d = (sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) |
                        (sc[3] & 0xf000);
-    out->d = iq::half_to_float(d) * 0.125f;
+    out->d = half_to_float(d) * 0.125f;
     iq::clear_mins(out);
 #if HYBRIDLLM_IQ_SIMD
     iq::decode_iq1_m(super, out);

@@ -330,6 +330,66 @@ void direct_linear(const float* x, int64_t M, int64_t K, const uint8_t* qw, int6
   });
 }
 
+// dot(w, x row r) for kRows rows of x (ldx apart) into y[r * ldy], K a multiple of 64; with few
+// rows, several accumulators a row (FMA latency).
+template <int kRows>
+inline void fp32_dots(const float* w, const float* x, int64_t ldx, int64_t K, float* y,
+                      int64_t ldy) {
+#if defined(__AVX512F__)
+  constexpr int kChains = kRows == 1 ? 4 : kRows == 2 ? 2 : 1;
+  __m512 acc[kRows][kChains];
+  for (int r = 0; r < kRows; ++r)
+    for (int h = 0; h < kChains; ++h) acc[r][h] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16 * kChains)
+#pragma GCC unroll 4
+    for (int h = 0; h < kChains; ++h) {
+      const __m512 wv = _mm512_load_ps(w + k + 16 * h);
+      for (int r = 0; r < kRows; ++r)
+        acc[r][h] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + r * ldx + k + 16 * h), acc[r][h]);
+    }
+  for (int r = 0; r < kRows; ++r) {
+    for (int h = 1; h < kChains; ++h) acc[r][0] = _mm512_add_ps(acc[r][0], acc[r][h]);
+    y[r * ldy] = _mm512_reduce_add_ps(acc[r][0]);
+  }
+#else
+  for (int r = 0; r < kRows; ++r) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t k = 0; k < K; ++k) s += w[k] * x[r * ldx + k];
+    y[r * ldy] = s;
+  }
+#endif
+}
+
+// Few rows of x for a type computed as code blocks (gguf_code_blocks.h), whatever the type: each
+// thread's weight rows decoded one at a time (dequantize_row) into its scratch, where it stays in
+// L1 / L2 while it meets every row of x, 4 at a time.
+template <int64_t kType>
+void code_block_linear(const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N,
+                       float* y) {
+  const int64_t nb = K / kBlock, row_bytes = row_bytes_of(kType, K);
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain = nb * M * N < kSerialWork ? N : (N + threads - 1) / threads;
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    const PrefetchWindow prefetch = start_prefetch(qw + begin * row_bytes,
+                                                   (end - begin) * row_bytes, kMaxPrefetchBytes,
+                                                   M == 1);
+    float* w = thread_scratch<kDecodedWeightSlot>(K);
+    for (int64_t n = begin; n < end; ++n) {
+      prefetch_ahead(prefetch, qw + begin * row_bytes, 1, (n - begin) * row_bytes, row_bytes);
+      dequantize_row<kType>(qw + n * row_bytes, nb, w, nullptr, nullptr);
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4) fp32_dots<4>(w, x + r * K, K, K, y + r * N + n, N);
+      switch (M - r) {
+        case 3: fp32_dots<3>(w, x + r * K, K, K, y + r * N + n, N); break;
+        case 2: fp32_dots<2>(w, x + r * K, K, K, y + r * N + n, N); break;
+        case 1: fp32_dots<1>(w, x + r * K, K, K, y + r * N + n, N); break;
+        default: break;
+      }
+    }
+  });
+}
+
 // Many rows of x: the weight decoded into fp32 a chunk of rows at a time (all threads), each
 // chunk multiplied by one BLAS GEMM over all threads. At M = 2048 this ran 2-8% faster than
 // per-thread L2-sized tiles through single-threaded GEMMs (interleaved A/B, SmolLM2's shapes);
@@ -417,7 +477,10 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
   auto run = [&](auto type_constant) {
     constexpr int64_t kType = decltype(type_constant)::value;
     if (M <= kDirectMaxRows) {
-      direct_linear<kType>(xc.data_ptr<float>(), M, K, qw, N, y.data_ptr<float>());
+      if constexpr (is_code_block_type(kType))
+        code_block_linear<kType>(xc.data_ptr<float>(), M, K, qw, N, y.data_ptr<float>());
+      else
+        direct_linear<kType>(xc.data_ptr<float>(), M, K, qw, N, y.data_ptr<float>());
     } else {
 #if defined(__AVX512F__)
       if (M <= panel_max_rows())

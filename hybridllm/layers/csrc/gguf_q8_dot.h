@@ -152,6 +152,89 @@ void q8_dot_super_blocks(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, i
     for (int c = 0; c < kCols; ++c) y[r * ldy + c] = sum8(acc[r][c]);
 }
 
+// Code-block types (gguf_code_blocks.h): sum_j mins_j * bsums[j] over the 16 units, as 8 int32
+inline __m256i code_min_sums(const int16_t* mins, const int16_t* bsums) {
+  return _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(mins)),
+                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums)));
+}
+
+// A CodeBlockDecoder's optional kCodeOffset (code + offset in [0, 128] for every code), or -1:
+// with one, codes + offset meet x in vpmaddubsw as unsigned bytes, and offset * sum_j scale_j *
+// bsum_j is taken off the integer sums, instead of the signs' three operations a chunk.
+template <class D, class = void>
+struct code_offset : std::integral_constant<int, -1> {};
+template <class D>
+struct code_offset<D, std::void_t<decltype(D::kCodeOffset)>>
+    : std::integral_constant<int, D::kCodeOffset> {};
+
+// q8_dot_super_blocks for a type computed as code blocks: each weight row's super-block decoded
+// once (its CodeBlockDecoder), its signed codes meeting every row of x as |code| times x with
+// the code's sign, or as code + kCodeOffset (vpmaddubsw), times the int16 unit scales into int32
+// (vpdpwssd); then one float multiply a super-block with d * dx, and the mins' dmin * dx *
+// sum_j min_j * bsum_j.
+template <class S, int64_t kType, int kRows, int kCols>
+void q8_dot_code_blocks(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
+                        int64_t ldy, const PrefetchWindow& prefetch) {
+  using V = typename S::V;
+  using Decoder = CodeBlockDecoder<kType>;
+  constexpr int64_t kSuper = gguf_type_info(kType).unit_bytes;
+  constexpr int kOffset = code_offset<Decoder>::value;
+  static_assert(kOffset <= 128, "codes + kCodeOffset must fit vpmaddubsw's unsigned bytes");
+  __m256 acc[kRows][kCols];
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kCols; ++c) acc[r][c] = _mm256_setzero_ps();
+  CodeBlock cb[kCols];  // one a weight row: the next row's decoding need not wait for this one's
+  for (int64_t sb = 0; sb < K / kCodeBlockWeights; ++sb) {
+    prefetch_ahead(prefetch, w, kCols, sb * kSuper, kSuper);
+#pragma GCC unroll 4
+    for (int c = 0; c < kCols; ++c) {
+      Decoder::decode(w + c * row_bytes + sb * kSuper, &cb[c]);
+      V sums[kRows][2];
+      for (int r = 0; r < kRows; ++r) sums[r][0] = sums[r][1] = S::zero();
+#pragma GCC unroll 4
+      for (int z = 0; z < 4; ++z) {  // codes 64 z .. 64 z + 63: units 4 z .. 4 z + 3
+        const V codes = S::load64(cb[c].codes + 64 * z), sc = S::code_scales(cb[c].scales, z);
+        const int8_t* xq = x.q + sb * kCodeBlockWeights + 64 * z;
+        if constexpr (kOffset >= 0) {
+          const V u = kOffset > 0 ? S::add8(codes, kOffset) : codes;
+          for (int r = 0; r < kRows; ++r)
+            sums[r][z % 2] = S::dot_scaled(sums[r][z % 2], u, S::load64(xq + r * x.q_stride), sc);
+        } else {
+          const V magnitudes = S::abs8(codes);
+          const typename S::Signs signs = S::code_signs(codes);
+          for (int r = 0; r < kRows; ++r)
+            sums[r][z % 2] = S::dot_scaled(
+                sums[r][z % 2], magnitudes, S::signed_x(S::load64(xq + r * x.q_stride), signs), sc);
+        }
+      }
+      // the offset's share: offset * scale_j, times each row's bsums
+      __m256i offset_scales;
+      if constexpr (kOffset > 0)
+        offset_scales =
+            _mm256_mullo_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(cb[c].scales)),
+                               _mm256_set1_epi16(static_cast<short>(kOffset)));
+      for (int r = 0; r < kRows; ++r) {
+        const Q8Rows xr = x.row(r);
+        __m256i total = S::fold(S::add32(sums[r][0], sums[r][1]));
+        if constexpr (kOffset > 0) {
+          const __m256i bsums =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.bsums + sb * 16));
+          total = _mm256_sub_epi32(total, _mm256_madd_epi16(offset_scales, bsums));
+        }
+        if constexpr (Decoder::kHasMins)
+          acc[r][c] =
+              add_super_block(acc[r][c], total, cb[c].d * xr.d[sb],
+                              code_min_sums(cb[c].mins, xr.bsums + sb * 16), cb[c].dmin * xr.d[sb]);
+        else
+          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total),
+                                      _mm256_set1_ps(cb[c].d * xr.d[sb]), acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kCols; ++c) y[r * ldy + c] = sum8(acc[r][c]);
+}
+
 // The same for Q4_0, Q4_1, Q8_0 (one scale a 32-weight block): the block scales (and Q4_1 mins)
 // of 16 blocks converted at once as the kernel reaches them, times x's in 16-block vectors.
 template <class S, int64_t kType, int kRows, int kCols>
@@ -230,6 +313,26 @@ void q8_dot_blocks(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t
 template <int64_t kType>
 float q8_dot_scalar(const Q8Rows& x, const uint8_t* row, int64_t K) {
   float y = 0.f;
+  if constexpr (is_code_block_type(kType)) {
+    // the code blocks' integer sums, a unit's codes times x scaled by the unit's scale
+    constexpr int64_t kSuper = gguf_type_info(kType).unit_bytes;
+    CodeBlock cb;
+    for (int64_t sb = 0; sb < K / kCodeBlockWeights; ++sb) {
+      CodeBlockDecoder<kType>::decode(row + sb * kSuper, &cb);
+      const int8_t* q = x.q + sb * kCodeBlockWeights;
+      const int16_t* bsums = x.bsums + sb * 16;
+      int32_t sum = 0, mins = 0;
+      for (int64_t u = 0; u < kCodeBlockWeights / kCodeUnit; ++u) {
+        int32_t dot = 0;
+        for (int64_t i = 0; i < kCodeUnit; ++i)
+          dot += cb.codes[u * kCodeUnit + i] * q[u * kCodeUnit + i];
+        sum += cb.scales[u] * dot;
+        mins += cb.mins[u] * bsums[u];
+      }
+      y += x.d[sb] * (cb.d * static_cast<float>(sum) + cb.dmin * static_cast<float>(mins));
+    }
+    return y;
+  }
   if constexpr (kType == kQ4_K || kType == kQ5_K || kType == kQ6_K) {
     constexpr int64_t kSuper = kType == kQ4_K   ? kSuperBytes
                                : kType == kQ5_K ? kQ5SuperBytes

@@ -49,7 +49,9 @@ void for_weight_rows(int64_t M, int64_t K, const uint8_t* qw, int64_t N, Body bo
 template <class S, int64_t kType, int kRows, int kCols>
 void tile(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t ldy,
           const PrefetchWindow& prefetch) {
-  if constexpr (is_k_quant(kType))
+  if constexpr (is_code_block_type(kType))
+    q8_dot_code_blocks<S, kType, kRows, kCols>(x, w, row_bytes, K, y, ldy, prefetch);
+  else if constexpr (is_k_quant(kType))
     q8_dot_super_blocks<S, kType, kRows, kCols>(x, w, row_bytes, K, y, ldy, prefetch);
   else
     q8_dot_blocks<S, kType, kRows, kCols>(x, w, row_bytes, K / kBlock, y, ldy, prefetch);

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -71,6 +72,27 @@ struct Avx512Vnni {
   // acc += sc * (u x pair sums), sc int16 per pair: no saturation while u * |x| <= 127 * 63
   static V dot_scaled(V acc, V u, V x, V sc) {
     return _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(u, x), sc);
+  }
+  // Code blocks (gguf_code_blocks.h): signed codes w meet x as |w| times x with w's sign. The
+  // signs are found once a chunk of 64 codes, applied to each row of x (no vpsignb in AVX-512:
+  // x negated where w < 0; where w = 0, |w| = 0 makes the product 0 anyway).
+  using Signs = __mmask64;
+  static Signs code_signs(V w) { return _mm512_movepi8_mask(w); }
+  static V abs8(V w) { return _mm512_abs_epi8(w); }
+  static V add8(V w, int c) { return _mm512_add_epi8(w, _mm512_set1_epi8(static_cast<char>(c))); }
+  static V signed_x(V x, Signs s) { return _mm512_mask_sub_epi8(x, s, _mm512_setzero_si512(), x); }
+  // The int16 unit scales of codes 64 z .. 64 z + 63 (units 4 z .. 4 z + 3, one a 128-bit lane)
+  // spread over the int16 pair sums of vpmaddubsw
+  static V code_scales(const int16_t* scales, int z) {
+    const __m512i all = _mm512_castsi256_si512(
+        _mm256_load_si256(reinterpret_cast<const __m256i*>(scales)));  // loaded once a block
+    return _mm512_permutexvar_epi16(
+        _mm512_add_epi16(_mm512_set1_epi16(static_cast<short>(4 * z)),
+                         _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_setr_m128i(
+                                                _mm_set1_epi16(0), _mm_set1_epi16(1))),
+                                            _mm256_setr_m128i(_mm_set1_epi16(2), _mm_set1_epi16(3)),
+                                            1)),
+        all);
   }
   // K-quant sub-block scales (bytes 0-7) as int16 in every 128-bit lane; pair i's: units 2i, 2i+1
   static V k_scales(__m128i scales) { return _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(scales)); }
@@ -225,6 +247,26 @@ struct Avx2Q8 {
   static V dot_scaled(V acc, V u, V x, V sc) {
     return {dpwssd(acc.lo, _mm256_maddubs_epi16(u.lo, x.lo), sc.lo),
             dpwssd(acc.hi, _mm256_maddubs_epi16(u.hi, x.hi), sc.hi)};
+  }
+  // Code blocks: as Avx512Vnni's, vpsignb applying w's sign to x (and zeroing x where w = 0)
+  using Signs = V;
+  static Signs code_signs(V w) { return w; }
+  static V abs8(V w) { return {_mm256_abs_epi8(w.lo), _mm256_abs_epi8(w.hi)}; }
+  static V add8(V w, int c) {
+    const __m256i v = _mm256_set1_epi8(static_cast<char>(c));
+    return {_mm256_add_epi8(w.lo, v), _mm256_add_epi8(w.hi, v)};
+  }
+  static V signed_x(V x, Signs s) {
+    return {_mm256_sign_epi8(x.lo, s.lo), _mm256_sign_epi8(x.hi, s.hi)};
+  }
+  static V code_scales(const int16_t* scales, int z) {
+    int64_t four;
+    std::memcpy(&four, scales + 4 * z, sizeof(four));
+    const __m256i v = _mm256_set1_epi64x(four);
+    return {_mm256_shuffle_epi8(v, _mm256_setr_epi64x(0x0100010001000100, 0x0100010001000100,
+                                                      0x0302030203020302, 0x0302030203020302)),
+            _mm256_shuffle_epi8(v, _mm256_setr_epi64x(0x0504050405040504, 0x0504050405040504,
+                                                      0x0706070607060706, 0x0706070607060706))};
   }
   static V k_scales(__m128i scales) {
     const __m256i v = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scales));

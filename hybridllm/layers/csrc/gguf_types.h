@@ -38,28 +38,33 @@ constexpr unsigned kCodeBlocks = 8;
 //         (bit j of byte l is weight l's of sub-block j), then the 128 bytes of nibbles.
 //   Q6_K  super-blocks of 256 weights: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales
 //         (one per 16 weights), fp16 d last; w = d * scale * (q - 32) for 6-bit q.
+//   Q2_K, Q3_K, IQ4_XS  super-blocks of 256 weights computed as code blocks (their layouts:
+//         gguf_code_decoders.h).
 //   IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M  super-blocks of 256 weights in groups
 //         of 4 or 8 looked up in a grid, with signs; computed as code blocks (their formats:
 //         gguf_iq_blocks.h).
 //   Q4_KX8, Q5_KX8, Q6_KX8  not ggml types: Q4_K / Q5_K / Q6_K rows repacked in groups of 8 for
 //         the int8 kernels (gguf_x8.h); a weight's row count is a multiple of 8.
-#define HYBRIDLLM_GGUF_TYPES(X)                                      \
-  X(F32, 0, 32, 128, kFp32Kernels, F32)                              \
-  X(Q4_0, 2, 32, 18, kFp32Kernels | kInt8Kernels, Q4_0)              \
-  X(Q4_1, 3, 32, 20, kFp32Kernels | kInt8Kernels, Q4_1)              \
-  X(Q8_0, 8, 32, 34, kFp32Kernels | kInt8Kernels, Q8_0)              \
-  X(Q4_K, 12, 256, 144, kFp32Kernels | kInt8Kernels, Q4_K)           \
-  X(Q5_K, 13, 256, 176, kFp32Kernels | kInt8Kernels, Q5_K)           \
-  X(Q6_K, 14, 256, 210, kFp32Kernels | kInt8Kernels, Q6_K)           \
-  X(IQ2_XXS, 16, 256, 66, kCodeBlocks, IQ2_XXS)                      \
-  X(IQ2_XS, 17, 256, 74, kCodeBlocks, IQ2_XS)                        \
-  X(IQ3_XXS, 18, 256, 98, kCodeBlocks, IQ3_XXS)                      \
-  X(IQ1_S, 19, 256, 50, kCodeBlocks, IQ1_S)                          \
-  X(IQ3_S, 21, 256, 110, kCodeBlocks, IQ3_S)                         \
-  X(IQ2_S, 22, 256, 82, kCodeBlocks, IQ2_S)                          \
-  X(IQ1_M, 29, 256, 56, kCodeBlocks, IQ1_M)                          \
-  X(Q4_KX8, 112, 256, 148, kX8Kernels, Q4_K)                         \
-  X(Q5_KX8, 113, 256, 180, kX8Kernels, Q5_K)                         \
+#define HYBRIDLLM_GGUF_TYPES(X)                                               \
+  X(F32, 0, 32, 128, kFp32Kernels, F32)                                       \
+  X(Q4_0, 2, 32, 18, kFp32Kernels | kInt8Kernels, Q4_0)                       \
+  X(Q4_1, 3, 32, 20, kFp32Kernels | kInt8Kernels, Q4_1)                       \
+  X(Q8_0, 8, 32, 34, kFp32Kernels | kInt8Kernels, Q8_0)                       \
+  X(Q4_K, 12, 256, 144, kFp32Kernels | kInt8Kernels, Q4_K)                    \
+  X(Q5_K, 13, 256, 176, kFp32Kernels | kInt8Kernels, Q5_K)                    \
+  X(Q6_K, 14, 256, 210, kFp32Kernels | kInt8Kernels, Q6_K)                    \
+  X(Q2_K, 10, 256, 84, kFp32Kernels | kInt8Kernels | kCodeBlocks, Q2_K)       \
+  X(Q3_K, 11, 256, 110, kFp32Kernels | kInt8Kernels | kCodeBlocks, Q3_K)      \
+  X(IQ4_XS, 23, 256, 136, kFp32Kernels | kInt8Kernels | kCodeBlocks, IQ4_XS)  \
+  X(IQ2_XXS, 16, 256, 66, kFp32Kernels | kInt8Kernels | kCodeBlocks, IQ2_XXS) \
+  X(IQ2_XS, 17, 256, 74, kFp32Kernels | kInt8Kernels | kCodeBlocks, IQ2_XS)   \
+  X(IQ3_XXS, 18, 256, 98, kFp32Kernels | kInt8Kernels | kCodeBlocks, IQ3_XXS) \
+  X(IQ1_S, 19, 256, 50, kFp32Kernels | kInt8Kernels | kCodeBlocks, IQ1_S)     \
+  X(IQ3_S, 21, 256, 110, kFp32Kernels | kInt8Kernels | kCodeBlocks, IQ3_S)    \
+  X(IQ2_S, 22, 256, 82, kFp32Kernels | kInt8Kernels | kCodeBlocks, IQ2_S)     \
+  X(IQ1_M, 29, 256, 56, kFp32Kernels | kInt8Kernels | kCodeBlocks, IQ1_M)     \
+  X(Q4_KX8, 112, 256, 148, kX8Kernels, Q4_K)                                  \
+  X(Q5_KX8, 113, 256, 180, kX8Kernels, Q5_K)                                  \
   X(Q6_KX8, 114, 256, 210, kX8Kernels, Q6_K)
 
 // kF32, kQ4_0, ..., kQ6_KX8: the type ids.

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "gguf_types.h"
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -54,6 +56,16 @@ struct Avx512Vnni {
     const V select = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << bit)),
                                         _mm256_set1_epi8(static_cast<char>(2 << bit)), 1);
     return _mm512_mask_add_epi8(w, _mm512_test_epi8_mask(hb, select), w, _mm512_set1_epi8(16));
+  }
+  // Q5_0, Q5_1: + 16 to byte i where bit i of `bits` is set
+  static V add_fifth_bits(V w, uint64_t bits) {
+    return _mm512_mask_add_epi8(w, bits, w, _mm512_set1_epi8(16));
+  }
+  // IQ4_NL: nibbles (bytes 0-15) as their table values + 128, unsigned like Q8_0's codes
+  static V iq4_nl_codes(V nibbles) {
+    const __m128i values = _mm_xor_si128(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4NlValues)), _mm_set1_epi8(-128));
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(values), nibbles);
   }
   // Q6_K: 64 weights' 6-bit codes from a half's 64 ql bytes and its 32 qh bytes (broadcast):
   // part 0 the low nibbles with qh bits 0-1 (unit 0) and 2-3 (unit 1), part 1 the high nibbles
@@ -192,6 +204,20 @@ struct Avx2Q8 {
     return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0)),
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1))};
   }
+  // Q5_0, Q5_1: + 16 to byte i where bit i of `bits` is set
+  static V add_fifth_bits(V w, uint64_t bits) {
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    const __m256i lo = bit_bytes(static_cast<uint32_t>(bits));
+    const __m256i hi = bit_bytes(static_cast<uint32_t>(bits >> 32));
+    return {_mm256_add_epi8(w.lo, _mm256_and_si256(lo, sixteen)),
+            _mm256_add_epi8(w.hi, _mm256_and_si256(hi, sixteen))};
+  }
+  // IQ4_NL: nibbles (bytes 0-15) as their signed table values, for dot_q8 (kQ8Offset 0)
+  static V iq4_nl_codes(V nibbles) {
+    const __m256i values = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4NlValues)));
+    return {_mm256_shuffle_epi8(values, nibbles.lo), _mm256_shuffle_epi8(values, nibbles.hi)};
+  }
   static V add_fifth_bit(V w, V hb, int bit) {
     const __m256i b0 = _mm256_set1_epi8(static_cast<char>(1 << bit));
     const __m256i b1 = _mm256_set1_epi8(static_cast<char>(2 << bit)),
@@ -327,6 +353,16 @@ struct Avx2Q8 {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
   }
   static short word_index(int j) { return static_cast<short>((2 * j) | (2 * j + 1) << 8); }
+  // 0xFF in byte i where bit i of `bits` is set: byte i / 8 of bits spread over bytes i, then
+  // each byte's own bit tested
+  static __m256i bit_bytes(uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(static_cast<int>(bits)),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                         3, 3, 3, 3, 3, 3, 3));
+    const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+    return _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+  }
 };
 #endif
 

@@ -236,10 +236,10 @@ inline void q6_k_values(const Q6Bits& bits, __m512* lo, __m512* hi) {
 #if defined(__AVX512F__)
 // The fp32 weights a 4-bit block's nibble values 0-15 stand for, a table for vpermps (which
 // reads each index's low 4 bits): d (q - 8) for Q4_0, d (q - 16) for Q5_0, d kIq4NlValues[q] for
-// IQ4_NL, else d q + m (a K-quant's m the negative min). Q5_0 / Q5_1 also set *upper to the
-// weights of 5-bit values 16-31, for vpermt2ps with the fifth bit as bit 4 of the index. Every
-// product d q is exact in fp32 (an fp16 d times at most 8 bits), so d q + m in one rounding is
-// gguf's (d * q) + m.
+// IQ4_NL, else d q + m (a K-quant's m the negative min). Q5_0 / Q5_1 also set *upper (if
+// given) to the weights of 5-bit values 16-31, for vpermt2ps with the fifth bit as bit 4 of the
+// index. Every product d q is exact in fp32 (an fp16 d times at most 8 bits), so d q + m in one
+// rounding is gguf's (d * q) + m.
 template <int64_t kType>
 inline __m512 nibble_table(float d, float m, __m512* upper = nullptr) {
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -252,11 +252,12 @@ inline __m512 nibble_table(float d, float m, __m512* upper = nullptr) {
                          scale);
   }
   if constexpr (kType == kQ5_0) {
-    *upper = _mm512_mul_ps(iota, scale);
+    if (upper) *upper = _mm512_mul_ps(iota, scale);
     return _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(16.f)), scale);
   }
   if constexpr (kType == kQ5_1)
-    *upper = _mm512_fmadd_ps(_mm512_add_ps(iota, _mm512_set1_ps(16.f)), scale, _mm512_set1_ps(m));
+    if (upper)
+      *upper = _mm512_fmadd_ps(_mm512_add_ps(iota, _mm512_set1_ps(16.f)), scale, _mm512_set1_ps(m));
   return _mm512_fmadd_ps(iota, scale, _mm512_set1_ps(m));
 }
 

@@ -106,10 +106,8 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
       } else {
         // A 16-entry table of the block's possible weights, indexed by nibble with vpermps
         // (which reads only each lane's low 4 bits): decoding costs 2 permutes, no converts.
-        // Q5_0 / Q5_1: a second table for the fifth bit's 16 more (vpermt2ps).
         constexpr bool kMin = has_block_min(kType) || kType == kQ4_K || kType == kQ5_K;
-        __m512 table_hi;
-        const __m512 table = nibble_table<kType>(scale, kMin ? m[c * nb + b] : 0.f, &table_hi);
+        const __m512 table = nibble_table<kType>(scale, kMin ? m[c * nb + b] : 0.f);
         if constexpr (kType == kQ4_K || kType == kQ5_K) {
           // sub-blocks 2i and 2i + 1 share 32 bytes (low and high nibbles): widen them once
           if (b % 2 == 0) {
@@ -144,11 +142,15 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
             hi[c] = _mm512_permutexvar_ps(_mm512_srli_epi32(pair[c][1], 4), table);
           }
         } else if constexpr (has_fifth_bit(kType)) {
+          // Q5_0, Q5_1: the nibble's weight, + 16 d where the fifth bit is set (for Q5_1 one
+          // rounding more than dequantize_row's; a masked add is cheaper than vpermt2ps)
           const __m512i q = widen_bytes(blk + nibble_offset(kType));
           const uint32_t fifth = fifth_bits<kType>(blk);
-          lo[c] = fifth_bit_lookup(_mm512_and_si512(q, _mm512_set1_epi32(15)), fifth, table,
-                                   table_hi);
-          hi[c] = fifth_bit_lookup(_mm512_srli_epi32(q, 4), fifth >> 16, table, table_hi);
+          const __m512 step = _mm512_set1_ps(16.f * scale);
+          lo[c] = _mm512_permutexvar_ps(q, table);
+          hi[c] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+          lo[c] = _mm512_mask_add_ps(lo[c], static_cast<__mmask16>(fifth), lo[c], step);
+          hi[c] = _mm512_mask_add_ps(hi[c], static_cast<__mmask16>(fifth >> 16), hi[c], step);
         } else {
           const __m512i q = widen_bytes(blk + nibble_offset(kType));
           lo[c] = _mm512_permutexvar_ps(q, table);

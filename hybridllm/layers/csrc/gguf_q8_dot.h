@@ -152,19 +152,15 @@ void q8_dot_super_blocks(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, i
     for (int c = 0; c < kCols; ++c) y[r * ldy + c] = sum8(acc[r][c]);
 }
 
-// Q5_0, Q5_1: the fifth bits of four blocks (p[k]: block k's first byte) as two masks, a bit a
-// byte of the vectors their nibbles unpack to: `low` weights 0-15 of each block (bits 16 k ..
-// 16 k + 15 for block k), `high` weights 16-31.
-template <int64_t kType>
-inline void quad_fifth_bits(const uint8_t* const* p, uint64_t* low, uint64_t* high) {
-  uint64_t lo = 0, hi = 0;
-  for (int k = 0; k < 4; ++k) {
-    const uint32_t bits = fifth_bits<kType>(p[k]);
-    lo |= static_cast<uint64_t>(bits & 0xFFFF) << (16 * k);
-    hi |= static_cast<uint64_t>(bits >> 16) << (16 * k);
-  }
-  *low = lo;
-  *high = hi;
+// The 32-bit words at p0 .. p3 in one vector.
+inline __m128i quad_words(const uint8_t* p0, const uint8_t* p1, const uint8_t* p2,
+                          const uint8_t* p3) {
+  const auto word = [](const uint8_t* p) {
+    int v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  };
+  return _mm_setr_epi32(word(p0), word(p1), word(p2), word(p3));
 }
 
 // The same for the 32-weight block types (one scale a block): the block scales (and mins) of 16
@@ -212,17 +208,25 @@ void q8_dot_blocks(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t
         for (int q = 0; q < 4; ++q) {
           if (4 * q >= n) break;
           const int64_t b = b0 + 4 * q;
-          const uint8_t* blk = row + b * bb;
-          const uint8_t* const p[4] = {blk, b + 1 < nb ? blk + bb : blk,
-                                       b + 2 < nb ? blk + 2 * bb : blk,
-                                       b + 3 < nb ? blk + 3 * bb : blk};
-          const V bytes = S::bytes16x4(p[0] + kCodes, p[1] + kCodes, p[2] + kCodes, p[3] + kCodes);
-          V low = S::low_nibbles(bytes), high = S::high_nibbles(bytes);
-          if constexpr (has_fifth_bit(kType)) {
-            uint64_t low_bits, high_bits;
-            quad_fifth_bits<kType>(p, &low_bits, &high_bits);
-            low = S::add_fifth_bits(low, low_bits);
-            high = S::add_fifth_bits(high, high_bits);
+          V low, high;
+          if constexpr (has_fifth_bit(kType) && S::kQuadPermute) {
+            S::template quad5<bb, kCodes>(row + b * bb, nb - b, &low, &high);
+          } else {
+            const uint8_t* blk = row + b * bb + kCodes;
+            const V bytes = b + 4 <= nb ? S::bytes16x4(blk, blk + bb, blk + 2 * bb, blk + 3 * bb)
+                                        : S::bytes16x4(blk, blk + bb * (b + 1 < nb),
+                                                       blk + 2 * bb * (b + 2 < nb),
+                                                       blk + 3 * bb * (b + 3 < nb));
+            low = S::low_nibbles(bytes);
+            high = S::high_nibbles(bytes);
+            if constexpr (has_fifth_bit(kType)) {  // past the last block: any bits (x is 0)
+              const uint8_t* qh = blk - 4;  // the fifth bits' word
+              const __m128i words =
+                  b + 4 <= nb ? quad_words(qh, qh + bb, qh + 2 * bb, qh + 3 * bb)
+                              : quad_words(qh, qh + bb * (b + 1 < nb), qh + 2 * bb * (b + 2 < nb),
+                                           qh + 3 * bb * (b + 3 < nb));
+              S::add_quad_fifth_bits(&low, &high, words);
+            }
           }
           if constexpr (kSigned) {
             low = S::iq4_nl_codes(low);

@@ -23,7 +23,10 @@ GGUF_KERNEL_TYPES: frozenset[int] = frozenset(
     {
         GGMLQuantizationType.Q4_0,
         GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q5_0,
+        GGMLQuantizationType.Q5_1,
         GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.IQ4_NL,
         GGMLQuantizationType.Q4_K,
         GGMLQuantizationType.Q5_K,
         GGMLQuantizationType.Q6_K,

@@ -249,3 +249,42 @@ def test_k_quant_linears_computed_from_their_super_blocks(tmp_path, base):
         finally:
             llm.shutdown()
     _assert_same_generation(results["auto"], results["none"])
+
+
+def test_q5_linears_computed_from_their_blocks(tmp_path):
+    # The 32-weight Q5_0 / Q5_1 blocks a K-quant file falls back to where rows are not whole
+    # super-blocks (IQ4_NL, the third such type, gguf cannot quantize: its kernels' tests use
+    # random blocks) give the tokens and logprobs of the same file dequantized at load.
+    from tests.gguf_helpers import tiny_hf_model, write_gguf
+
+    types = {
+        "self_attn.q_proj.weight": Q.Q5_0,
+        "self_attn.k_proj.weight": Q.Q5_0,
+        "self_attn.v_proj.weight": Q.Q5_1,
+        "self_attn.o_proj.weight": Q.Q5_1,
+        "mlp.gate_proj.weight": Q.Q5_0,
+        "mlp.up_proj.weight": Q.Q5_0,
+        "mlp.down_proj.weight": Q.Q5_1,
+    }
+    model = tiny_hf_model("llama", tie_word_embeddings=True)
+    quantize = {"model.embed_tokens.weight": Q.Q8_0}
+    for i in range(model.config.num_hidden_layers):
+        quantize.update({f"model.layers.{i}.{k}": v for k, v in types.items()})
+    path = write_gguf(tmp_path / "q5.gguf", model, quantize=quantize)
+    results = {}
+    for quantization in ("auto", "none"):
+        llm = LLM(
+            str(path), dtype="float32", quantization=quantization, use_tqdm=False, max_model_len=128
+        )
+        try:
+            layer = llm.llm_engine.executor.workers[0].model_runner.model.layers[0]
+            if quantization == "auto":
+                assert layer.mlp.gate_up_proj.ggml_type == Q.Q5_0
+                assert layer.mlp.down_proj.ggml_type == Q.Q5_1
+                assert layer.self_attn.o_proj.ggml_type == Q.Q5_1
+                qkv_types = [t for _, t, _ in layer.self_attn.qkv_proj.shard_blocks]
+                assert qkv_types == [Q.Q5_0, Q.Q5_0, Q.Q5_1]
+            results[quantization] = _generate(llm)
+        finally:
+            llm.shutdown()
+    _assert_same_generation(results["auto"], results["none"], prompt_logprobs=True)

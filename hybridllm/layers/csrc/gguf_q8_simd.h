@@ -298,7 +298,8 @@ struct Avx2Q8 {
     const __m256i all = _mm256_broadcastsi128_si256(words);
     const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
     const __m256i sixteen = _mm256_set1_epi8(16);
-    // 16 where the bit is set, for the blocks from `first` / 4 on; first % 4: low or high half
+    // 16 where the bit is set: `first` the byte of `words` that the first block's half starts
+    // at (blocks 0-1: 0, 2-3: 8; the low halves + 0, the high ones + 2)
     const auto bits = [&](char first) {
       const __m256i index = _mm256_add_epi8(
           _mm256_set1_epi8(first),

@@ -44,6 +44,7 @@ def random_blocks(ggml_type: int, rows: int, K: int, generator: torch.Generator)
         raise NotImplementedError(f"no fp16 offsets for ggml_type {ggml_type}: add them above")
     n = rows * K // block_size
     raw = torch.randint(0, 256, (n, block_bytes), dtype=torch.uint8, generator=generator)
+
     def small_halves() -> torch.Tensor:
         magnitude = torch.empty(n).uniform_(1e-3, 0.1, generator=generator)
         sign = torch.randint(0, 2, (n,), generator=generator) * 2 - 1

@@ -10,7 +10,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from hybridllm.layers.gguf_types import CODE_BLOCK_TYPES, OWN_KERNEL_TYPES
+from hybridllm.loader.gguf_kernel_types import CODE_BLOCK_TYPES, OWN_KERNEL_TYPES
 from tests.gguf_helpers import random_k_quant_blocks
 from tests.gguf_random_blocks import random_blocks
 from tests.kernel_helpers import require_cpu_kernels

@@ -235,17 +235,33 @@ void q8_dot_code_blocks(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, in
     for (int c = 0; c < kCols; ++c) y[r * ldy + c] = sum8(acc[r][c]);
 }
 
-// The same for Q4_0, Q4_1, Q8_0 (one scale a 32-weight block): the block scales (and Q4_1 mins)
-// of 16 blocks converted at once as the kernel reaches them, times x's in 16-block vectors.
+// The 32-bit words at p0 .. p3 in one vector.
+inline __m128i quad_words(const uint8_t* p0, const uint8_t* p1, const uint8_t* p2,
+                          const uint8_t* p3) {
+  const auto word = [](const uint8_t* p) {
+    int v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  };
+  return _mm_setr_epi32(word(p0), word(p1), word(p2), word(p3));
+}
+
+// The same for the 32-weight block types (one scale a block): the block scales (and mins) of 16
+// blocks converted at once as the kernel reaches them, times x's in 16-block vectors.
 template <class S, int64_t kType, int kRows, int kCols>
 void q8_dot_blocks(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t nb, float* y,
                    int64_t ldy, const PrefetchWindow& prefetch) {
   using V = typename S::V;
   using F = typename S::F;
   constexpr int64_t bb = block_bytes(kType);
-  constexpr int64_t kCodes = kType == kQ4_1 ? 4 : 2;  // where a block's nibbles / int8s start
-  // what a weight block adds per unit of its x's sum: w = d (code - offset) (+ m for Q4_1)
-  constexpr float kOffset = kType == kQ4_0 ? 8.f : kType == kQ8_0 ? S::kQ8Offset : 0.f;
+  constexpr int64_t kCodes = nibble_offset(kType);  // where a block's nibbles / int8s start
+  // what a weight block adds per unit of its x's sum: w = d (code - offset) (+ m for Q4_1,
+  // Q5_1). Q8_0 and IQ4_NL codes are signed, S::kQ8Offset what S adds to make them unsigned.
+  constexpr float kOffset = kType == kQ4_0                       ? 8.f
+                            : kType == kQ5_0                     ? 16.f
+                            : kType == kQ8_0 || kType == kIQ4_NL ? S::kQ8Offset
+                                                                 : 0.f;
+  constexpr bool kSigned = kType == kIQ4_NL;  // codes for S::dot_q8, as Q8_0's
   F acc[kRows][kCols];
   for (int r = 0; r < kRows; ++r)
     for (int c = 0; c < kCols; ++c) acc[r][c] = S::fzero();
@@ -258,33 +274,54 @@ void q8_dot_blocks(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t
     for (int c = 0; c < kCols; ++c) {
       const uint8_t* row = w + c * row_bytes;
       F dw, mw, scale[kRows];  // scale: d_b * dx_b of the 16 blocks
-      S::template block_scales16<bb, kType == kQ4_1>(row + b0 * bb, n, &dw, &mw);
+      S::template block_scales16<bb, has_block_min(kType)>(row + b0 * bb, n, &dw, &mw);
       for (int r = 0; r < kRows; ++r) {
         const Q8Rows xr = x.row(r);
         scale[r] = S::mul(dw, S::load16(xr.d + b0));
         // the offsets: the sum of x times -offset * d (+ m)
         const F sx = S::load16(xr.s + b0);
-        if constexpr (kType == kQ4_1) acc[r][c] = S::fma(mw, sx, acc[r][c]);
+        if constexpr (has_block_min(kType)) acc[r][c] = S::fma(mw, sx, acc[r][c]);
         if constexpr (kOffset != 0.f) acc[r][c] = S::fma(S::mul(dw, -kOffset), sx, acc[r][c]);
       }
       if constexpr (kType != kQ8_0) {
-        // Q4_0/Q4_1: four blocks a step, their 16 nibble bytes in one vector (x in quads to
-        // match: Q8Rows from quantize_rows<32, true>); past the last block, the quad's first one
-        // again against x's zeros
+        // the 4-bit types: four blocks a step, their 16 nibble bytes in one vector (x in quads
+        // to match: Q8Rows from quantize_rows<32, true>); past the last block, the quad's first
+        // one again against x's zeros
 #pragma GCC unroll 4
         for (int q = 0; q < 4; ++q) {
           if (4 * q >= n) break;
           const int64_t b = b0 + 4 * q;
-          const uint8_t* blk = row + b * bb + kCodes;
-          const V bytes =
-              b + 4 <= nb ? S::bytes16x4(blk, blk + bb, blk + 2 * bb, blk + 3 * bb)
-                          : S::bytes16x4(blk, blk + bb * (b + 1 < nb), blk + 2 * bb * (b + 2 < nb),
-                                         blk + 3 * bb * (b + 3 < nb));
-          const V low = S::low_nibbles(bytes), high = S::high_nibbles(bytes);
+          V low, high;
+          if constexpr (has_fifth_bit(kType) && S::kQuadPermute) {
+            S::template quad5<bb, kCodes>(row + b * bb, nb - b, &low, &high);
+          } else {
+            const uint8_t* blk = row + b * bb + kCodes;
+            const V bytes = b + 4 <= nb ? S::bytes16x4(blk, blk + bb, blk + 2 * bb, blk + 3 * bb)
+                                        : S::bytes16x4(blk, blk + bb * (b + 1 < nb),
+                                                       blk + 2 * bb * (b + 2 < nb),
+                                                       blk + 3 * bb * (b + 3 < nb));
+            low = S::low_nibbles(bytes);
+            high = S::high_nibbles(bytes);
+            if constexpr (has_fifth_bit(kType)) {  // past the last block: any bits (x is 0)
+              const uint8_t* qh = blk - 4;  // the fifth bits' word
+              const __m128i words =
+                  b + 4 <= nb ? quad_words(qh, qh + bb, qh + 2 * bb, qh + 3 * bb)
+                              : quad_words(qh, qh + bb * (b + 1 < nb), qh + 2 * bb * (b + 2 < nb),
+                                           qh + 3 * bb * (b + 3 < nb));
+              S::add_quad_fifth_bits(&low, &high, words);
+            }
+          }
+          if constexpr (kSigned) {
+            low = S::iq4_nl_codes(low);
+            high = S::iq4_nl_codes(high);
+          }
           for (int r = 0; r < kRows; ++r) {
             const int8_t* xq = x.row(r).q + b * 32;
-            const V sums =
-                S::dot_u8(S::dot_u8(S::zero(), low, S::load64(xq)), high, S::load64(xq + 64));
+            V sums;
+            if constexpr (kSigned)
+              sums = S::dot_q8(S::dot_q8(S::zero(), low, S::load64(xq)), high, S::load64(xq + 64));
+            else
+              sums = S::dot_u8(S::dot_u8(S::zero(), low, S::load64(xq)), high, S::load64(xq + 64));
             acc[r][c] = S::fma_cvt(acc[r][c], sums, S::quad_scale(scale[r], q));
           }
         }
@@ -384,13 +421,20 @@ float q8_dot_scalar(const Q8Rows& x, const uint8_t* row, int64_t K) {
       const int8_t* wq = reinterpret_cast<const int8_t*>(row + b * bb + 2);
       for (int l = 0; l < 32; ++l) dot += wq[l] * q[l];
     } else {
-      const uint8_t* nibbles = row + b * bb + (kType == kQ4_1 ? 4 : 2);
-      for (int l = 0; l < 16; ++l) dot += (nibbles[l] & 15) * q[l] + (nibbles[l] >> 4) * q[l + 16];
+      const uint8_t* nibbles = row + b * bb + nibble_offset(kType);
+      const uint32_t fifth = has_fifth_bit(kType) ? fifth_bits<kType>(row + b * bb) : 0;
+      for (int l = 0; l < 32; ++l) {
+        const int nibble = (nibbles[l % 16] >> (l / 16 * 4)) & 15;
+        const int code = kType == kIQ4_NL ? kIq4NlValues[nibble]
+                                          : nibble | static_cast<int>((fifth >> l) & 1) << 4;
+        dot += code * q[l];
+      }
     }
     const float d = half_to_float(load_u16(row + b * bb));
     y += d * x.d[b] * static_cast<float>(dot);
-    if constexpr (kType == kQ4_0) y -= 8.f * d * x.s[b];
-    if constexpr (kType == kQ4_1) y += half_to_float(load_u16(row + b * bb + 2)) * x.s[b];
+    if constexpr (kType == kQ4_0 || kType == kQ5_0)
+      y -= (kType == kQ4_0 ? 8.f : 16.f) * d * x.s[b];
+    if constexpr (has_block_min(kType)) y += half_to_float(load_u16(row + b * bb + 2)) * x.s[b];
   }
   return y;
 }

@@ -47,8 +47,8 @@ constexpr bool code_block_mins() {
 
 // A weight type as the GEMM sees it: weight = scale * (code - kOffset) + min, with codes
 // unsigned bytes, one scale (and min) per kUnit weights, and x quantized in groups of kGroup.
-// Q4_1's mins are floats (kFloatMins); a K-quant's (kCodeMins) are 6-bit codes times its
-// super-block's -dmin, so their products with x's unit sums add up in integers, a super-block at
+// Q4_1's and Q5_1's mins are floats (kFloatMins); a K-quant's (kCodeMins) are 6-bit codes times
+// its super-block's -dmin, so their products with x's unit sums add up in integers, a super-block at
 // a time: 4 vpdpwssd where float mins took 8 FMAs. Code-block types: their signed codes + 128,
 // d * scale a unit, and their integer mins (if any) times dmin as the K-quants' are.
 template <int64_t kType>
@@ -57,11 +57,14 @@ struct GemmType {
   static constexpr int64_t kUnit = kType == kQ6_K || kCodeBlocks ? 16 : 32;
   static constexpr int64_t kGroup = q8_group(kType);
   static constexpr bool kCodeMins = kType == kQ4_K || kType == kQ5_K || code_block_mins<kType>();
-  static constexpr bool kFloatMins = kType == kQ4_1;
-  static constexpr int32_t kOffset = kType == kQ4_0                    ? 8
-                                     : kType == kQ8_0 || kCodeBlocks ? 128
-                                     : kType == kQ6_K                  ? 32
-                                                                       : 0;
+  static constexpr bool kFloatMins = has_block_min(kType);
+  // Q8_0's, IQ4_NL's and the code blocks' signed weights as unsigned codes w + 128
+  static constexpr int32_t kOffset =
+      kType == kQ4_0                                       ? 8
+      : kType == kQ5_0                                     ? 16
+      : kType == kQ8_0 || kType == kIQ4_NL || kCodeBlocks ? 128
+      : kType == kQ6_K                                     ? 32
+                                                           : 0;
   // both an offset and integer mins: the unit sums' pairs for the mins in a region of their own
   static constexpr bool kSeparatePairs = kCodeMins && kOffset != 0;
 };
@@ -76,7 +79,7 @@ constexpr int kCols = (GemmType<kType>::kGroup > GemmType<kType>::kUnit ? 12 : 8
 // Rows of x in tiles of R = kTileRows rows: tile t's int8 values [K / 4][R][4] (4 consecutive
 // values of each row a 32-bit lane, rows past M zero), its scales [K / kGroup][R] and, per unit
 // of weights, what the weights' offset or min multiplies: [K / kUnit][R] of int32
-// -kOffset * sum(q) (kOffset) or float sum(q) (Q4_1), and (kCodeMins) [K / kUnit / 2][R] of
+// -kOffset * sum(q) (kOffset) or float sum(q) (Q4_1, Q5_1), and (kCodeMins) [K / kUnit / 2][R] of
 // the int16 pairs (sum(q) of unit 2i, of unit 2i + 1), in `pairs`: `unit` itself where the type
 // has no offset (both tile t's at t * K / kUnit * R 32-bit words).
 struct PackedX {
@@ -179,9 +182,9 @@ PackedX pack_x(const Q8Rows& rows, int64_t M, int64_t K, std::vector<uint8_t>& b
 }
 
 // A panel of weight rows unpacked: codes [rows][K], and per unit of kUnit weights scales
-// [rows][units] and mins: Q4_1's [rows][units]; a K-quant's 6-bit codes min_codes [rows][units]
-// and -dmin in mins [rows][super-blocks]. Rows `units` apart; rows past N have zero codes and
-// scales.
+// [rows][units] and mins: Q4_1's and Q5_1's [rows][units]; a K-quant's 6-bit codes min_codes
+// [rows][units] and -dmin in mins [rows][super-blocks]. Rows `units` apart; rows past N have
+// zero codes and scales.
 struct Panel {
   uint8_t* codes;
   float* scales;
@@ -248,7 +251,7 @@ void unpack_row(const uint8_t* row, int64_t K, uint8_t* codes, float* scales, fl
     }
   } else {
     constexpr int64_t bb = block_bytes(kType);
-    constexpr int64_t kCodes = kType == kQ4_1 ? 4 : 2;
+    constexpr int64_t kCodes = nibble_offset(kType);
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = row + b * bb + kCodes;
       if constexpr (kType == kQ8_0) {
@@ -258,12 +261,16 @@ void unpack_row(const uint8_t* row, int64_t K, uint8_t* codes, float* scales, fl
       } else {  // low nibbles: weights 0-15, high: 16-31
         const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)),
                       m = _mm_set1_epi8(15);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + b * 32), _mm_and_si128(v, m));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + b * 32 + 16),
-                         _mm_and_si128(_mm_srli_epi16(v, 4), m));
+        const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(v, m)),
+                                                     _mm_and_si128(_mm_srli_epi16(v, 4), m), 1);
+        __m512i c = _mm512_castsi256_si512(both);
+        if constexpr (has_fifth_bit(kType))  // byte i + 16 where weight i's fifth bit is set
+          c = S::add_fifth_bits(c, fifth_bits<kType>(row + b * bb));
+        if constexpr (kType == kIQ4_NL) c = S::iq4_nl_codes(c);  // table values + 128
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + b * 32), _mm512_castsi512_si256(c));
       }
     }
-    block_scales<kType>(row, nb, scales, mins);  // d (and Q4_1's m)
+    block_scales<kType>(row, nb, scales, mins);  // d (and Q4_1's, Q5_1's m)
   }
 }
 

@@ -136,12 +136,12 @@ RowsFn rows_fn(int64_t path) {
   }
 }
 
-// x's rows quantized as every path reads them: Q4_0/Q4_1 in quads of blocks (see
-// q8_dot_blocks) except on the scalar path, which reads them in order.
+// x's rows quantized as every path reads them: for the 4-bit 32-weight block types in quads of
+// blocks (see q8_dot_blocks) except on the scalar path, which reads them in order.
 template <int64_t kType>
 Q8Rows quantize_for(int64_t path, const float* x, int64_t M, int64_t K) {
   thread_local std::vector<uint8_t> buffer;  // kept from call to call, as thread_scratch
-  constexpr bool kQuads = kType == kQ4_0 || kType == kQ4_1;
+  constexpr bool kQuads = is_nibble_block_type(kType);
   return path == kQ8Scalar ? quantize_rows<q8_group(kType)>(x, M, K, buffer)
                            : quantize_rows<q8_group(kType), kQuads>(x, M, K, buffer);
 }

@@ -31,6 +31,10 @@ constexpr unsigned kCodeBlocks = 8;
 //   Q4_0  fp16 d, 16 bytes of nibbles: w = d * (q - 8)
 //   Q4_1  fp16 d, fp16 m, 16 bytes of nibbles: w = d * q + m
 //   Q8_0  fp16 d, 32 int8: w = d * q
+//   Q5_0  fp16 d, 4 bytes qh (bit i of the little-endian uint32: weight i's fifth bit), then
+//         Q4_0's 16 bytes of nibbles: w = d * (q - 16) for the 5-bit q
+//   Q5_1  fp16 d, fp16 m, qh, 16 bytes of nibbles: w = d * q + m for the 5-bit q
+//   IQ4_NL  fp16 d, 16 bytes of nibbles: w = d * kIq4NlValues[q], a fixed 16-entry table
 //   Q4_K  super-blocks of 256 weights: fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc_j and mins
 //         m_j of its eight 32-weight sub-blocks, 128 bytes of nibbles; sub-block j: w = d sc_j q -
 //         dmin m_j, a Q4_1 block with its own layout.
@@ -49,7 +53,10 @@ constexpr unsigned kCodeBlocks = 8;
   X(F32, 0, 32, 128, kFp32Kernels, F32)                                       \
   X(Q4_0, 2, 32, 18, kFp32Kernels | kInt8Kernels, Q4_0)                       \
   X(Q4_1, 3, 32, 20, kFp32Kernels | kInt8Kernels, Q4_1)                       \
+  X(Q5_0, 6, 32, 22, kFp32Kernels | kInt8Kernels, Q5_0)                       \
+  X(Q5_1, 7, 32, 24, kFp32Kernels | kInt8Kernels, Q5_1)                       \
   X(Q8_0, 8, 32, 34, kFp32Kernels | kInt8Kernels, Q8_0)                       \
+  X(IQ4_NL, 20, 32, 18, kFp32Kernels | kInt8Kernels, IQ4_NL)                  \
   X(Q4_K, 12, 256, 144, kFp32Kernels | kInt8Kernels, Q4_K)                    \
   X(Q5_K, 13, 256, 176, kFp32Kernels | kInt8Kernels, Q5_K)                    \
   X(Q6_K, 14, 256, 210, kFp32Kernels | kInt8Kernels, Q6_K)                    \
@@ -96,6 +103,24 @@ constexpr GgufTypeInfo gguf_type_info(int64_t type) {
 }
 
 constexpr bool supported_type(int64_t type) { return gguf_type_info(type).id >= 0; }
+
+// The 32-weight blocks of 4-bit codes in one run of 16 nibble bytes (weights 0-15 in the low
+// nibbles, 16-31 in the high ones): Q4_0, Q4_1, and Q5_0 / Q5_1 (plus a fifth bit each) and
+// IQ4_NL (codes looked up in a table).
+constexpr bool is_nibble_block_type(int64_t type) {
+  return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kIQ4_NL;
+}
+// Where such a block's nibbles start; its fifth bits (Q5_0, Q5_1) are the 4 bytes before them.
+constexpr int64_t nibble_offset(int64_t type) {
+  return type == kQ4_1 ? 4 : type == kQ5_0 ? 6 : type == kQ5_1 ? 8 : 2;
+}
+constexpr bool has_fifth_bit(int64_t type) { return type == kQ5_0 || type == kQ5_1; }
+// Types with an fp16 min m at byte 2 of each 32-weight block: w = d * q + m.
+constexpr bool has_block_min(int64_t type) { return type == kQ4_1 || type == kQ5_1; }
+
+// IQ4_NL's 16 weights (times d) a nibble stands for.
+constexpr int8_t kIq4NlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                     1,    13,   25,  38,  53,  69,  89,  113};
 
 // Whether a type is computed through its CodeBlockDecoder (gguf_code_blocks.h).
 constexpr bool is_code_block_type(int64_t type) {

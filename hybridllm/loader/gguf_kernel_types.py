@@ -33,5 +33,21 @@ CODE_BLOCK_TYPES: tuple[int, ...] = tuple(
 
 # The table's other ggml types, each with kernels of its own.
 OWN_KERNEL_TYPES: tuple[int, ...] = tuple(
-    int(t) for t in (_Q.F32, _Q.Q4_0, _Q.Q4_1, _Q.Q8_0, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K)
+    int(t)
+    for t in (
+        _Q.F32,
+        _Q.Q4_0,
+        _Q.Q4_1,
+        _Q.Q5_0,
+        _Q.Q5_1,
+        _Q.Q8_0,
+        _Q.IQ4_NL,
+        _Q.Q4_K,
+        _Q.Q5_K,
+        _Q.Q6_K,
+    )
 )
+
+# The block types a CPU worker with the native kernels keeps and computes as blocks: every
+# quantized type of the table (plain F32 weights are floats anyway).
+GGUF_KERNEL_TYPES: frozenset[int] = frozenset(CODE_BLOCK_TYPES + OWN_KERNEL_TYPES) - {int(_Q.F32)}

@@ -38,7 +38,8 @@ class ModelConfig:
     # (no detokenization, no stop strings); `tokenizer` is then not loaded.
     skip_tokenizer_init: bool = False
     eos_token_ids: tuple[int, ...] = ()  # generation config's end-of-sequence ids, primary first
-    # auto: CPU workers compute GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K linears from their blocks (fp32 math);
+    # auto: CPU workers compute GGUF linears of the types in loader/block_sizes.py's
+    # GGUF_KERNEL_TYPES (Q4_0 ... Q6_K) from their blocks;
     # none: every weight is dequantized to `dtype` at load time; q8_0/q4_0/q4_1: as auto, and
     # CPU workers quantize float linears into that type at load
     quantization: str = "auto"

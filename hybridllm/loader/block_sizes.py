@@ -11,25 +11,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from gguf import GGMLQuantizationType
-
+from hybridllm.loader.gguf_kernel_types import GGUF_KERNEL_TYPES
 from hybridllm.loader.model_source import ModelSource
 from hybridllm.loader.onload_quant import HEAD_TYPE, ONLOAD_TYPES, bytes_per_param
 from hybridllm.plan.model_size import GGUFBlockSizes, model_size
-
-# Block formats the native op `hybridllm::gguf_linear` reads; other GGUF types are dequantized
-# at load time.
-GGUF_KERNEL_TYPES: frozenset[int] = frozenset(
-    {
-        GGMLQuantizationType.Q4_0,
-        GGMLQuantizationType.Q4_1,
-        GGMLQuantizationType.Q8_0,
-        GGMLQuantizationType.Q4_K,
-        GGMLQuantizationType.Q5_K,
-        GGMLQuantizationType.Q6_K,
-    }
-)
-
 
 # GGUF tensors stacked into one Linear: kept as blocks when the op reads each one's type.
 _ATTENTION = (("attn_q", "attn_k", "attn_v"), ("attn_output",))

@@ -24,14 +24,15 @@ def _kernels():
 
 
 # q and k share one type, v another: each keeps its blocks and runs on its own. gate's type
-# has a kernel, up's (Q5_0) not: the fused gate/up matmul falls back to float weights.
+# has a kernel, up's (F16, not a block type) not: the fused gate/up matmul falls back to float
+# weights.
 LAYER_TYPES = {
     "self_attn.q_proj.weight": Q.Q4_1,
     "self_attn.k_proj.weight": Q.Q4_1,
     "self_attn.v_proj.weight": Q.Q8_0,
     "self_attn.o_proj.weight": Q.Q4_0,
     "mlp.gate_proj.weight": Q.Q4_1,
-    "mlp.up_proj.weight": Q.Q5_0,
+    "mlp.up_proj.weight": Q.F16,
     "mlp.down_proj.weight": Q.Q8_0,
 }
 
@@ -115,7 +116,7 @@ def test_blocks_kept_where_a_kernel_reads_them(gguf_path):
         assert qkv.qweight is None and qkv.weight.numel() == 0
         types = [(t, rows) for _, t, rows in qkv.shard_blocks]
         assert types == list(zip((Q.Q4_1, Q.Q4_1, Q.Q8_0), qkv.output_sizes))
-        gate_up = layer.mlp.gate_up_proj  # Q4_1 beside Q5_0: decoded to floats
+        gate_up = layer.mlp.gate_up_proj  # Q4_1 beside F16: decoded to floats
         assert gate_up.weight.dtype == torch.float32 and gate_up.weight.numel() > 0
         assert gate_up.ggml_type in (-1, Q.F32)  # F32: the native op on floats (non-Intel CPUs)
         assert layer.self_attn.o_proj.ggml_type == Q.Q4_0
@@ -183,7 +184,7 @@ def test_planner_counts_the_blocks_a_cpu_worker_keeps(gguf_path):
     blocks = gguf_block_sizes(source, layers)
     infos = source.tensor_infos()
     kinds = {n: n.split(".")[2] for n in infos if n.startswith("blk.")}
-    # kept: q/k/v (each its own type), o (Q4_0), down (Q8_0); gate/up (one Q5_0) dequantized
+    # kept: q/k/v (each its own type), o (Q4_0), down (Q8_0); gate/up (one F16) dequantized
     kept_kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_down")
     kept = [n for n, k in kinds.items() if k in kept_kinds]
     every = kept + [n for n, k in kinds.items() if k in ("ffn_gate", "ffn_up")]
@@ -248,3 +249,42 @@ def test_k_quant_linears_computed_from_their_super_blocks(tmp_path, base):
         finally:
             llm.shutdown()
     _assert_same_generation(results["auto"], results["none"])
+
+
+def test_q5_linears_computed_from_their_blocks(tmp_path):
+    # The 32-weight Q5_0 / Q5_1 blocks a K-quant file falls back to where rows are not whole
+    # super-blocks (IQ4_NL, the third such type, gguf cannot quantize: its kernels' tests use
+    # random blocks) give the tokens and logprobs of the same file dequantized at load.
+    from tests.gguf_helpers import tiny_hf_model, write_gguf
+
+    types = {
+        "self_attn.q_proj.weight": Q.Q5_0,
+        "self_attn.k_proj.weight": Q.Q5_0,
+        "self_attn.v_proj.weight": Q.Q5_1,
+        "self_attn.o_proj.weight": Q.Q5_1,
+        "mlp.gate_proj.weight": Q.Q5_0,
+        "mlp.up_proj.weight": Q.Q5_0,
+        "mlp.down_proj.weight": Q.Q5_1,
+    }
+    model = tiny_hf_model("llama", tie_word_embeddings=True)
+    quantize = {"model.embed_tokens.weight": Q.Q8_0}
+    for i in range(model.config.num_hidden_layers):
+        quantize.update({f"model.layers.{i}.{k}": v for k, v in types.items()})
+    path = write_gguf(tmp_path / "q5.gguf", model, quantize=quantize)
+    results = {}
+    for quantization in ("auto", "none"):
+        llm = LLM(
+            str(path), dtype="float32", quantization=quantization, use_tqdm=False, max_model_len=128
+        )
+        try:
+            layer = llm.llm_engine.executor.workers[0].model_runner.model.layers[0]
+            if quantization == "auto":
+                assert layer.mlp.gate_up_proj.ggml_type == Q.Q5_0
+                assert layer.mlp.down_proj.ggml_type == Q.Q5_1
+                assert layer.self_attn.o_proj.ggml_type == Q.Q5_1
+                qkv_types = [t for _, t, _ in layer.self_attn.qkv_proj.shard_blocks]
+                assert qkv_types == [Q.Q5_0, Q.Q5_0, Q.Q5_1]
+            results[quantization] = _generate(llm)
+        finally:
+            llm.shutdown()
+    _assert_same_generation(results["auto"], results["none"], prompt_logprobs=True)

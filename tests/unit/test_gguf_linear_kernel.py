@@ -186,8 +186,8 @@ def test_rejects_bad_inputs(op):
         op(x, qweight, int(Q.Q4_1), 9)  # wrong out_features
     with pytest.raises(RuntimeError, match="qweight shape .* does not match"):
         op(x, qweight, int(Q.Q8_0), 8)  # bytes of another format
-    with pytest.raises(RuntimeError, match="unsupported ggml_type 6"):
-        op(x, qweight, int(Q.Q5_0), 8)
+    with pytest.raises(RuntimeError, match="unsupported ggml_type 9"):
+        op(x, qweight, int(Q.Q8_1), 8)
     with pytest.raises(RuntimeError, match="not a multiple of the block size 256"):
         op(x, qweight, int(Q.Q4_K), 8)  # Q4_K rows are 256-weight super-blocks
     with pytest.raises(RuntimeError, match="x must be float32"):

@@ -1,4 +1,5 @@
-// GGUF block formats (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; their table: gguf_types.h) and their
+// GGUF block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K; their table:
+// gguf_types.h) and their
 // decoding to fp32, shared by the linear kernels in gguf_linear_cpu.cpp and gguf_panel_gemm.h.
 #pragma once
 
@@ -26,7 +27,7 @@ constexpr int64_t kQ6SuperBytes = gguf_type_info(kQ6_K).unit_bytes;  // 210
 // The 32 nibbles of 4-bit block b of a row (`row`: its first byte), as two 16-byte runs: weights
 // 0-15 are the nibbles at bits `shift` of lo[0..15], weights 16-31 those of hi[0..15]. Q4_0/Q4_1
 // hold them in one run (low nibbles, then high); Q4_K's sub-block pairs share 32 bytes, the
-// even sub-block in the low nibbles, the odd one in the high.
+// even sub-block in the low nibbles, the odd one in the high. Q5_0, Q5_1, IQ4_NL: as Q4_0.
 template <int64_t kType>
 inline void nibble_runs(const uint8_t* row, int64_t b, const uint8_t** lo, const uint8_t** hi,
                         int* lo_shift, int* hi_shift) {
@@ -38,10 +39,18 @@ inline void nibble_runs(const uint8_t* row, int64_t b, const uint8_t** lo, const
     *hi = pair + 16;
     *lo_shift = *hi_shift = (b % 2) * 4;
   } else {
-    *lo = *hi = row + b * block_bytes(kType) + (kType == kQ4_1 ? 4 : 2);
+    *lo = *hi = row + b * block_bytes(kType) + nibble_offset(kType);
     *lo_shift = 0;
     *hi_shift = 4;
   }
+}
+
+// Q5_0, Q5_1: the fifth bits of the block at blk, bit i weight i's.
+template <int64_t kType>
+inline uint32_t fifth_bits(const uint8_t* blk) {
+  uint32_t bits;
+  std::memcpy(&bits, blk + nibble_offset(kType) - 4, sizeof(bits));
+  return bits;
 }
 
 // Q5_K: the 32 high-bit bytes of block b's super-block; block b's bits are bit b % 8.
@@ -66,37 +75,9 @@ inline float* thread_scratch(size_t n) {
   return align64(buffer.data());
 }
 
-inline uint16_t load_u16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-// IEEE half -> float for one scale (exact).
-inline float half_to_float(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
-  uint32_t bits;
-  if (exponent == 0x1f) {
-    bits = sign | 0x7f800000u | (mantissa << 13);  // inf / nan
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);  // rebias 15 -> 127
-  } else {
-    const float v = static_cast<float>(mantissa) * 5.9604645e-8f;  // zero / subnormal: m * 2^-24
-    return sign ? -v : v;
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-#endif
-}
-
 // The fp32 scales of `count` consecutive blocks (a run of whole weight rows: the blocks of
-// consecutive rows are evenly spaced too): d[i] = the fp16 at byte 0 of block i and, for Q4_1,
-// m[i] = the fp16 at byte 2. d and m have room for count rounded up to 16.
+// consecutive rows are evenly spaced too): d[i] = the fp16 at byte 0 of block i and, for Q4_1
+// and Q5_1, m[i] = the fp16 at byte 2. d and m have room for count rounded up to 16.
 template <int64_t kType>
 inline void block_scales(const uint8_t* blocks, int64_t count, float* d, float* m) {
   constexpr int64_t bb = block_bytes(kType);
@@ -176,13 +157,13 @@ inline void block_scales(const uint8_t* blocks, int64_t count, float* d, float* 
     const __m512i words =
         _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, index, blocks + i * bb, 1);
     _mm512_storeu_ps(d + i, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words)));
-    if (kType == kQ4_1)
+    if (has_block_min(kType))
       _mm512_storeu_ps(m + i, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16))));
   }
 #else
   for (int64_t i = 0; i < count; ++i) {
     d[i] = half_to_float(load_u16(blocks + i * bb));
-    if (kType == kQ4_1) m[i] = half_to_float(load_u16(blocks + i * bb + 2));
+    if (has_block_min(kType)) m[i] = half_to_float(load_u16(blocks + i * bb + 2));
   }
 #endif
 }
@@ -224,13 +205,50 @@ inline void q6_k_values(const Q6Bits& bits, __m512* lo, __m512* hi) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// The fp32 weights a 4-bit block's nibble values 0-15 stand for, a table for vpermps (which
+// reads each index's low 4 bits): d (q - 8) for Q4_0, d (q - 16) for Q5_0, d kIq4NlValues[q] for
+// IQ4_NL, else d q + m (a K-quant's m the negative min). Q5_0 / Q5_1 also set *upper (if
+// given) to the weights of 5-bit values 16-31, for vpermt2ps with the fifth bit as bit 4 of the
+// index. Every product d q is exact in fp32 (an fp16 d times at most 8 bits), so d q + m in one
+// rounding is gguf's (d * q) + m.
+template <int64_t kType>
+inline __m512 nibble_table(float d, float m, __m512* upper = nullptr) {
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 scale = _mm512_set1_ps(d);
+  if constexpr (kType == kQ4_0)
+    return _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.f)), scale);
+  if constexpr (kType == kIQ4_NL) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                             reinterpret_cast<const __m128i*>(kIq4NlValues)))),
+                         scale);
+  }
+  if constexpr (kType == kQ5_0) {
+    if (upper) *upper = _mm512_mul_ps(iota, scale);
+    return _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(16.f)), scale);
+  }
+  if constexpr (kType == kQ5_1)
+    if (upper)
+      *upper = _mm512_fmadd_ps(_mm512_add_ps(iota, _mm512_set1_ps(16.f)), scale, _mm512_set1_ps(m));
+  return _mm512_fmadd_ps(iota, scale, _mm512_set1_ps(m));
+}
+
+// Q5_0, Q5_1: 16 nibbles (int32 lanes, 0-15) with their fifth bits (bits of `fifth`) decoded
+// through nibble_table's two halves.
+inline __m512 fifth_bit_lookup(__m512i nibbles, uint32_t fifth, __m512 table, __m512 upper) {
+  const __m512i index = _mm512_mask_or_epi32(nibbles, static_cast<__mmask16>(fifth), nibbles,
+                                             _mm512_set1_epi32(16));
+  return _mm512_permutex2var_ps(table, index, upper);
+}
+#endif
+
 inline int q6_k_value(const Q6Bits& bits, int l) {
   const int low = (bits.low[l] >> bits.low_shift) & 15, high = (bits.high[l] >> bits.high_shift) & 3;
   return (low | high << 4) - 32;
 }
 
-// Decodes one weight row [K] (nb blocks) into fp32, as gguf_dequant.py does (the AVX-512 Q4_1
-// path fuses d * q + m into one rounding).
+// Decodes one weight row [K] (nb blocks) into fp32, bit for bit what gguf.quants.dequantize
+// gives (see nibble_table).
 template <int64_t kType>
 void dequantize_row(const uint8_t* row, int64_t nb, float* out, float* d, float* m) {
   constexpr int64_t bb = block_bytes(kType);
@@ -244,13 +262,43 @@ void dequantize_row(const uint8_t* row, int64_t nb, float* out, float* d, float*
     for (int64_t s = 0; s < nb * kBlock / kCodeBlockWeights; ++s) {
       CodeBlockDecoder<kType>::decode(row + s * kSuper, &cb);
       float* o = out + s * kCodeBlockWeights;
+#if defined(__AVX512F__)
+      // (d * scale) * code + (dmin * min): gguf's order of roundings, the product rounded
+      // before the add (the empty asm keeps the compiler from fusing them into an FMA)
+      const __m512 scales = _mm512_mul_ps(
+          _mm512_set1_ps(cb.d),
+          _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
+              _mm256_load_si256(reinterpret_cast<const __m256i*>(cb.scales)))));
+      const __m512 mins = _mm512_mul_ps(
+          _mm512_set1_ps(cb.dmin),
+          _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
+              _mm256_load_si256(reinterpret_cast<const __m256i*>(cb.mins)))));
+      alignas(64) float unit_scales[16], unit_mins[16];
+      _mm512_store_ps(unit_scales, scales);
+      _mm512_store_ps(unit_mins, mins);
+      for (int64_t u = 0; u < kCodeBlockWeights / kCodeUnit; ++u) {
+        const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_load_si128(reinterpret_cast<const __m128i*>(cb.codes + u * kCodeUnit))));
+        __m512 product = _mm512_mul_ps(_mm512_set1_ps(unit_scales[u]), codes);
+        asm("" : "+v"(product));
+        _mm512_storeu_ps(o + u * kCodeUnit, _mm512_add_ps(product, _mm512_set1_ps(unit_mins[u])));
+      }
+#else
       for (int64_t u = 0; u < kCodeBlockWeights / kCodeUnit; ++u) {
         // (d * scale) * code + (dmin * min): gguf's order of roundings
         const float scale = cb.d * static_cast<float>(cb.scales[u]);
         const float min = cb.dmin * static_cast<float>(cb.mins[u]);
-        for (int64_t i = 0; i < kCodeUnit; ++i)
-          o[u * kCodeUnit + i] = scale * static_cast<float>(cb.codes[u * kCodeUnit + i]) + min;
+        for (int64_t i = 0; i < kCodeUnit; ++i) {
+#if defined(__x86_64__)
+          float product = scale * static_cast<float>(cb.codes[u * kCodeUnit + i]);
+          asm("" : "+x"(product));  // rounded before the add, as above
+#else
+          volatile float product = scale * static_cast<float>(cb.codes[u * kCodeUnit + i]);
+#endif
+          o[u * kCodeUnit + i] = product + min;
+        }
       }
+#endif
     }
     return;
   }
@@ -284,11 +332,8 @@ void dequantize_row(const uint8_t* row, int64_t nb, float* out, float* d, float*
       }
     } else {
       // table[i] = the weight a nibble i stands for; vpermps indexes it by each lane's low 4 bits
-      const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-      const __m512 table =
-          kType == kQ4_0
-              ? _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.f)), _mm512_set1_ps(d[b]))
-              : _mm512_fmadd_ps(iota, _mm512_set1_ps(d[b]), _mm512_set1_ps(m[b]));
+      __m512 upper;
+      const __m512 table = nibble_table<kType>(d[b], m[b], &upper);
       const uint8_t *lo, *hi;
       int lo_shift, hi_shift;
       nibble_runs<kType>(row, b, &lo, &hi, &lo_shift, &hi_shift);
@@ -300,14 +345,20 @@ void dequantize_row(const uint8_t* row, int64_t nb, float* out, float* d, float*
         // the fifth bit picks the upper table: weights 16-31 of the block's range
         const uint8_t* bits = q5_k_high_bits(row, b);
         const int bit = static_cast<int>(b % 8);
-        const __m512 upper = _mm512_add_ps(table, _mm512_set1_ps(16.f * d[b]));
+        const __m512 q5_k_upper = _mm512_add_ps(table, _mm512_set1_ps(16.f * d[b]));
         const auto index = [&](__m512i nibbles, const uint8_t* high) {
           const __m512i fifth = _mm512_and_si512(_mm512_srli_epi32(widen_bytes(high), bit),
                                                  _mm512_set1_epi32(1));
           return _mm512_or_si512(nibbles, _mm512_slli_epi32(fifth, 4));
         };
-        _mm512_storeu_ps(o, _mm512_permutex2var_ps(table, index(qlo, bits), upper));
-        _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(table, index(qhi, bits + 16), upper));
+        _mm512_storeu_ps(o, _mm512_permutex2var_ps(table, index(qlo, bits), q5_k_upper));
+        _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(table, index(qhi, bits + 16), q5_k_upper));
+        continue;
+      }
+      if constexpr (has_fifth_bit(kType)) {
+        const uint32_t fifth = fifth_bits<kType>(blk);
+        _mm512_storeu_ps(o, fifth_bit_lookup(qlo, fifth, table, upper));
+        _mm512_storeu_ps(o + 16, fifth_bit_lookup(qhi, fifth >> 16, table, upper));
         continue;
       }
       _mm512_storeu_ps(o, _mm512_permutexvar_ps(qlo, table));
@@ -322,15 +373,24 @@ void dequantize_row(const uint8_t* row, int64_t nb, float* out, float* d, float*
       int lo_shift, hi_shift;
       nibble_runs<kType>(row, b, &lo, &hi, &lo_shift, &hi_shift);
       const uint8_t* bits = kType == kQ5_K ? q5_k_high_bits(row, b) : nullptr;
+      const uint32_t fifth = has_fifth_bit(kType) ? fifth_bits<kType>(blk) : 0;
       for (int j = 0; j < 16; ++j) {
         int q0 = (lo[j] >> lo_shift) & 15, q1 = (hi[j] >> hi_shift) & 15;
         if (kType == kQ5_K) {
           q0 |= ((bits[j] >> (b % 8)) & 1) << 4;
           q1 |= ((bits[j + 16] >> (b % 8)) & 1) << 4;
         }
-        if (kType == kQ4_0) {
-          o[j] = d[b] * static_cast<float>(q0 - 8);
-          o[j + 16] = d[b] * static_cast<float>(q1 - 8);
+        if (has_fifth_bit(kType)) {
+          q0 |= ((fifth >> j) & 1) << 4;
+          q1 |= ((fifth >> (j + 16)) & 1) << 4;
+        }
+        if constexpr (kType == kQ4_0 || kType == kQ5_0) {
+          const int offset = kType == kQ4_0 ? 8 : 16;
+          o[j] = d[b] * static_cast<float>(q0 - offset);
+          o[j + 16] = d[b] * static_cast<float>(q1 - offset);
+        } else if constexpr (kType == kIQ4_NL) {
+          o[j] = d[b] * static_cast<float>(kIq4NlValues[q0]);
+          o[j + 16] = d[b] * static_cast<float>(kIq4NlValues[q1]);
         } else {
           o[j] = d[b] * static_cast<float>(q0) + m[b];
           o[j + 16] = d[b] * static_cast<float>(q1) + m[b];

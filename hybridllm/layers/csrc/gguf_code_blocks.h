@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "gguf_half.h"
 #include "gguf_types.h"
 
 namespace hybridllm_gguf {
@@ -28,6 +29,9 @@ struct CodeBlock {
 // decode(super, out): the 256 weights of the super-block at `super` (gguf_type_info(kType)
 // .unit_bytes bytes) into *out, computing what gguf.quants.dequantize computes once multiplied
 // out as (d * scale) * code + (dmin * min) in fp32. kHasMins: whether mins are ever nonzero.
+// Optionally kCodeOffset: an offset that makes every code of the type nonnegative and at most 128
+// (the int8 kernels then multiply code + offset as unsigned bytes and take offset * scale times
+// x's sums off, instead of applying the codes' signs to x; gguf_q8_dot.h's code_offset).
 template <int64_t kType>
 struct CodeBlockDecoder;
 

@@ -1,5 +1,5 @@
-// Linear layer y = x W^T computed straight from GGUF-quantized weight blocks (Q4_0, Q4_1, Q8_0,
-// Q4_K, Q5_K, Q6_K), with fp32 activations and fp32 arithmetic or, for few rows of x on request,
+// Linear layer y = x W^T computed straight from GGUF-quantized weight blocks (the types of
+// gguf_types.h), with fp32 activations and fp32 arithmetic or, for few rows of x on request,
 // int8 activations and integer dot products (gguf_q8_linear_cpu.cpp). Registered as the torch op
 // hybridllm::gguf_linear; built on first use by hybridllm/layers/cpu_kernels.py with the other
 // CPU kernels.
@@ -61,7 +61,6 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
   for (int r = 0; r < kRows; ++r)
     for (int c = 0; c < kCols; ++c)
       for (int h = 0; h < kChains; ++h) acc[r][c][h] = _mm512_setzero_ps();
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512i pair[kCols][2];  // Q4_K, Q5_K: the widened nibble bytes of the current sub-block pair
   __m512i high[kCols][2];  // Q5_K: the widened high-bit bytes of the current super-block
 
@@ -107,10 +106,8 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
       } else {
         // A 16-entry table of the block's possible weights, indexed by nibble with vpermps
         // (which reads only each lane's low 4 bits): decoding costs 2 permutes, no converts.
-        const __m512 table =
-            kType == kQ4_0
-                ? _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.f)), _mm512_set1_ps(scale))
-                : _mm512_fmadd_ps(iota, _mm512_set1_ps(scale), _mm512_set1_ps(m[c * nb + b]));
+        constexpr bool kMin = has_block_min(kType) || kType == kQ4_K || kType == kQ5_K;
+        const __m512 table = nibble_table<kType>(scale, kMin ? m[c * nb + b] : 0.f);
         if constexpr (kType == kQ4_K || kType == kQ5_K) {
           // sub-blocks 2i and 2i + 1 share 32 bytes (low and high nibbles): widen them once
           if (b % 2 == 0) {
@@ -144,8 +141,18 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
             lo[c] = _mm512_permutexvar_ps(_mm512_srli_epi32(pair[c][0], 4), table);
             hi[c] = _mm512_permutexvar_ps(_mm512_srli_epi32(pair[c][1], 4), table);
           }
+        } else if constexpr (has_fifth_bit(kType)) {
+          // Q5_0, Q5_1: the nibble's weight, + 16 d where the fifth bit is set (for Q5_1 one
+          // rounding more than dequantize_row's; a masked add is cheaper than vpermt2ps)
+          const __m512i q = widen_bytes(blk + nibble_offset(kType));
+          const uint32_t fifth = fifth_bits<kType>(blk);
+          const __m512 step = _mm512_set1_ps(16.f * scale);
+          lo[c] = _mm512_permutexvar_ps(q, table);
+          hi[c] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+          lo[c] = _mm512_mask_add_ps(lo[c], static_cast<__mmask16>(fifth), lo[c], step);
+          hi[c] = _mm512_mask_add_ps(hi[c], static_cast<__mmask16>(fifth >> 16), hi[c], step);
         } else {
-          const __m512i q = widen_bytes(w + c * row_bytes + b * bb + (kType == kQ4_1 ? 4 : 2));
+          const __m512i q = widen_bytes(blk + nibble_offset(kType));
           lo[c] = _mm512_permutexvar_ps(q, table);
           hi[c] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
         }
@@ -219,17 +226,28 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
         const uint8_t *lo, *hi;
         int lo_shift, hi_shift;
         nibble_runs<kType>(w + c * row_bytes, b, &lo, &hi, &lo_shift, &hi_shift);
-        const float shift = kType == kQ4_0 ? 8.f : 0.f;
-        const float low = kType == kQ4_0 ? 0.f : m[c * nb + b];
+        const float shift = kType == kQ4_0 ? 8.f : kType == kQ5_0 ? 16.f : 0.f;
+        constexpr bool kMin = has_block_min(kType) || kType == kQ4_K || kType == kQ5_K;
+        const float low = kMin ? m[c * nb + b] : 0.f;
         const uint8_t* bits = kType == kQ5_K ? q5_k_high_bits(w + c * row_bytes, b) : nullptr;
+        const uint32_t fifth = has_fifth_bit(kType) ? fifth_bits<kType>(blk) : 0;
         for (int j = 0; j < 16; ++j) {
           int q0 = (lo[j] >> lo_shift) & 15, q1 = (hi[j] >> hi_shift) & 15;
           if (kType == kQ5_K) {
             q0 |= ((bits[j] >> (b % 8)) & 1) << 4;
             q1 |= ((bits[j + 16] >> (b % 8)) & 1) << 4;
           }
-          wf[j] = scale * (static_cast<float>(q0) - shift) + low;
-          wf[j + 16] = scale * (static_cast<float>(q1) - shift) + low;
+          if (has_fifth_bit(kType)) {
+            q0 |= ((fifth >> j) & 1) << 4;
+            q1 |= ((fifth >> (j + 16)) & 1) << 4;
+          }
+          if constexpr (kType == kIQ4_NL) {
+            wf[j] = scale * static_cast<float>(kIq4NlValues[q0]);
+            wf[j + 16] = scale * static_cast<float>(kIq4NlValues[q1]);
+          } else {
+            wf[j] = scale * (static_cast<float>(q0) - shift) + low;
+            wf[j + 16] = scale * (static_cast<float>(q1) - shift) + low;
+          }
         }
       }
       for (int r = 0; r < kRows; ++r) {
@@ -330,6 +348,66 @@ void direct_linear(const float* x, int64_t M, int64_t K, const uint8_t* qw, int6
   });
 }
 
+// dot(w, x row r) for kRows rows of x (ldx apart) into y[r * ldy], K a multiple of 64; with few
+// rows, several accumulators a row (FMA latency).
+template <int kRows>
+inline void fp32_dots(const float* w, const float* x, int64_t ldx, int64_t K, float* y,
+                      int64_t ldy) {
+#if defined(__AVX512F__)
+  constexpr int kChains = kRows == 1 ? 4 : kRows == 2 ? 2 : 1;
+  __m512 acc[kRows][kChains];
+  for (int r = 0; r < kRows; ++r)
+    for (int h = 0; h < kChains; ++h) acc[r][h] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16 * kChains)
+#pragma GCC unroll 4
+    for (int h = 0; h < kChains; ++h) {
+      const __m512 wv = _mm512_load_ps(w + k + 16 * h);
+      for (int r = 0; r < kRows; ++r)
+        acc[r][h] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + r * ldx + k + 16 * h), acc[r][h]);
+    }
+  for (int r = 0; r < kRows; ++r) {
+    for (int h = 1; h < kChains; ++h) acc[r][0] = _mm512_add_ps(acc[r][0], acc[r][h]);
+    y[r * ldy] = _mm512_reduce_add_ps(acc[r][0]);
+  }
+#else
+  for (int r = 0; r < kRows; ++r) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t k = 0; k < K; ++k) s += w[k] * x[r * ldx + k];
+    y[r * ldy] = s;
+  }
+#endif
+}
+
+// Few rows of x for a type computed as code blocks (gguf_code_blocks.h), whatever the type: each
+// thread's weight rows decoded one at a time (dequantize_row) into its scratch, where it stays in
+// L1 / L2 while it meets every row of x, 4 at a time.
+template <int64_t kType>
+void code_block_linear(const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N,
+                       float* y) {
+  const int64_t nb = K / kBlock, row_bytes = row_bytes_of(kType, K);
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain = nb * M * N < kSerialWork ? N : (N + threads - 1) / threads;
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    const PrefetchWindow prefetch = start_prefetch(qw + begin * row_bytes,
+                                                   (end - begin) * row_bytes, kMaxPrefetchBytes,
+                                                   M == 1);
+    float* w = thread_scratch<kDecodedWeightSlot>(K);
+    for (int64_t n = begin; n < end; ++n) {
+      prefetch_ahead(prefetch, qw + begin * row_bytes, 1, (n - begin) * row_bytes, row_bytes);
+      dequantize_row<kType>(qw + n * row_bytes, nb, w, nullptr, nullptr);
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4) fp32_dots<4>(w, x + r * K, K, K, y + r * N + n, N);
+      switch (M - r) {
+        case 3: fp32_dots<3>(w, x + r * K, K, K, y + r * N + n, N); break;
+        case 2: fp32_dots<2>(w, x + r * K, K, K, y + r * N + n, N); break;
+        case 1: fp32_dots<1>(w, x + r * K, K, K, y + r * N + n, N); break;
+        default: break;
+      }
+    }
+  });
+}
+
 // Many rows of x: the weight decoded into fp32 a chunk of rows at a time (all threads), each
 // chunk multiplied by one BLAS GEMM over all threads. At M = 2048 this ran 2-8% faster than
 // per-thread L2-sized tiles through single-threaded GEMMs (interleaved A/B, SmolLM2's shapes);
@@ -417,7 +495,10 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
   auto run = [&](auto type_constant) {
     constexpr int64_t kType = decltype(type_constant)::value;
     if (M <= kDirectMaxRows) {
-      direct_linear<kType>(xc.data_ptr<float>(), M, K, qw, N, y.data_ptr<float>());
+      if constexpr (is_code_block_type(kType))
+        code_block_linear<kType>(xc.data_ptr<float>(), M, K, qw, N, y.data_ptr<float>());
+      else
+        direct_linear<kType>(xc.data_ptr<float>(), M, K, qw, N, y.data_ptr<float>());
     } else {
 #if defined(__AVX512F__)
       if (M <= panel_max_rows())

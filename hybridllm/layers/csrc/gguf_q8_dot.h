@@ -152,17 +152,116 @@ void q8_dot_super_blocks(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, i
     for (int c = 0; c < kCols; ++c) y[r * ldy + c] = sum8(acc[r][c]);
 }
 
-// The same for Q4_0, Q4_1, Q8_0 (one scale a 32-weight block): the block scales (and Q4_1 mins)
-// of 16 blocks converted at once as the kernel reaches them, times x's in 16-block vectors.
+// Code-block types (gguf_code_blocks.h): sum_j mins_j * bsums[j] over the 16 units, as 8 int32
+inline __m256i code_min_sums(const int16_t* mins, const int16_t* bsums) {
+  return _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(mins)),
+                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums)));
+}
+
+// A CodeBlockDecoder's optional kCodeOffset (code + offset in [0, 128] for every code), or -1:
+// with one, codes + offset meet x in vpmaddubsw as unsigned bytes, and offset * sum_j scale_j *
+// bsum_j is taken off the integer sums, instead of the signs' three operations a chunk.
+template <class D, class = void>
+struct code_offset : std::integral_constant<int, -1> {};
+template <class D>
+struct code_offset<D, std::void_t<decltype(D::kCodeOffset)>>
+    : std::integral_constant<int, D::kCodeOffset> {};
+
+// q8_dot_super_blocks for a type computed as code blocks: each weight row's super-block decoded
+// once (its CodeBlockDecoder), its signed codes meeting every row of x as |code| times x with
+// the code's sign, or as code + kCodeOffset (vpmaddubsw), times the int16 unit scales into int32
+// (vpdpwssd); then one float multiply a super-block with d * dx, and the mins' dmin * dx *
+// sum_j min_j * bsum_j.
+template <class S, int64_t kType, int kRows, int kCols>
+void q8_dot_code_blocks(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
+                        int64_t ldy, const PrefetchWindow& prefetch) {
+  using V = typename S::V;
+  using Decoder = CodeBlockDecoder<kType>;
+  constexpr int64_t kSuper = gguf_type_info(kType).unit_bytes;
+  constexpr int kOffset = code_offset<Decoder>::value;
+  static_assert(kOffset <= 128, "codes + kCodeOffset must fit vpmaddubsw's unsigned bytes");
+  __m256 acc[kRows][kCols];
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kCols; ++c) acc[r][c] = _mm256_setzero_ps();
+  CodeBlock cb[kCols];  // one a weight row: the next row's decoding need not wait for this one's
+  for (int64_t sb = 0; sb < K / kCodeBlockWeights; ++sb) {
+    prefetch_ahead(prefetch, w, kCols, sb * kSuper, kSuper);
+#pragma GCC unroll 4
+    for (int c = 0; c < kCols; ++c) {
+      Decoder::decode(w + c * row_bytes + sb * kSuper, &cb[c]);
+      V sums[kRows][2];
+      for (int r = 0; r < kRows; ++r) sums[r][0] = sums[r][1] = S::zero();
+#pragma GCC unroll 4
+      for (int z = 0; z < 4; ++z) {  // codes 64 z .. 64 z + 63: units 4 z .. 4 z + 3
+        const V codes = S::load64(cb[c].codes + 64 * z), sc = S::code_scales(cb[c].scales, z);
+        const int8_t* xq = x.q + sb * kCodeBlockWeights + 64 * z;
+        if constexpr (kOffset >= 0) {
+          const V u = kOffset > 0 ? S::add8(codes, kOffset) : codes;
+          for (int r = 0; r < kRows; ++r)
+            sums[r][z % 2] = S::dot_scaled(sums[r][z % 2], u, S::load64(xq + r * x.q_stride), sc);
+        } else {
+          const V magnitudes = S::abs8(codes);
+          const typename S::Signs signs = S::code_signs(codes);
+          for (int r = 0; r < kRows; ++r)
+            sums[r][z % 2] = S::dot_scaled(
+                sums[r][z % 2], magnitudes, S::signed_x(S::load64(xq + r * x.q_stride), signs), sc);
+        }
+      }
+      // the offset's share: offset * scale_j, times each row's bsums
+      __m256i offset_scales;
+      if constexpr (kOffset > 0)
+        offset_scales =
+            _mm256_mullo_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(cb[c].scales)),
+                               _mm256_set1_epi16(static_cast<short>(kOffset)));
+      for (int r = 0; r < kRows; ++r) {
+        const Q8Rows xr = x.row(r);
+        __m256i total = S::fold(S::add32(sums[r][0], sums[r][1]));
+        if constexpr (kOffset > 0) {
+          const __m256i bsums =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.bsums + sb * 16));
+          total = _mm256_sub_epi32(total, _mm256_madd_epi16(offset_scales, bsums));
+        }
+        if constexpr (Decoder::kHasMins)
+          acc[r][c] =
+              add_super_block(acc[r][c], total, cb[c].d * xr.d[sb],
+                              code_min_sums(cb[c].mins, xr.bsums + sb * 16), cb[c].dmin * xr.d[sb]);
+        else
+          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total),
+                                      _mm256_set1_ps(cb[c].d * xr.d[sb]), acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kCols; ++c) y[r * ldy + c] = sum8(acc[r][c]);
+}
+
+// The 32-bit words at p0 .. p3 in one vector.
+inline __m128i quad_words(const uint8_t* p0, const uint8_t* p1, const uint8_t* p2,
+                          const uint8_t* p3) {
+  const auto word = [](const uint8_t* p) {
+    int v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  };
+  return _mm_setr_epi32(word(p0), word(p1), word(p2), word(p3));
+}
+
+// The same for the 32-weight block types (one scale a block): the block scales (and mins) of 16
+// blocks converted at once as the kernel reaches them, times x's in 16-block vectors.
 template <class S, int64_t kType, int kRows, int kCols>
 void q8_dot_blocks(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t nb, float* y,
                    int64_t ldy, const PrefetchWindow& prefetch) {
   using V = typename S::V;
   using F = typename S::F;
   constexpr int64_t bb = block_bytes(kType);
-  constexpr int64_t kCodes = kType == kQ4_1 ? 4 : 2;  // where a block's nibbles / int8s start
-  // what a weight block adds per unit of its x's sum: w = d (code - offset) (+ m for Q4_1)
-  constexpr float kOffset = kType == kQ4_0 ? 8.f : kType == kQ8_0 ? S::kQ8Offset : 0.f;
+  constexpr int64_t kCodes = nibble_offset(kType);  // where a block's nibbles / int8s start
+  // what a weight block adds per unit of its x's sum: w = d (code - offset) (+ m for Q4_1,
+  // Q5_1). Q8_0 and IQ4_NL codes are signed, S::kQ8Offset what S adds to make them unsigned.
+  constexpr float kOffset = kType == kQ4_0                       ? 8.f
+                            : kType == kQ5_0                     ? 16.f
+                            : kType == kQ8_0 || kType == kIQ4_NL ? S::kQ8Offset
+                                                                 : 0.f;
+  constexpr bool kSigned = kType == kIQ4_NL;  // codes for S::dot_q8, as Q8_0's
   F acc[kRows][kCols];
   for (int r = 0; r < kRows; ++r)
     for (int c = 0; c < kCols; ++c) acc[r][c] = S::fzero();
@@ -175,33 +274,54 @@ void q8_dot_blocks(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t
     for (int c = 0; c < kCols; ++c) {
       const uint8_t* row = w + c * row_bytes;
       F dw, mw, scale[kRows];  // scale: d_b * dx_b of the 16 blocks
-      S::template block_scales16<bb, kType == kQ4_1>(row + b0 * bb, n, &dw, &mw);
+      S::template block_scales16<bb, has_block_min(kType)>(row + b0 * bb, n, &dw, &mw);
       for (int r = 0; r < kRows; ++r) {
         const Q8Rows xr = x.row(r);
         scale[r] = S::mul(dw, S::load16(xr.d + b0));
         // the offsets: the sum of x times -offset * d (+ m)
         const F sx = S::load16(xr.s + b0);
-        if constexpr (kType == kQ4_1) acc[r][c] = S::fma(mw, sx, acc[r][c]);
+        if constexpr (has_block_min(kType)) acc[r][c] = S::fma(mw, sx, acc[r][c]);
         if constexpr (kOffset != 0.f) acc[r][c] = S::fma(S::mul(dw, -kOffset), sx, acc[r][c]);
       }
       if constexpr (kType != kQ8_0) {
-        // Q4_0/Q4_1: four blocks a step, their 16 nibble bytes in one vector (x in quads to
-        // match: Q8Rows from quantize_rows<32, true>); past the last block, the quad's first one
-        // again against x's zeros
+        // the 4-bit types: four blocks a step, their 16 nibble bytes in one vector (x in quads
+        // to match: Q8Rows from quantize_rows<32, true>); past the last block, the quad's first
+        // one again against x's zeros
 #pragma GCC unroll 4
         for (int q = 0; q < 4; ++q) {
           if (4 * q >= n) break;
           const int64_t b = b0 + 4 * q;
-          const uint8_t* blk = row + b * bb + kCodes;
-          const V bytes =
-              b + 4 <= nb ? S::bytes16x4(blk, blk + bb, blk + 2 * bb, blk + 3 * bb)
-                          : S::bytes16x4(blk, blk + bb * (b + 1 < nb), blk + 2 * bb * (b + 2 < nb),
-                                         blk + 3 * bb * (b + 3 < nb));
-          const V low = S::low_nibbles(bytes), high = S::high_nibbles(bytes);
+          V low, high;
+          if constexpr (has_fifth_bit(kType) && S::kQuadPermute) {
+            S::template quad5<bb, kCodes>(row + b * bb, nb - b, &low, &high);
+          } else {
+            const uint8_t* blk = row + b * bb + kCodes;
+            const V bytes = b + 4 <= nb ? S::bytes16x4(blk, blk + bb, blk + 2 * bb, blk + 3 * bb)
+                                        : S::bytes16x4(blk, blk + bb * (b + 1 < nb),
+                                                       blk + 2 * bb * (b + 2 < nb),
+                                                       blk + 3 * bb * (b + 3 < nb));
+            low = S::low_nibbles(bytes);
+            high = S::high_nibbles(bytes);
+            if constexpr (has_fifth_bit(kType)) {  // past the last block: any bits (x is 0)
+              const uint8_t* qh = blk - 4;  // the fifth bits' word
+              const __m128i words =
+                  b + 4 <= nb ? quad_words(qh, qh + bb, qh + 2 * bb, qh + 3 * bb)
+                              : quad_words(qh, qh + bb * (b + 1 < nb), qh + 2 * bb * (b + 2 < nb),
+                                           qh + 3 * bb * (b + 3 < nb));
+              S::add_quad_fifth_bits(&low, &high, words);
+            }
+          }
+          if constexpr (kSigned) {
+            low = S::iq4_nl_codes(low);
+            high = S::iq4_nl_codes(high);
+          }
           for (int r = 0; r < kRows; ++r) {
             const int8_t* xq = x.row(r).q + b * 32;
-            const V sums =
-                S::dot_u8(S::dot_u8(S::zero(), low, S::load64(xq)), high, S::load64(xq + 64));
+            V sums;
+            if constexpr (kSigned)
+              sums = S::dot_q8(S::dot_q8(S::zero(), low, S::load64(xq)), high, S::load64(xq + 64));
+            else
+              sums = S::dot_u8(S::dot_u8(S::zero(), low, S::load64(xq)), high, S::load64(xq + 64));
             acc[r][c] = S::fma_cvt(acc[r][c], sums, S::quad_scale(scale[r], q));
           }
         }
@@ -230,6 +350,26 @@ void q8_dot_blocks(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t
 template <int64_t kType>
 float q8_dot_scalar(const Q8Rows& x, const uint8_t* row, int64_t K) {
   float y = 0.f;
+  if constexpr (is_code_block_type(kType)) {
+    // the code blocks' integer sums, a unit's codes times x scaled by the unit's scale
+    constexpr int64_t kSuper = gguf_type_info(kType).unit_bytes;
+    CodeBlock cb;
+    for (int64_t sb = 0; sb < K / kCodeBlockWeights; ++sb) {
+      CodeBlockDecoder<kType>::decode(row + sb * kSuper, &cb);
+      const int8_t* q = x.q + sb * kCodeBlockWeights;
+      const int16_t* bsums = x.bsums + sb * 16;
+      int32_t sum = 0, mins = 0;
+      for (int64_t u = 0; u < kCodeBlockWeights / kCodeUnit; ++u) {
+        int32_t dot = 0;
+        for (int64_t i = 0; i < kCodeUnit; ++i)
+          dot += cb.codes[u * kCodeUnit + i] * q[u * kCodeUnit + i];
+        sum += cb.scales[u] * dot;
+        mins += cb.mins[u] * bsums[u];
+      }
+      y += x.d[sb] * (cb.d * static_cast<float>(sum) + cb.dmin * static_cast<float>(mins));
+    }
+    return y;
+  }
   if constexpr (kType == kQ4_K || kType == kQ5_K || kType == kQ6_K) {
     constexpr int64_t kSuper = kType == kQ4_K   ? kSuperBytes
                                : kType == kQ5_K ? kQ5SuperBytes
@@ -281,13 +421,20 @@ float q8_dot_scalar(const Q8Rows& x, const uint8_t* row, int64_t K) {
       const int8_t* wq = reinterpret_cast<const int8_t*>(row + b * bb + 2);
       for (int l = 0; l < 32; ++l) dot += wq[l] * q[l];
     } else {
-      const uint8_t* nibbles = row + b * bb + (kType == kQ4_1 ? 4 : 2);
-      for (int l = 0; l < 16; ++l) dot += (nibbles[l] & 15) * q[l] + (nibbles[l] >> 4) * q[l + 16];
+      const uint8_t* nibbles = row + b * bb + nibble_offset(kType);
+      const uint32_t fifth = has_fifth_bit(kType) ? fifth_bits<kType>(row + b * bb) : 0;
+      for (int l = 0; l < 32; ++l) {
+        const int nibble = (nibbles[l % 16] >> (l / 16 * 4)) & 15;
+        const int code = kType == kIQ4_NL ? kIq4NlValues[nibble]
+                                          : nibble | static_cast<int>((fifth >> l) & 1) << 4;
+        dot += code * q[l];
+      }
     }
     const float d = half_to_float(load_u16(row + b * bb));
     y += d * x.d[b] * static_cast<float>(dot);
-    if constexpr (kType == kQ4_0) y -= 8.f * d * x.s[b];
-    if constexpr (kType == kQ4_1) y += half_to_float(load_u16(row + b * bb + 2)) * x.s[b];
+    if constexpr (kType == kQ4_0 || kType == kQ5_0)
+      y -= (kType == kQ4_0 ? 8.f : 16.f) * d * x.s[b];
+    if constexpr (has_block_min(kType)) y += half_to_float(load_u16(row + b * bb + 2)) * x.s[b];
   }
   return y;
 }

@@ -36,21 +36,37 @@ constexpr int64_t kTileRows = 16 * kH;
 // every tile of x passes over it.
 constexpr int64_t kPanelCodeBytes = 128 << 10;
 
+// Whether a type computed as code blocks (gguf_code_blocks.h) has mins; false for the others.
+template <int64_t kType>
+constexpr bool code_block_mins() {
+  if constexpr (is_code_block_type(kType))
+    return CodeBlockDecoder<kType>::kHasMins;
+  else
+    return false;
+}
+
 // A weight type as the GEMM sees it: weight = scale * (code - kOffset) + min, with codes
 // unsigned bytes, one scale (and min) per kUnit weights, and x quantized in groups of kGroup.
-// Q4_1's mins are floats (kFloatMins); a K-quant's (kCodeMins) are 6-bit codes times its
-// super-block's -dmin, so their products with x's unit sums add up in integers, a super-block at
-// a time: 4 vpdpwssd where float mins took 8 FMAs.
+// Q4_1's and Q5_1's mins are floats (kFloatMins); a K-quant's (kCodeMins) are 6-bit codes times
+// its super-block's -dmin, so their products with x's unit sums add up in integers, a super-block at
+// a time: 4 vpdpwssd where float mins took 8 FMAs. Code-block types: their signed codes + 128,
+// d * scale a unit, and their integer mins (if any) times dmin as the K-quants' are.
 template <int64_t kType>
 struct GemmType {
-  static constexpr int64_t kUnit = kType == kQ6_K ? 16 : 32;
+  static constexpr bool kCodeBlocks = is_code_block_type(kType);
+  static constexpr int64_t kUnit = kType == kQ6_K || kCodeBlocks ? 16 : 32;
   static constexpr int64_t kGroup = q8_group(kType);
-  static constexpr bool kCodeMins = kType == kQ4_K || kType == kQ5_K;
-  static constexpr bool kFloatMins = kType == kQ4_1;
-  static constexpr int32_t kOffset = kType == kQ4_0   ? 8
-                                     : kType == kQ8_0 ? 128
-                                     : kType == kQ6_K ? 32
-                                                      : 0;
+  static constexpr bool kCodeMins = kType == kQ4_K || kType == kQ5_K || code_block_mins<kType>();
+  static constexpr bool kFloatMins = has_block_min(kType);
+  // Q8_0's, IQ4_NL's and the code blocks' signed weights as unsigned codes w + 128
+  static constexpr int32_t kOffset =
+      kType == kQ4_0                                       ? 8
+      : kType == kQ5_0                                     ? 16
+      : kType == kQ8_0 || kType == kIQ4_NL || kCodeBlocks ? 128
+      : kType == kQ6_K                                     ? 32
+                                                           : 0;
+  // both an offset and integer mins: the unit sums' pairs for the mins in a region of their own
+  static constexpr bool kSeparatePairs = kCodeMins && kOffset != 0;
 };
 
 // Weight rows a micro-kernel call, so that its accumulators stay in registers: with groups of
@@ -63,12 +79,14 @@ constexpr int kCols = (GemmType<kType>::kGroup > GemmType<kType>::kUnit ? 12 : 8
 // Rows of x in tiles of R = kTileRows rows: tile t's int8 values [K / 4][R][4] (4 consecutive
 // values of each row a 32-bit lane, rows past M zero), its scales [K / kGroup][R] and, per unit
 // of weights, what the weights' offset or min multiplies: [K / kUnit][R] of int32
-// -kOffset * sum(q) (kOffset) or float sum(q) (Q4_1), or (kCodeMins) [K / kUnit / 2][R] of
-// the int16 pairs (sum(q) of unit 2i, of unit 2i + 1).
+// -kOffset * sum(q) (kOffset) or float sum(q) (Q4_1, Q5_1), and (kCodeMins) [K / kUnit / 2][R] of
+// the int16 pairs (sum(q) of unit 2i, of unit 2i + 1), in `pairs`: `unit` itself where the type
+// has no offset (both tile t's at t * K / kUnit * R 32-bit words).
 struct PackedX {
   const int8_t* q;
   const float* d;
   const void* unit;
+  const int32_t* pairs;
   int64_t tiles;
 };
 
@@ -97,11 +115,13 @@ PackedX pack_x(const Q8Rows& rows, int64_t M, int64_t K, std::vector<uint8_t>& b
   const int64_t tiles = (M + kTileRows - 1) / kTileRows;
   const int64_t groups = K / T::kGroup, units = K / T::kUnit;
   const int64_t q_bytes = tiles * K * kTileRows, d_bytes = tiles * groups * kTileRows * 4;
-  buffer.resize(q_bytes + d_bytes + tiles * units * kTileRows * 4 + 64);
+  const int64_t unit_bytes = tiles * units * kTileRows * 4;
+  buffer.resize(q_bytes + d_bytes + (T::kSeparatePairs ? 2 : 1) * unit_bytes + 64);
   uint8_t* base = buffer.data() + (64 - reinterpret_cast<uintptr_t>(buffer.data()) % 64) % 64;
   int8_t* q = reinterpret_cast<int8_t*>(base);
   float* d = reinterpret_cast<float*>(base + q_bytes);
   uint8_t* unit = base + q_bytes + d_bytes;
+  uint8_t* pair_base = T::kSeparatePairs ? unit + unit_bytes : unit;
   // one task a half tile: 16 rows of x, whose 4-value dwords a 16 x 16 transpose interleaves
   at::parallel_for(0, tiles * kH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
@@ -110,6 +130,7 @@ PackedX pack_x(const Q8Rows& rows, int64_t M, int64_t K, std::vector<uint8_t>& b
       int8_t* qt = q + t * K * kTileRows + 4 * i0;
       float* dt = d + t * groups * kTileRows + i0;
       int32_t* ut = reinterpret_cast<int32_t*>(unit) + t * units * kTileRows + i0;
+      int32_t* pt = reinterpret_cast<int32_t*>(pair_base) + t * units * kTileRows + i0;
       const int8_t* src[16];
       for (int i = 0; i < 16; ++i) src[i] = i < live ? rows.row(r0 + i).q : nullptr;
       int64_t k = 0;
@@ -133,17 +154,17 @@ PackedX pack_x(const Q8Rows& rows, int64_t M, int64_t K, std::vector<uint8_t>& b
       for (int i = 0; i < 16; ++i) {
         if (!src[i]) {
           for (int64_t g = 0; g < groups; ++g) dt[g * kTileRows + i] = 0.f;
-          for (int64_t u = 0; u < units; ++u) ut[u * kTileRows + i] = 0;
+          for (int64_t u = 0; u < units; ++u) ut[u * kTileRows + i] = pt[u * kTileRows + i] = 0;
           continue;
         }
         const Q8Rows row = rows.row(r0 + i);
         for (int64_t g = 0; g < groups; ++g) dt[g * kTileRows + i] = row.d[g];
         if constexpr (T::kCodeMins) {  // |sum| <= 32 * 127: an int16
-          int16_t* pairs = reinterpret_cast<int16_t*>(ut);
+          int16_t* pairs = reinterpret_cast<int16_t*>(pt);
           for (int64_t u = 0; u < units; ++u)
             pairs[2 * ((u / 2) * kTileRows + i) + u % 2] =
                 static_cast<int16_t>(unit_sum<T::kUnit>(row, u));
-          continue;
+          if constexpr (!T::kSeparatePairs) continue;
         }
         for (int64_t u = 0; u < units; ++u) {
           const int32_t sum = unit_sum<T::kUnit>(row, u);
@@ -157,13 +178,13 @@ PackedX pack_x(const Q8Rows& rows, int64_t M, int64_t K, std::vector<uint8_t>& b
       }
     }
   });
-  return {q, d, unit, tiles};
+  return {q, d, unit, reinterpret_cast<const int32_t*>(pair_base), tiles};
 }
 
 // A panel of weight rows unpacked: codes [rows][K], and per unit of kUnit weights scales
-// [rows][units] and mins: Q4_1's [rows][units]; a K-quant's 6-bit codes min_codes [rows][units]
-// and -dmin in mins [rows][super-blocks]. Rows `units` apart; rows past N have zero codes and
-// scales.
+// [rows][units] and mins: Q4_1's and Q5_1's [rows][units]; a K-quant's 6-bit codes min_codes
+// [rows][units] and -dmin in mins [rows][super-blocks]. Rows `units` apart; rows past N have
+// zero codes and scales.
 struct Panel {
   uint8_t* codes;
   float* scales;
@@ -177,7 +198,26 @@ void unpack_row(const uint8_t* row, int64_t K, uint8_t* codes, float* scales, fl
                 int16_t* min_codes) {
   using S = Avx512Vnni;
   const int64_t nb = K / kBlock;
-  if constexpr (kType == kQ6_K) {
+  if constexpr (is_code_block_type(kType)) {
+    // codes + 128; d * scale a unit; the integer mins as they are and dmin a super-block
+    constexpr int64_t kSuper = gguf_type_info(kType).unit_bytes;
+    CodeBlock cb;
+    for (int64_t sb = 0; sb < K / kCodeBlockWeights; ++sb) {
+      CodeBlockDecoder<kType>::decode(row + sb * kSuper, &cb);
+      for (int z = 0; z < 4; ++z)
+        _mm512_storeu_si512(codes + sb * kCodeBlockWeights + 64 * z,
+                            _mm512_xor_si512(_mm512_load_si512(cb.codes + 64 * z),
+                                             _mm512_set1_epi8(static_cast<char>(0x80))));
+      const __m256i unit_scales = _mm256_load_si256(reinterpret_cast<const __m256i*>(cb.scales));
+      _mm512_storeu_ps(scales + 16 * sb,
+                       _mm512_mul_ps(_mm512_set1_ps(cb.d),
+                                     _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(unit_scales))));
+      if constexpr (GemmType<kType>::kCodeMins) {
+        std::memcpy(min_codes + 16 * sb, cb.mins, sizeof(cb.mins));
+        mins[sb] = cb.dmin;
+      }
+    }
+  } else if constexpr (kType == kQ6_K) {
     for (int64_t sb = 0; sb < K / 256; ++sb) {
       const uint8_t* s = row + sb * kQ6SuperBytes;
       // codes are q + 32, in order: 64 at a time (half z / 2, part z % 2, as gguf_q8_dot.h)
@@ -211,7 +251,7 @@ void unpack_row(const uint8_t* row, int64_t K, uint8_t* codes, float* scales, fl
     }
   } else {
     constexpr int64_t bb = block_bytes(kType);
-    constexpr int64_t kCodes = kType == kQ4_1 ? 4 : 2;
+    constexpr int64_t kCodes = nibble_offset(kType);
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = row + b * bb + kCodes;
       if constexpr (kType == kQ8_0) {
@@ -221,12 +261,16 @@ void unpack_row(const uint8_t* row, int64_t K, uint8_t* codes, float* scales, fl
       } else {  // low nibbles: weights 0-15, high: 16-31
         const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)),
                       m = _mm_set1_epi8(15);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + b * 32), _mm_and_si128(v, m));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + b * 32 + 16),
-                         _mm_and_si128(_mm_srli_epi16(v, 4), m));
+        const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(v, m)),
+                                                     _mm_and_si128(_mm_srli_epi16(v, 4), m), 1);
+        __m512i c = _mm512_castsi256_si512(both);
+        if constexpr (has_fifth_bit(kType))  // byte i + 16 where weight i's fifth bit is set
+          c = S::add_fifth_bits(c, fifth_bits<kType>(row + b * bb));
+        if constexpr (kType == kIQ4_NL) c = S::iq4_nl_codes(c);  // table values + 128
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + b * 32), _mm512_castsi512_si256(c));
       }
     }
-    block_scales<kType>(row, nb, scales, mins);  // d (and Q4_1's m)
+    block_scales<kType>(row, nb, scales, mins);  // d (and Q4_1's, Q5_1's m)
   }
 }
 
@@ -242,6 +286,7 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
   const int8_t* xq = x.q + t * K * kTileRows;
   const float* xd = x.d + t * groups * kTileRows;
   const int32_t* xu = static_cast<const int32_t*>(x.unit) + t * units * kTileRows;
+  const int32_t* xp = x.pairs + t * units * kTileRows;
   const uint8_t* codes[kCols];
   const float *scales[kCols], *mins[kCols];
   const int16_t* min_codes[kCols];
@@ -269,7 +314,7 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
         for (int h = 0; h < kH; ++h) min_sum[c][h] = _mm512_setzero_si512();
       for (int64_t p = g * kUnitsPerGroup / 2; p < (g + 1) * kUnitsPerGroup / 2; ++p) {
         __m512i pairs[kH];
-        for (int h = 0; h < kH; ++h) pairs[h] = _mm512_load_si512(xu + p * kTileRows + 16 * h);
+        for (int h = 0; h < kH; ++h) pairs[h] = _mm512_load_si512(xp + p * kTileRows + 16 * h);
         for (int c = 0; c < kCols; ++c) {
           int32_t two;
           std::memcpy(&two, min_codes[c] + 2 * p, 4);

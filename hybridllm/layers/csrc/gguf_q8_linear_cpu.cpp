@@ -49,7 +49,9 @@ void for_weight_rows(int64_t M, int64_t K, const uint8_t* qw, int64_t N, Body bo
 template <class S, int64_t kType, int kRows, int kCols>
 void tile(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t ldy,
           const PrefetchWindow& prefetch) {
-  if constexpr (is_k_quant(kType))
+  if constexpr (is_code_block_type(kType))
+    q8_dot_code_blocks<S, kType, kRows, kCols>(x, w, row_bytes, K, y, ldy, prefetch);
+  else if constexpr (is_k_quant(kType))
     q8_dot_super_blocks<S, kType, kRows, kCols>(x, w, row_bytes, K, y, ldy, prefetch);
   else
     q8_dot_blocks<S, kType, kRows, kCols>(x, w, row_bytes, K / kBlock, y, ldy, prefetch);
@@ -134,12 +136,12 @@ RowsFn rows_fn(int64_t path) {
   }
 }
 
-// x's rows quantized as every path reads them: Q4_0/Q4_1 in quads of blocks (see
-// q8_dot_blocks) except on the scalar path, which reads them in order.
+// x's rows quantized as every path reads them: for the 4-bit 32-weight block types in quads of
+// blocks (see q8_dot_blocks) except on the scalar path, which reads them in order.
 template <int64_t kType>
 Q8Rows quantize_for(int64_t path, const float* x, int64_t M, int64_t K) {
   thread_local std::vector<uint8_t> buffer;  // kept from call to call, as thread_scratch
-  constexpr bool kQuads = kType == kQ4_0 || kType == kQ4_1;
+  constexpr bool kQuads = is_nibble_block_type(kType);
   return path == kQ8Scalar ? quantize_rows<q8_group(kType)>(x, M, K, buffer)
                            : quantize_rows<q8_group(kType), kQuads>(x, M, K, buffer);
 }

@@ -5,7 +5,11 @@
 // in bytes 32-63; the AVX2 one holds a V in two registers.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
+
+#include "gguf_types.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -15,6 +19,29 @@ namespace hybridllm_gguf {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define HYBRIDLLM_Q8_AVX512 1
+#if defined(__AVX512VBMI__)
+// Q5_0 / Q5_1 quads unpacked by byte permutes (Avx512Vnni::quad5): where each output byte comes
+// from in the quad's 4 * kBytes bytes. Lane k (block k), byte j: `nibbles` the block's nibble
+// byte j; `low` / `high` the byte of its fifth bits that holds bit j of its low (high) half.
+struct QuadIndex {
+  alignas(64) uint8_t nibbles[64];
+  alignas(64) uint8_t low[64];
+  alignas(64) uint8_t high[64];
+};
+template <int64_t kBytes, int64_t kCodes>
+constexpr QuadIndex quad_index() {
+  QuadIndex t{};
+  for (int i = 0; i < 64; ++i) {
+    const int k = i / 16, j = i % 16, block = static_cast<int>(kBytes) * k;
+    t.nibbles[i] = static_cast<uint8_t>(block + kCodes + j);
+    t.low[i] = static_cast<uint8_t>(block + kCodes - 4 + j / 8);
+    t.high[i] = static_cast<uint8_t>(block + kCodes - 2 + j / 8);
+  }
+  return t;
+}
+template <int64_t kBytes, int64_t kCodes>
+inline constexpr QuadIndex kQuadIndex = quad_index<kBytes, kCodes>();
+#endif
 struct Avx512Vnni {
   using V = __m512i;  // 64 bytes, or 16 int32 sums
   using F = __m512;   // 16 fp32 partial sums (or block scales)
@@ -55,6 +82,16 @@ struct Avx512Vnni {
                                         _mm256_set1_epi8(static_cast<char>(2 << bit)), 1);
     return _mm512_mask_add_epi8(w, _mm512_test_epi8_mask(hb, select), w, _mm512_set1_epi8(16));
   }
+  // Q5_0, Q5_1: + 16 to byte i where bit i of `bits` is set
+  static V add_fifth_bits(V w, uint64_t bits) {
+    return _mm512_mask_add_epi8(w, bits, w, _mm512_set1_epi8(16));
+  }
+  // IQ4_NL: nibbles (bytes 0-15) as their table values + 128, unsigned like Q8_0's codes
+  static V iq4_nl_codes(V nibbles) {
+    const __m128i values = _mm_xor_si128(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4NlValues)), _mm_set1_epi8(-128));
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(values), nibbles);
+  }
   // Q6_K: 64 weights' 6-bit codes from a half's 64 ql bytes and its 32 qh bytes (broadcast):
   // part 0 the low nibbles with qh bits 0-1 (unit 0) and 2-3 (unit 1), part 1 the high nibbles
   // with bits 4-5 and 6-7. 16-bit shifts: what crosses from the neighbour byte is masked off.
@@ -71,6 +108,27 @@ struct Avx512Vnni {
   // acc += sc * (u x pair sums), sc int16 per pair: no saturation while u * |x| <= 127 * 63
   static V dot_scaled(V acc, V u, V x, V sc) {
     return _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(u, x), sc);
+  }
+  // Code blocks (gguf_code_blocks.h): signed codes w meet x as |w| times x with w's sign. The
+  // signs are found once a chunk of 64 codes, applied to each row of x (no vpsignb in AVX-512:
+  // x negated where w < 0; where w = 0, |w| = 0 makes the product 0 anyway).
+  using Signs = __mmask64;
+  static Signs code_signs(V w) { return _mm512_movepi8_mask(w); }
+  static V abs8(V w) { return _mm512_abs_epi8(w); }
+  static V add8(V w, int c) { return _mm512_add_epi8(w, _mm512_set1_epi8(static_cast<char>(c))); }
+  static V signed_x(V x, Signs s) { return _mm512_mask_sub_epi8(x, s, _mm512_setzero_si512(), x); }
+  // The int16 unit scales of codes 64 z .. 64 z + 63 (units 4 z .. 4 z + 3, one a 128-bit lane)
+  // spread over the int16 pair sums of vpmaddubsw
+  static V code_scales(const int16_t* scales, int z) {
+    const __m512i all = _mm512_castsi256_si512(
+        _mm256_load_si256(reinterpret_cast<const __m256i*>(scales)));  // loaded once a block
+    return _mm512_permutexvar_epi16(
+        _mm512_add_epi16(_mm512_set1_epi16(static_cast<short>(4 * z)),
+                         _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_setr_m128i(
+                                                _mm_set1_epi16(0), _mm_set1_epi16(1))),
+                                            _mm256_setr_m128i(_mm_set1_epi16(2), _mm_set1_epi16(3)),
+                                            1)),
+        all);
   }
   // K-quant sub-block scales (bytes 0-7) as int16 in every 128-bit lane; pair i's: units 2i, 2i+1
   static V k_scales(__m128i scales) { return _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(scales)); }
@@ -102,6 +160,58 @@ struct Avx512Vnni {
     *d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
     if constexpr (kMins) *m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)));
   }
+#if defined(__AVX512VBMI__)
+  static constexpr bool kQuadPermute = true;
+  // Q5_0, Q5_1: the codes (5-bit values) of the quad of blocks kBytes apart from blk, `left`
+  // blocks left in the row, as bytes16x4 + low_nibbles / high_nibbles + add_quad_fifth_bits give
+  // them (zeros past the row's end): the quad read as 64 + 32 bytes, the nibble bytes and the
+  // bytes of the fifth bits put in place by vpermt2b. Masked loads (nothing read past the row)
+  // only near the row's end: on a Zen 5 EPYC they cost the kernel 25% more than plain ones.
+  template <int64_t kBytes, int64_t kCodes>
+  static void quad5(const uint8_t* blk, int64_t left, V* low, V* high) {
+    static_assert(4 * kBytes <= 96, "a quad in 96 bytes");
+    constexpr const QuadIndex& index = kQuadIndex<kBytes, kCodes>;
+    V a, b;  // b: bytes 64-95 (the upper half unused)
+    if (left * kBytes >= 96) {
+      a = load64(blk);
+      b = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64)));
+    } else {
+      const int64_t bytes = std::min<int64_t>(left, 4) * kBytes;
+      const __mmask64 first = bytes >= 64 ? ~0ull : (1ull << bytes) - 1;
+      const __mmask64 second = bytes > 64 ? (1ull << (bytes - 64)) - 1 : 0;
+      a = _mm512_maskz_loadu_epi8(first, blk);
+      b = _mm512_maskz_loadu_epi8(second, blk + 64);
+    }
+    const V nibbles = _mm512_permutex2var_epi8(a, load64(index.nibbles), b);
+    const V select = _mm512_set1_epi64(static_cast<int64_t>(0x8040201008040201ull));
+    const V sixteen = _mm512_set1_epi8(16);
+    const V lo = low_nibbles(nibbles), hi = high_nibbles(nibbles);
+    const __mmask64 lo_bits =
+        _mm512_test_epi8_mask(_mm512_permutex2var_epi8(a, load64(index.low), b), select);
+    const __mmask64 hi_bits =
+        _mm512_test_epi8_mask(_mm512_permutex2var_epi8(a, load64(index.high), b), select);
+    *low = _mm512_mask_add_epi8(lo, lo_bits, lo, sixteen);
+    *high = _mm512_mask_add_epi8(hi, hi_bits, hi, sixteen);
+  }
+#else
+  static constexpr bool kQuadPermute = false;
+  template <int64_t kBytes, int64_t kCodes>
+  static void quad5(const uint8_t*, int64_t, V*, V*) {}
+#endif
+  // Q5_0, Q5_1: + 16 to each byte of a quad's low and high nibble vectors (bytes16x4) whose
+  // weight's fifth bit is set; `words` the four blocks' fifth bits (quad_words). Every lane gets
+  // the four words, lane k spreads byte j / 8 of block k's low (high) half over its byte j, and
+  // each byte's own bit is tested. (A gather of 16 blocks' words cost 1.8x the whole quad loop
+  // on a Zen 5 EPYC.)
+  static void add_quad_fifth_bits(V* low, V* high, __m128i words) {
+    const V all = _mm512_broadcast_i32x4(words);
+    const V select = _mm512_set1_epi64(static_cast<int64_t>(0x8040201008040201ull));
+    const V lo = _mm512_shuffle_epi8(all, spread_index(0));
+    const V hi = _mm512_shuffle_epi8(all, spread_index(2));
+    const V sixteen = _mm512_set1_epi8(16);
+    *low = _mm512_mask_add_epi8(*low, _mm512_test_epi8_mask(lo, select), *low, sixteen);
+    *high = _mm512_mask_add_epi8(*high, _mm512_test_epi8_mask(hi, select), *high, sixteen);
+  }
   static F fzero() { return _mm512_setzero_ps(); }
   static F load16(const float* p) { return _mm512_loadu_ps(p); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
@@ -132,6 +242,16 @@ struct Avx512Vnni {
  private:
   static __m128i load16(const uint8_t* p) {
     return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  }
+  // lane k: byte 4 k + half, 8 times, then byte 4 k + half + 1, 8 times
+  static V spread_index(char half) {
+    const V k4 = _mm512_setr_epi32(0, 0, 0, 0, 0x04040404, 0x04040404, 0x04040404, 0x04040404,
+                                   0x08080808, 0x08080808, 0x08080808, 0x08080808, 0x0C0C0C0C,
+                                   0x0C0C0C0C, 0x0C0C0C0C, 0x0C0C0C0C);
+    return _mm512_add_epi8(k4, _mm512_broadcast_i32x4(_mm_setr_epi8(
+                                   half, half, half, half, half, half, half, half, half + 1,
+                                   half + 1, half + 1, half + 1, half + 1, half + 1, half + 1,
+                                   half + 1)));
   }
   static V shifts(short unit0, short unit1) {
     return _mm512_inserti64x4(_mm512_set1_epi16(unit0), _mm256_set1_epi16(unit1), 1);
@@ -192,6 +312,35 @@ struct Avx2Q8 {
     return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0)),
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1))};
   }
+  static constexpr bool kQuadPermute = false;
+  template <int64_t kBytes, int64_t kCodes>
+  static void quad5(const uint8_t*, int64_t, V*, V*) {}
+  // Q5_0, Q5_1: as Avx512Vnni's (V.lo's 128-bit lanes blocks 0 and 1, V.hi's 2 and 3)
+  static void add_quad_fifth_bits(V* low, V* high, __m128i words) {
+    const __m256i all = _mm256_broadcastsi128_si256(words);
+    const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    // 16 where the bit is set: `first` the byte of `words` that the first block's half starts
+    // at (blocks 0-1: 0, 2-3: 8; the low halves + 0, the high ones + 2)
+    const auto bits = [&](char first) {
+      const __m256i index = _mm256_add_epi8(
+          _mm256_set1_epi8(first),
+          _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 4, 4, 4, 4, 4, 4, 4,
+                           4, 5, 5, 5, 5, 5, 5, 5, 5));
+      const __m256i spread = _mm256_and_si256(_mm256_shuffle_epi8(all, index), select);
+      return _mm256_and_si256(_mm256_cmpeq_epi8(spread, select), sixteen);
+    };
+    low->lo = _mm256_add_epi8(low->lo, bits(0));
+    low->hi = _mm256_add_epi8(low->hi, bits(8));
+    high->lo = _mm256_add_epi8(high->lo, bits(2));
+    high->hi = _mm256_add_epi8(high->hi, bits(10));
+  }
+  // IQ4_NL: nibbles (bytes 0-15) as their signed table values, for dot_q8 (kQ8Offset 0)
+  static V iq4_nl_codes(V nibbles) {
+    const __m256i values = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4NlValues)));
+    return {_mm256_shuffle_epi8(values, nibbles.lo), _mm256_shuffle_epi8(values, nibbles.hi)};
+  }
   static V add_fifth_bit(V w, V hb, int bit) {
     const __m256i b0 = _mm256_set1_epi8(static_cast<char>(1 << bit));
     const __m256i b1 = _mm256_set1_epi8(static_cast<char>(2 << bit)),
@@ -225,6 +374,26 @@ struct Avx2Q8 {
   static V dot_scaled(V acc, V u, V x, V sc) {
     return {dpwssd(acc.lo, _mm256_maddubs_epi16(u.lo, x.lo), sc.lo),
             dpwssd(acc.hi, _mm256_maddubs_epi16(u.hi, x.hi), sc.hi)};
+  }
+  // Code blocks: as Avx512Vnni's, vpsignb applying w's sign to x (and zeroing x where w = 0)
+  using Signs = V;
+  static Signs code_signs(V w) { return w; }
+  static V abs8(V w) { return {_mm256_abs_epi8(w.lo), _mm256_abs_epi8(w.hi)}; }
+  static V add8(V w, int c) {
+    const __m256i v = _mm256_set1_epi8(static_cast<char>(c));
+    return {_mm256_add_epi8(w.lo, v), _mm256_add_epi8(w.hi, v)};
+  }
+  static V signed_x(V x, Signs s) {
+    return {_mm256_sign_epi8(x.lo, s.lo), _mm256_sign_epi8(x.hi, s.hi)};
+  }
+  static V code_scales(const int16_t* scales, int z) {
+    int64_t four;
+    std::memcpy(&four, scales + 4 * z, sizeof(four));
+    const __m256i v = _mm256_set1_epi64x(four);
+    return {_mm256_shuffle_epi8(v, _mm256_setr_epi64x(0x0100010001000100, 0x0100010001000100,
+                                                      0x0302030203020302, 0x0302030203020302)),
+            _mm256_shuffle_epi8(v, _mm256_setr_epi64x(0x0504050405040504, 0x0504050405040504,
+                                                      0x0706070607060706, 0x0706070607060706))};
   }
   static V k_scales(__m128i scales) {
     const __m256i v = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scales));

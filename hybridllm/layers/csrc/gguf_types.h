@@ -31,6 +31,10 @@ constexpr unsigned kCodeBlocks = 8;
 //   Q4_0  fp16 d, 16 bytes of nibbles: w = d * (q - 8)
 //   Q4_1  fp16 d, fp16 m, 16 bytes of nibbles: w = d * q + m
 //   Q8_0  fp16 d, 32 int8: w = d * q
+//   Q5_0  fp16 d, 4 bytes qh (bit i of the little-endian uint32: weight i's fifth bit), then
+//         Q4_0's 16 bytes of nibbles: w = d * (q - 16) for the 5-bit q
+//   Q5_1  fp16 d, fp16 m, qh, 16 bytes of nibbles: w = d * q + m for the 5-bit q
+//   IQ4_NL  fp16 d, 16 bytes of nibbles: w = d * kIq4NlValues[q], a fixed 16-entry table
 //   Q4_K  super-blocks of 256 weights: fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc_j and mins
 //         m_j of its eight 32-weight sub-blocks, 128 bytes of nibbles; sub-block j: w = d sc_j q -
 //         dmin m_j, a Q4_1 block with its own layout.
@@ -38,18 +42,36 @@ constexpr unsigned kCodeBlocks = 8;
 //         (bit j of byte l is weight l's of sub-block j), then the 128 bytes of nibbles.
 //   Q6_K  super-blocks of 256 weights: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales
 //         (one per 16 weights), fp16 d last; w = d * scale * (q - 32) for 6-bit q.
+//   Q2_K, Q3_K, IQ4_XS  super-blocks of 256 weights computed as code blocks (their layouts:
+//         gguf_code_decoders.h).
+//   IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M  super-blocks of 256 weights in groups
+//         of 4 or 8 looked up in a grid, with signs; computed as code blocks (their formats:
+//         gguf_iq_blocks.h).
 //   Q4_KX8, Q5_KX8, Q6_KX8  not ggml types: Q4_K / Q5_K / Q6_K rows repacked in groups of 8 for
 //         the int8 kernels (gguf_x8.h); a weight's row count is a multiple of 8.
-#define HYBRIDLLM_GGUF_TYPES(X)                                      \
-  X(F32, 0, 32, 128, kFp32Kernels, F32)                              \
-  X(Q4_0, 2, 32, 18, kFp32Kernels | kInt8Kernels, Q4_0)              \
-  X(Q4_1, 3, 32, 20, kFp32Kernels | kInt8Kernels, Q4_1)              \
-  X(Q8_0, 8, 32, 34, kFp32Kernels | kInt8Kernels, Q8_0)              \
-  X(Q4_K, 12, 256, 144, kFp32Kernels | kInt8Kernels, Q4_K)           \
-  X(Q5_K, 13, 256, 176, kFp32Kernels | kInt8Kernels, Q5_K)           \
-  X(Q6_K, 14, 256, 210, kFp32Kernels | kInt8Kernels, Q6_K)           \
-  X(Q4_KX8, 112, 256, 148, kX8Kernels, Q4_K)                         \
-  X(Q5_KX8, 113, 256, 180, kX8Kernels, Q5_K)                         \
+#define HYBRIDLLM_GGUF_TYPES(X)                                               \
+  X(F32, 0, 32, 128, kFp32Kernels, F32)                                       \
+  X(Q4_0, 2, 32, 18, kFp32Kernels | kInt8Kernels, Q4_0)                       \
+  X(Q4_1, 3, 32, 20, kFp32Kernels | kInt8Kernels, Q4_1)                       \
+  X(Q5_0, 6, 32, 22, kFp32Kernels | kInt8Kernels, Q5_0)                       \
+  X(Q5_1, 7, 32, 24, kFp32Kernels | kInt8Kernels, Q5_1)                       \
+  X(Q8_0, 8, 32, 34, kFp32Kernels | kInt8Kernels, Q8_0)                       \
+  X(IQ4_NL, 20, 32, 18, kFp32Kernels | kInt8Kernels, IQ4_NL)                  \
+  X(Q4_K, 12, 256, 144, kFp32Kernels | kInt8Kernels, Q4_K)                    \
+  X(Q5_K, 13, 256, 176, kFp32Kernels | kInt8Kernels, Q5_K)                    \
+  X(Q6_K, 14, 256, 210, kFp32Kernels | kInt8Kernels, Q6_K)                    \
+  X(Q2_K, 10, 256, 84, kFp32Kernels | kInt8Kernels | kCodeBlocks, Q2_K)       \
+  X(Q3_K, 11, 256, 110, kFp32Kernels | kInt8Kernels | kCodeBlocks, Q3_K)      \
+  X(IQ4_XS, 23, 256, 136, kFp32Kernels | kInt8Kernels | kCodeBlocks, IQ4_XS)  \
+  X(IQ2_XXS, 16, 256, 66, kFp32Kernels | kInt8Kernels | kCodeBlocks, IQ2_XXS) \
+  X(IQ2_XS, 17, 256, 74, kFp32Kernels | kInt8Kernels | kCodeBlocks, IQ2_XS)   \
+  X(IQ3_XXS, 18, 256, 98, kFp32Kernels | kInt8Kernels | kCodeBlocks, IQ3_XXS) \
+  X(IQ1_S, 19, 256, 50, kFp32Kernels | kInt8Kernels | kCodeBlocks, IQ1_S)     \
+  X(IQ3_S, 21, 256, 110, kFp32Kernels | kInt8Kernels | kCodeBlocks, IQ3_S)    \
+  X(IQ2_S, 22, 256, 82, kFp32Kernels | kInt8Kernels | kCodeBlocks, IQ2_S)     \
+  X(IQ1_M, 29, 256, 56, kFp32Kernels | kInt8Kernels | kCodeBlocks, IQ1_M)     \
+  X(Q4_KX8, 112, 256, 148, kX8Kernels, Q4_K)                                  \
+  X(Q5_KX8, 113, 256, 180, kX8Kernels, Q5_K)                                  \
   X(Q6_KX8, 114, 256, 210, kX8Kernels, Q6_K)
 
 // kF32, kQ4_0, ..., kQ6_KX8: the type ids.
@@ -81,6 +103,24 @@ constexpr GgufTypeInfo gguf_type_info(int64_t type) {
 }
 
 constexpr bool supported_type(int64_t type) { return gguf_type_info(type).id >= 0; }
+
+// The 32-weight blocks of 4-bit codes in one run of 16 nibble bytes (weights 0-15 in the low
+// nibbles, 16-31 in the high ones): Q4_0, Q4_1, and Q5_0 / Q5_1 (plus a fifth bit each) and
+// IQ4_NL (codes looked up in a table).
+constexpr bool is_nibble_block_type(int64_t type) {
+  return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kIQ4_NL;
+}
+// Where such a block's nibbles start; its fifth bits (Q5_0, Q5_1) are the 4 bytes before them.
+constexpr int64_t nibble_offset(int64_t type) {
+  return type == kQ4_1 ? 4 : type == kQ5_0 ? 6 : type == kQ5_1 ? 8 : 2;
+}
+constexpr bool has_fifth_bit(int64_t type) { return type == kQ5_0 || type == kQ5_1; }
+// Types with an fp16 min m at byte 2 of each 32-weight block: w = d * q + m.
+constexpr bool has_block_min(int64_t type) { return type == kQ4_1 || type == kQ5_1; }
+
+// IQ4_NL's 16 weights (times d) a nibble stands for.
+constexpr int8_t kIq4NlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                     1,    13,   25,  38,  53,  69,  89,  113};
 
 // Whether a type is computed through its CodeBlockDecoder (gguf_code_blocks.h).
 constexpr bool is_code_block_type(int64_t type) {

@@ -1,0 +1,53 @@
+"""GGUF block types of the native kernels' table (HYBRIDLLM_GGUF_TYPES, csrc/gguf_types.h), for
+Python code and tests that need them without a build.
+
+CODE_BLOCK_TYPES mirrors the table's lines with kCodeBlocks: the types whose kernels are the
+generic code-block ones (csrc/gguf_code_blocks.h), each bringing only its decoder. Adding a line
+there means adding its type here (tests/unit/test_gguf_code_block_kernels.py checks the two
+agree, and runs every kernel on every type listed).
+"""
+
+from __future__ import annotations
+
+from gguf import GGMLQuantizationType
+
+_Q = GGMLQuantizationType
+
+# Computed as code blocks: decoders in gguf_code_decoders.h (Q2_K, Q3_K, IQ4_XS) and
+# gguf_iq_blocks.h (the grid types).
+CODE_BLOCK_TYPES: tuple[int, ...] = tuple(
+    int(t)
+    for t in (
+        _Q.Q2_K,
+        _Q.Q3_K,
+        _Q.IQ4_XS,
+        _Q.IQ2_XXS,
+        _Q.IQ2_XS,
+        _Q.IQ2_S,
+        _Q.IQ3_XXS,
+        _Q.IQ3_S,
+        _Q.IQ1_S,
+        _Q.IQ1_M,
+    )
+)
+
+# The table's other ggml types, each with kernels of its own.
+OWN_KERNEL_TYPES: tuple[int, ...] = tuple(
+    int(t)
+    for t in (
+        _Q.F32,
+        _Q.Q4_0,
+        _Q.Q4_1,
+        _Q.Q5_0,
+        _Q.Q5_1,
+        _Q.Q8_0,
+        _Q.IQ4_NL,
+        _Q.Q4_K,
+        _Q.Q5_K,
+        _Q.Q6_K,
+    )
+)
+
+# The block types a CPU worker with the native kernels keeps and computes as blocks: every
+# quantized type of the table (plain F32 weights are floats anyway).
+GGUF_KERNEL_TYPES: frozenset[int] = frozenset(CODE_BLOCK_TYPES + OWN_KERNEL_TYPES) - {int(_Q.F32)}

@@ -39,7 +39,7 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     eos_token_ids: tuple[int, ...] = ()  # generation config's end-of-sequence ids, primary first
     # auto: CPU workers compute GGUF linears of the types in loader/block_sizes.py's
-    # GGUF_KERNEL_TYPES (Q4_0 ... Q6_K) from their blocks;
+    # GGUF_KERNEL_TYPES (loader/gguf_kernel_types.py) from their blocks;
     # none: every weight is dequantized to `dtype` at load time; q8_0/q4_0/q4_1: as auto, and
     # CPU workers quantize float linears into that type at load
     quantization: str = "auto"

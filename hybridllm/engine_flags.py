@@ -74,10 +74,10 @@ FLAGS: tuple[Flag, ...] = (
         "--quantization",
         choices=SUPPORTED_QUANTIZATION,
         plan=True,
-        help="auto: CPU workers compute a GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL/Q4_K/Q5_K/"
-        "Q6_K linears straight from its blocks (other types are dequantized at load); none: "
-        "dequantize every weight at load; q8_0/q4_0/q4_1: as auto, and CPU workers quantize a checkpoint's float "
-        "linears into that type at load (the LM head into Q8_0; routed experts stay float), "
+        help="auto: CPU workers compute a GGUF file's linears straight from its blocks (Q4_0 to "
+        "Q8_0, the K-quants, the IQ types; F16/BF16/MXFP4 are dequantized at load); none: "
+        "dequantize every weight at load; q8_0/q4_0/q4_1: as auto, and CPU workers quantize a "
+        "checkpoint's float linears and MoE experts into that type at load (the LM head into Q8_0), "
         "cached in $HYBRIDLLM_CACHE_DIR. Blocks need the native CPU kernels (--cpu-kernels)",
     ),
     _flag(

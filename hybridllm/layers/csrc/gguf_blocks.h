@@ -75,6 +75,12 @@ inline float* thread_scratch(size_t n) {
   return align64(buffer.data());
 }
 
+// Whether block_scales writes a block's min (w = d * q + m) into m: Q4_1's and Q5_1's fp16 m, a
+// K-quant sub-block's -dmin * m_j (Q6_K's m holds scales, see block_scales).
+constexpr bool scales_have_mins(int64_t type) {
+  return has_block_min(type) || type == kQ4_K || type == kQ5_K;
+}
+
 // The fp32 scales of `count` consecutive blocks (a run of whole weight rows: the blocks of
 // consecutive rows are evenly spaced too): d[i] = the fp16 at byte 0 of block i and, for Q4_1
 // and Q5_1, m[i] = the fp16 at byte 2. d and m have room for count rounded up to 16.

@@ -37,8 +37,6 @@ constexpr int kRowTile = 8;
 // Decoded fp32 weight rows a BLAS GEMM of the many-rows path takes at once: SmolLM2's largest
 // linear (3072 x 576) in one GEMM, a 49152-row LM head in 14.
 constexpr int64_t kChunkMaxBytes = 8 << 20;
-// Below this many (block x row-of-x) products, waking the thread pool costs more than it saves.
-constexpr int64_t kSerialWork = 2048;
 
 
 #if defined(__AVX512F__)
@@ -106,8 +104,8 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
       } else {
         // A 16-entry table of the block's possible weights, indexed by nibble with vpermps
         // (which reads only each lane's low 4 bits): decoding costs 2 permutes, no converts.
-        constexpr bool kMin = has_block_min(kType) || kType == kQ4_K || kType == kQ5_K;
-        const __m512 table = nibble_table<kType>(scale, kMin ? m[c * nb + b] : 0.f);
+        const __m512 table =
+            nibble_table<kType>(scale, scales_have_mins(kType) ? m[c * nb + b] : 0.f);
         if constexpr (kType == kQ4_K || kType == kQ5_K) {
           // sub-blocks 2i and 2i + 1 share 32 bytes (low and high nibbles): widen them once
           if (b % 2 == 0) {
@@ -227,8 +225,7 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
         int lo_shift, hi_shift;
         nibble_runs<kType>(w + c * row_bytes, b, &lo, &hi, &lo_shift, &hi_shift);
         const float shift = kType == kQ4_0 ? 8.f : kType == kQ5_0 ? 16.f : 0.f;
-        constexpr bool kMin = has_block_min(kType) || kType == kQ4_K || kType == kQ5_K;
-        const float low = kMin ? m[c * nb + b] : 0.f;
+        const float low = scales_have_mins(kType) ? m[c * nb + b] : 0.f;
         const uint8_t* bits = kType == kQ5_K ? q5_k_high_bits(w + c * row_bytes, b) : nullptr;
         const uint32_t fifth = has_fifth_bit(kType) ? fifth_bits<kType>(blk) : 0;
         for (int j = 0; j < 16; ++j) {
@@ -304,12 +301,8 @@ void direct_linear(const float* x, int64_t M, int64_t K, const uint8_t* qw, int6
     x = packed;
   }
   // one contiguous run of weight rows per thread; tiny problems stay on this thread
-  const int64_t threads = at::get_num_threads();
-  const int64_t grain = nb * M * N < kSerialWork ? N : (N + threads - 1) / threads;
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    const PrefetchWindow prefetch = start_prefetch(qw + begin * row_bytes,
-                                                   (end - begin) * row_bytes, kMaxPrefetchBytes,
-                                                   M == 1);
+  for_weight_rows(qw, row_bytes, N, nb * M * N, M == 1, [&](int64_t begin, int64_t end,
+                                                             const PrefetchWindow& prefetch) {
     // scales of kScaleRows weight rows at a time: whole 16-wide gathers even for short rows
     constexpr int64_t kScaleRows = 16;
     std::vector<float> scales(2 * (kScaleRows * nb + 16));
@@ -386,12 +379,8 @@ template <int64_t kType>
 void code_block_linear(const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N,
                        float* y) {
   const int64_t nb = K / kBlock, row_bytes = row_bytes_of(kType, K);
-  const int64_t threads = at::get_num_threads();
-  const int64_t grain = nb * M * N < kSerialWork ? N : (N + threads - 1) / threads;
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    const PrefetchWindow prefetch = start_prefetch(qw + begin * row_bytes,
-                                                   (end - begin) * row_bytes, kMaxPrefetchBytes,
-                                                   M == 1);
+  for_weight_rows(qw, row_bytes, N, nb * M * N, M == 1, [&](int64_t begin, int64_t end,
+                                                             const PrefetchWindow& prefetch) {
     float* w = thread_scratch<kDecodedWeightSlot>(K);
     for (int64_t n = begin; n < end; ++n) {
       prefetch_ahead(prefetch, qw + begin * row_bytes, 1, (n - begin) * row_bytes, row_bytes);

@@ -1,6 +1,8 @@
-// How the few-rows kernels of hybridllm::gguf_linear (fp32 and int8 activations) prefetch the
-// weight bytes a thread streams from memory.
+// How the few-rows kernels of hybridllm::gguf_linear (fp32 and int8 activations) split weight
+// rows among the threads and prefetch the weight bytes a thread streams from memory.
 #pragma once
+
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -75,6 +77,26 @@ inline void prefetch_ahead(const PrefetchWindow& window, const uint8_t* w, int64
   if (ahead < window.stop)
     for (int64_t o = 0; o < cols * step; o += 64) prefetch_line(ahead + o, window.streaming);
 #endif
+}
+
+// Below this many (32-weight block x row of x) products, waking the thread pool costs more than
+// it saves.
+constexpr int64_t kSerialWork = 2048;
+
+// Splits N weight rows (row_bytes each, from qw) among the threads, one contiguous run each, and
+// starts each run's prefetching (`streaming`: see start_prefetch): body(begin, end, window).
+// `work`: the call's (32-weight block x row of x) products; below kSerialWork the call stays on
+// this thread.
+template <class Body>
+void for_weight_rows(const uint8_t* qw, int64_t row_bytes, int64_t N, int64_t work,
+                     bool streaming, Body body) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain = work < kSerialWork ? N : (N + threads - 1) / threads;
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    body(begin, end,
+         start_prefetch(qw + begin * row_bytes, (end - begin) * row_bytes, kMaxPrefetchBytes,
+                        streaming));
+  });
 }
 
 }  // namespace hybridllm_gguf

@@ -20,10 +20,6 @@
 namespace hybridllm_gguf {
 namespace {
 
-// Below this many (32-weight block x row of x) products, waking the thread pool costs more
-// than it saves (as in the fp32 direct kernel).
-constexpr int64_t kSerialWork = 2048;
-
 constexpr bool is_k_quant(int64_t type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
 
 // Rows of x a tile of the vector paths (q8_rows_simd). Up to this many rows every weight byte is
@@ -31,19 +27,6 @@ constexpr bool is_k_quant(int64_t type) { return type == kQ4_K || type == kQ5_K 
 // 2 and 4 concurrent decodes (one process switching), 476 -> 494 and 722 -> 756 tok/s, faster
 // in 6 of 6 rounds each, against streaming at one row only.
 constexpr int64_t kRowTile = 4;
-
-// Splits the N weight rows among the threads, one contiguous run each (tiny problems stay on
-// this thread): `body(begin, end, prefetch)`.
-template <int64_t kType, class Body>
-void for_weight_rows(int64_t M, int64_t K, const uint8_t* qw, int64_t N, Body body) {
-  const int64_t row_bytes = row_bytes_of(kType, K);
-  const int64_t threads = at::get_num_threads();
-  const int64_t grain = K / kBlock * M * N < kSerialWork ? N : (N + threads - 1) / threads;
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    body(begin, end, start_prefetch(qw + begin * row_bytes, (end - begin) * row_bytes,
-                                    kMaxPrefetchBytes, M <= kRowTile));
-  });
-}
 
 #if defined(HYBRIDLLM_Q8_AVX2)
 template <class S, int64_t kType, int kRows, int kCols>
@@ -151,9 +134,10 @@ void q8_linear_typed(int64_t path, const float* x, int64_t M, int64_t K, const u
                      int64_t N, float* y) {
   const Q8Rows xq = quantize_for<kType>(path, x, M, K);
   const RowsFn rows = rows_fn<kType>(path);
-  for_weight_rows<kType>(M, K, qw, N, [&](int64_t begin, int64_t end, const PrefetchWindow& pf) {
-    rows(xq, M, K, qw, N, y, begin, end, pf);
-  });
+  for_weight_rows(qw, row_bytes_of(kType, K), N, K / kBlock * M * N, M <= kRowTile,
+                  [&](int64_t begin, int64_t end, const PrefetchWindow& pf) {
+                    rows(xq, M, K, qw, N, y, begin, end, pf);
+                  });
 }
 
 template <int64_t kType>

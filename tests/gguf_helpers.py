@@ -59,6 +59,17 @@ def tokenizer_vocab() -> list[str]:
     return tokens + SPECIAL_TOKENS
 
 
+def add_test_tokenizer(writer: gguf.GGUFWriter) -> list[str]:
+    """Writes the test BPE tokenizer (tokenizer_vocab, MERGES) into `writer`; returns its vocab."""
+    vocab = tokenizer_vocab()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(vocab)
+    writer.add_token_merges(MERGES)
+    writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in vocab])
+    return vocab
+
+
 def tiny_hf_model(
     arch: str = "llama",
     tie_word_embeddings: bool = False,
@@ -159,12 +170,7 @@ def write_gguf(
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
     if with_tokenizer:
-        vocab = tokenizer_vocab()
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("default")
-        writer.add_token_list(vocab)
-        writer.add_token_merges(MERGES)
-        writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in vocab])
+        vocab = add_test_tokenizer(writer)
         writer.add_bos_token_id(cfg.bos_token_id)
         writer.add_eos_token_id(cfg.eos_token_id)
         writer.add_pad_token_id(vocab.index("<|endoftext|>"))

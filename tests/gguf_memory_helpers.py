@@ -12,7 +12,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from tests.gguf_helpers import CHAT_TEMPLATE, MERGES, SPECIAL_TOKENS, tokenizer_vocab
+from tests.gguf_helpers import CHAT_TEMPLATE, add_test_tokenizer
 
 Q = gguf.GGMLQuantizationType
 
@@ -68,12 +68,7 @@ def write_random_llama_gguf(
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
-    tokens = tokenizer_vocab()
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_merges(MERGES)
-    writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
+    tokens = add_test_tokenizer(writer)
     writer.add_bos_token_id(len(tokens) - 2)
     writer.add_eos_token_id(len(tokens) - 1)
     writer.add_add_bos_token(False)

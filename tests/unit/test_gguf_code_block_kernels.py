@@ -15,7 +15,7 @@ from tests.gguf_helpers import random_k_quant_blocks
 from tests.gguf_random_blocks import random_blocks
 from tests.kernel_helpers import require_cpu_kernels
 from tests.unit.test_fused_moe import per_expert_int8
-from tests.unit.test_gguf_int8_kernel import PATH_NAMES, quantize_x
+from tests.unit.test_gguf_int8_kernel import PATH_NAMES, check_int8, quantize_x
 
 Q = GGMLQuantizationType
 TYPES = [Q(t) for t in CODE_BLOCK_TYPES]
@@ -82,21 +82,6 @@ def test_fp32_activations_match_fp64(ops, fmt):
             assert (err <= bound).all(), f"M={m} K={k}: max error {err.max():.3g}"
 
 
-def check_int8(ops, x, blocks, w, fmt, path):
-    y = ops.gguf_linear(x, blocks, int(fmt), w.shape[0], path)
-    assert y.dtype == torch.float32 and y.shape == (x.shape[0], w.shape[0])
-    xq, d = quantize_x(x, GROUP)
-    wd = w.double()
-    # the integer arithmetic is exact: against fp64 on the quantized x, fp32 rounding only
-    err = (y.double() - xq.double() @ wd.T).abs()
-    bound = 1e-5 * (xq.double().abs() @ wd.abs().T) + 1e-30
-    assert (err <= bound).all(), f"path {path}: max error {err.max():.3g} vs the quantized x"
-    # the stated tolerance against fp32 x: each value off by at most half its group's step
-    tolerance = (d.double() / 2) @ wd.abs().T + 1e-5 * (x.double().abs() @ wd.abs().T)
-    assert ((y.double() - x.double() @ wd.T).abs() <= tolerance).all()
-    return y
-
-
 @pytest.mark.parametrize("path", [1, 2, 3, 4, 5], ids=lambda p: PATH_NAMES.get(p, "best"))
 @pytest.mark.parametrize("fmt", TYPES, ids=lambda f: f.name)
 def test_int8_activations_on_every_path(ops, paths, fmt, path):
@@ -107,7 +92,7 @@ def test_int8_activations_on_every_path(ops, paths, fmt, path):
         blocks, w = weight(fmt, n, k, n)
         for m in INT8_ROWS if k < 2560 else [1, 9]:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-            check_int8(ops, x, blocks, w, fmt, path)
+            check_int8(ops.gguf_linear, x, blocks, w, fmt, path)
 
 
 @pytest.mark.parametrize("fmt", TYPES, ids=lambda f: f.name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from hybridllm.layers import gguf_linear as gguf_linear_module
 from tests.kernel_helpers import require_cpu_kernels
@@ -39,7 +39,8 @@ def _seed():
 
 
 def group_of(fmt) -> int:
-    return 256 if fmt in K_QUANTS else 32
+    """x's int8 group for weights of `fmt` (q8_group): a super-block of 256 or a block of 32."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType(fmt)][0]
 
 
 def quantize_x(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -104,13 +104,22 @@ def write_random_llama_gguf(
 
 # Run in a child: load the model, report the resident memory after loading and after decoding.
 _CHILD = r"""
-import json, sys
+import json, os, sys
 def status():
     out = {}
     for line in open("/proc/self/status"):
         key, _, value = line.partition(":")
         if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem"):
             out[key] = int(value.split()[0]) * 1024
+    # the model file's own resident pages (RssFile also counts torch's and the kernels' libraries)
+    model, mapped, total = os.path.realpath(args["llm"]["model"]), False, 0
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):
+            mapped = len(fields) >= 6 and os.path.realpath(fields[-1]) == model
+        elif mapped and fields[:1] == ["Rss:"]:
+            total += int(fields[1]) * 1024
+    out["ModelFileRss"] = total
     return out
 args = json.loads(sys.argv[1])
 import torch
@@ -126,7 +135,8 @@ print("RESULT " + json.dumps({"base": base, "loaded": loaded, "served": served})
 
 def resident_memory(model: str, tokens: int = 4, **llm_kwargs) -> dict:
     """{"base", "loaded", "served"}: /proc/self/status byte counts (VmHWM peak, VmRSS, RssAnon,
-    RssFile) of a fresh process before `LLM(model=...)`, after it, and after decoding `tokens`."""
+    RssFile) and the model file's resident mapped pages (ModelFileRss, from smaps) of a fresh
+    process before `LLM(model=...)`, after it, and after decoding `tokens`."""
     args = {"llm": {"model": model, **llm_kwargs}, "tokens": tokens}
     env = {**os.environ, "HYBRIDLLM_LOGGING_LEVEL": "WARNING"}
     proc = subprocess.run(

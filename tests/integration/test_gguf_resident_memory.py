@@ -56,5 +56,6 @@ def test_plan_predicts_the_peak_rss_of_a_q4_k_m_model(tmp_path: Path) -> None:
     assert abs(peak - predicted) <= 0.15 * predicted + 300 * MiB, detail
     # the brief's bound: the file x 1.1, the KV cache (untouched beyond a few tokens here), 1 GiB
     assert peak <= 1.1 * file_bytes + 1024 * MiB, detail
-    # the mapped file's pages do not stay resident once loaded
-    assert rss["served"]["RssFile"] < 0.25 * file_bytes, detail
+    # the mapped file's pages do not stay resident once loaded (its own pages: RssFile also
+    # counts torch's and the kernels' libraries, which grow with every kernel type)
+    assert rss["served"]["ModelFileRss"] < 0.25 * file_bytes, detail

@@ -8,7 +8,13 @@ from torch import nn
 
 from hybridllm.layers.expert_weights import StackedExpertWeight
 from hybridllm.layers.gguf_linear import default_activations
-from hybridllm.layers.moe_routing import SCORING_FUNCTIONS, group_by_expert, select_experts
+from hybridllm.layers.moe_routing import (
+    SCORING_FUNCTIONS,
+    GroupLimitedRouting,
+    group_by_expert,
+    select_experts,
+    select_experts_grouped,
+)
 
 
 class FusedMoE(nn.Module):
@@ -31,7 +37,10 @@ class FusedMoE(nn.Module):
         device: torch.device,
         scoring: str = "softmax",
         hidden_act: str = "silu",
+        grouping: GroupLimitedRouting | None = None,
     ):
+        """`grouping`: DeepSeek's group-limited routing, choice bias and scaling (None: plain
+        top-k); with its `correction_bias` the module holds the [E] bias, loaded like a weight."""
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"MoE experts support hidden_act='silu' only, got {hidden_act!r}")
@@ -45,6 +54,13 @@ class FusedMoE(nn.Module):
         self.intermediate_size = intermediate_size
         self.renormalize = renormalize
         self.scoring = scoring
+        self.grouping = grouping
+        self.correction_bias = None
+        if grouping is not None:
+            grouping.check(num_experts, top_k)
+            if grouping.correction_bias:
+                bias = torch.zeros(num_experts, dtype=torch.float32, device=device)
+                self.correction_bias = nn.Parameter(bias, requires_grad=False)
         self.w13 = StackedExpertWeight(
             num_experts, (intermediate_size, intermediate_size), hidden_size, dtype, device
         )
@@ -74,14 +90,33 @@ class FusedMoE(nn.Module):
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return F.silu(gate).mul_(up)
 
+    def select(
+        self, router_logits: torch.Tensor, native: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts: (weights [n, k] float32, ids [n, k] int64); `native`: plain
+        top-k through the compiled op."""
+        if self.grouping is not None:
+            return select_experts_grouped(
+                router_logits,
+                self.top_k,
+                self.scoring,
+                self.renormalize,
+                self.grouping,
+                self.correction_bias,
+            )
+        if native:
+            return torch.ops.hybridllm.route_experts(
+                router_logits, self.top_k, self.scoring == "sigmoid", self.renormalize
+            )
+        return select_experts(router_logits, self.top_k, self.scoring, self.renormalize)
+
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden], router_logits [num_tokens, E] -> [num_tokens, hidden]."""
         w13, w2 = self.w13.qweight, self.w2.qweight
-        if self.native and w13 is not None and w2 is not None:
-            # routing, then the whole block, in two native calls: no per-expert Python
-            weights, expert_ids = torch.ops.hybridllm.route_experts(
-                router_logits, self.top_k, self.scoring == "sigmoid", self.renormalize
-            )  # [n, k] float32, [n, k] int64
+        native = self.native and w13 is not None and w2 is not None
+        weights, expert_ids = self.select(router_logits, native)  # [n, k] fp32, [n, k] int64
+        if native:
+            # the whole block in one native call: no per-expert Python
             out = torch.ops.hybridllm.fused_moe(
                 x.float(),
                 weights,
@@ -93,9 +128,6 @@ class FusedMoE(nn.Module):
                 self.activations,
             )
             return out.to(x.dtype)  # [n, hidden]
-        weights, expert_ids = select_experts(
-            router_logits, self.top_k, self.scoring, self.renormalize
-        )  # [n, k] float32, [n, k] int64
         groups = group_by_expert(expert_ids, self.num_experts)
         rows = x[groups.token_ids]  # [n * k, hidden], grouped by expert
         out = torch.empty_like(rows)  # [n * k, hidden]

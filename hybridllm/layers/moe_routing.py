@@ -7,6 +7,46 @@ from dataclasses import dataclass
 import torch
 
 SCORING_FUNCTIONS = ("softmax", "sigmoid")
+GROUP_SCORES = ("top2_sum", "max")
+
+
+@dataclass(frozen=True)
+class GroupLimitedRouting:
+    """DeepSeek's routing on top of the scores: experts are split into `num_groups` groups, a
+    token keeps its best `topk_groups` groups (a group scored by the sum of its top two scores,
+    DeepSeek-V3, or its best one, V2's "group_limited_greedy") and picks its experts among them;
+    `correction_bias` (V3's `e_score_correction_bias`, added to the scores only to choose) and
+    `scaling_factor` (`routed_scaling_factor`, multiplied into the chosen weights)."""
+
+    num_groups: int = 1
+    topk_groups: int = 1
+    group_score: str = "top2_sum"
+    scaling_factor: float = 1.0
+    correction_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.group_score not in GROUP_SCORES:
+            raise ValueError(f"group_score must be one of {GROUP_SCORES}, got {self.group_score!r}")
+        if not 1 <= self.topk_groups <= self.num_groups:
+            raise ValueError(
+                f"topk_group {self.topk_groups} must be in [1, n_group = {self.num_groups}]"
+            )
+
+    def check(self, num_experts: int, top_k: int) -> None:
+        """Raise where the groups cannot hold the experts or the top-k."""
+        if num_experts % self.num_groups:
+            raise ValueError(f"n_group {self.num_groups} does not divide {num_experts} experts")
+        per_group = num_experts // self.num_groups
+        if self.group_score == "top2_sum" and self.num_groups > 1 and per_group < 2:
+            raise ValueError(
+                "group-limited routing scores groups by their top two experts: "
+                f"each of the {self.num_groups} groups holds {per_group}"
+            )
+        if top_k > self.topk_groups * per_group:
+            raise ValueError(
+                f"top_k {top_k} exceeds the {self.topk_groups} kept groups' "
+                f"{self.topk_groups * per_group} experts"
+            )
 
 
 def select_experts(
@@ -29,6 +69,40 @@ def select_experts(
     weights, ids = torch.topk(scores, top_k, dim=-1)  # [n, k] each
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def select_experts_grouped(
+    router_logits: torch.Tensor,
+    top_k: int,
+    scoring: str,
+    renormalize: bool,
+    grouping: GroupLimitedRouting,
+    correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_experts` with DeepSeek's group limit, choice bias and scaling (fp32 throughout).
+
+    `correction_bias` [E] is added to the scores to choose experts; the weights are the
+    unbiased scores of the chosen ones."""
+    num_tokens, num_experts = router_logits.shape
+    logits = router_logits.float()
+    scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if grouping.num_groups > 1:
+        groups = choice.view(num_tokens, grouping.num_groups, -1)  # [n, G, E / G]
+        if grouping.group_score == "top2_sum":
+            group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)  # [n, G]
+        else:
+            group_scores = groups.max(dim=-1).values
+        kept = torch.topk(group_scores, grouping.topk_groups, dim=-1).indices  # [n, topk_groups]
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        choice = groups.masked_fill(~mask[:, :, None], float("-inf")).view(num_tokens, -1)
+    ids = torch.topk(choice, top_k, dim=-1).indices  # [n, k]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if grouping.scaling_factor != 1.0:
+        weights = weights * grouping.scaling_factor
     return weights, ids
 
 

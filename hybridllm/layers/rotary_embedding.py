@@ -1,5 +1,6 @@
-"""Rotary position embedding (RoPE, rotate-half layout) with default, linear and llama3 scaling,
-and GGUF's per-frequency divisors (`freq_factors`, from a `rope_freqs` tensor)."""
+"""Rotary position embedding (RoPE, rotate-half layout) with default, linear, llama3 and YaRN
+scaling, GGUF's per-frequency divisors (`freq_factors`, from a `rope_freqs` tensor), and a
+rotary part narrower than the head (`partial_rotary_factor`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _INITIAL_CACHE_POSITIONS = 4096  # grown on demand: a 128k-position table would cost 64+ MB
 
 
@@ -27,15 +28,25 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
     return params
 
 
-def compute_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+def rotary_dim(head_dim: int, params: dict[str, Any]) -> int:
+    """How many leading dimensions of a head rotate (`partial_rotary_factor` of it)."""
+    return int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
+
+
+def compute_inv_freq(
+    head_dim: int, params: dict[str, Any], partial_rotary: bool = False
+) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] (fp32), scaled as `params["rope_type"]` says, then
-    divided by `params["freq_factors"]` when given (llama.cpp's rope_freqs)."""
+    divided by `params["freq_factors"]` when given (llama.cpp's rope_freqs).
+
+    `head_dim` is the rotated width; a model that rotates only part of each head passes that
+    part's width and `partial_rotary=True` (elsewhere a partial factor is refused)."""
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
+    if params.get("partial_rotary_factor", 1.0) != 1.0 and not partial_rotary:
         raise ValueError(f"partial_rotary_factor != 1 is not supported: {params}")
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (float(params["rope_theta"]) ** exponents)
@@ -43,6 +54,8 @@ def compute_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
         inv_freq = inv_freq / float(params["factor"])
     elif rope_type == "llama3":
         inv_freq = _llama3_scale(inv_freq, params)
+    elif rope_type == "yarn":
+        inv_freq = _yarn_scale(inv_freq, head_dim, params)
     factors = params.get("freq_factors")
     if factors is not None:
         if len(factors) != head_dim // 2:
@@ -67,6 +80,47 @@ def _llama3_scale(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tenso
     scaled = torch.where(wavelen > old_context / low_factor, inv_freq / factor, inv_freq)
     is_medium = (wavelen >= old_context / high_factor) & (wavelen <= old_context / low_factor)
     return torch.where(is_medium, blended, scaled)
+
+
+def _yarn_scale(inv_freq: torch.Tensor, dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """YaRN: interpolate (divide by `factor`) the low frequencies, keep the high ones, ramp
+    linearly between the dimensions that turn beta_slow and beta_fast times over the original
+    context."""
+    factor = float(params["factor"])
+    base = float(params["rope_theta"])
+    old_context = float(params["original_max_position_embeddings"])
+    beta_fast = float(params.get("beta_fast") or 32)
+    beta_slow = float(params.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high  # no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (high frequency, unchanged), 0: interpolate
+    return (inv_freq / factor) * (1 - keep) + inv_freq * keep
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context `scale` times the original."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def attention_factor(params: dict[str, Any]) -> float:
+    """What YaRN multiplies cos and sin by (1 for the other RoPE types)."""
+    if params["rope_type"] != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = float(params["factor"])
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+    return yarn_mscale(factor)
 
 
 @dataclass(frozen=True)
@@ -98,14 +152,17 @@ class RotaryEmbedding(nn.Module):
         params: dict[str, Any],
         dtype: torch.dtype,
         device: torch.device,
+        partial_rotary: bool = False,
     ):
+        """`head_dim`: the rotated width (`partial_rotary`: a part of each head, which the
+        model slices before rotating)."""
         super().__init__()
         self.head_dim = head_dim
         self.dtype = dtype
         self.native = False  # CPU: the compiled rotation (see use_native_op)
-        self.register_buffer(
-            "inv_freq", compute_inv_freq(head_dim, params).to(device), persistent=False
-        )
+        self.scale = attention_factor(params)
+        inv_freq = compute_inv_freq(head_dim, params, partial_rotary)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self.register_buffer(
             "cos_sin_cache", self._build(_INITIAL_CACHE_POSITIONS), persistent=False
         )
@@ -113,7 +170,7 @@ class RotaryEmbedding(nn.Module):
     def _build(self, num_positions: int) -> torch.Tensor:
         positions = torch.arange(num_positions, dtype=torch.float32, device=self.inv_freq.device)
         freqs = torch.outer(positions, self.inv_freq)  # [P, D/2], fp32 as in HF
-        cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = freqs.cos() * self.scale, freqs.sin() * self.scale
         # signed sin [-sin, sin] turns rotate_half(x) * sin into swap_halves(x) * signed_sin
         cos_full = torch.cat((cos, cos), dim=-1)
         sin_signed = torch.cat((-sin, sin), dim=-1)

@@ -245,7 +245,7 @@ class LlamaForCausalLM(CausalLMBase):
         self.embed_tokens = (
             vocab_embedding(vocab, hidden, dtype, device, tp_group) if self.is_first_stage else None
         )
-        self.rotary_emb = RotaryEmbedding(head_dim, rope_parameters(hf_config), dtype, device)
+        self.rotary_emb = self._rotary_embedding(hf_config, head_dim, dtype, device)
         self._layer_args = (head_dim, qkv_bias, o_bias, qk_norm)
         self.layers = nn.ModuleList(
             self.make_layer(i, dtype, device, tp_group)
@@ -259,6 +259,12 @@ class LlamaForCausalLM(CausalLMBase):
                 vocab, hidden, dtype, device, tp_group, self.embed_tokens if tied else None
             )
         self._set_weight_loaders(*self._build_weight_loaders(tied))
+
+    def _rotary_embedding(
+        self, hf_config: Any, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> RotaryEmbedding:
+        """The model's RoPE table (every head dimension rotates here)."""
+        return RotaryEmbedding(head_dim, rope_parameters(hf_config), dtype, device)
 
     def make_layer(
         self,

@@ -25,8 +25,9 @@ from hybridllm.layers.fused_moe import FusedMoE
 from hybridllm.layers.gguf_linear import ACTIVATIONS, own_f32_gemm_preferred, x8_repacking
 from hybridllm.layers.linear import Linear
 from hybridllm.layers.mlp import GatedMLP
+from hybridllm.layers.moe_routing import GroupLimitedRouting
 from hybridllm.loader.quantized_tensor import QuantizedTensor
-from hybridllm.models.base import WeightLoader, linear_loaders
+from hybridllm.models.base import WeightLoader, copy_loader, linear_loaders
 from hybridllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from hybridllm.plan.moe_size import expert_count, qwen_dense_layers
 
@@ -52,6 +53,9 @@ class MoeSpec:
     shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
     dense_layers: frozenset[int] = frozenset()  # layers with the dense MLP instead
     scoring: str = "softmax"
+    grouping: GroupLimitedRouting | None = None  # DeepSeek's routing (None: plain top-k)
+    shared_gate: bool = True  # Qwen2-MoE scales its shared expert by a sigmoid gate
+    shared_name: str = "shared_expert"  # the shared expert's checkpoint name
 
 
 class SparseMoeBlock(nn.Module):
@@ -85,6 +89,7 @@ class SparseMoeBlock(nn.Module):
             device if experts_device is None else experts_device,
             scoring=spec.scoring,
             hidden_act=hidden_act,
+            grouping=spec.grouping,
         )
         self.shared_expert = None
         self.shared_expert_gate = None
@@ -92,7 +97,8 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = GatedMLP(
                 hidden_size, spec.shared_intermediate_size, False, hidden_act, dtype, device
             )
-            self.shared_expert_gate = Linear(hidden_size, 1, False, dtype, device)
+            if spec.shared_gate:
+                self.shared_expert_gate = Linear(hidden_size, 1, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)  # [n, E]
@@ -109,9 +115,12 @@ class SparseMoeBlock(nn.Module):
         return out if shared is None else out.add_(shared)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The shared expert's [n, hidden] times its [n, 1] sigmoid gate (None: no shared expert)."""
+        """The shared expert's [n, hidden], times its [n, 1] sigmoid gate where it has one
+        (None: no shared expert)."""
         if self.shared_expert is None:
             return None
+        if self.shared_expert_gate is None:
+            return self.shared_expert(x)
         return self.shared_expert(x).mul_(torch.sigmoid(self.shared_expert_gate(x)))
 
     def stacked_names(self, prefix: str) -> dict[str, set[str]]:
@@ -140,12 +149,16 @@ class SparseMoeBlock(nn.Module):
         gate_up = f"{experts}gate_up_proj.weight"
         loaders[gate_up] = self._expert_loader("gate_up_proj", gate_up, None, None)
         if self.shared_expert is not None:
-            shared = f"{prefix}shared_expert."
+            shared = f"{prefix}{self.spec.shared_name}."
             mlp = self.shared_expert
             loaders.update(linear_loaders(shared, mlp.gate_up_proj, ("gate_proj", "up_proj")))
             loaders.update(linear_loaders(shared, mlp.down_proj, "down_proj"))
+        if self.shared_expert_gate is not None:
             name = f"{prefix}shared_expert_gate.weight"
             loaders[name] = self._shared_gate_loader(name)
+        if self.experts.correction_bias is not None:
+            name = f"{prefix}gate.e_score_correction_bias"
+            loaders[name] = copy_loader(self.experts.correction_bias, name)
         return loaders
 
     def _expert_loader(

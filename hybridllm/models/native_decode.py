@@ -97,6 +97,7 @@ def experts(block: nn.Module) -> tuple | None:
         or block.experts_device is not None
         or block.shared_expert is not None
         or not routed.native
+        or routed.grouping is not None  # DeepSeek's routing is not the stack's
         or routed.w13.qweight is None
         or routed.w2.qweight is None
         or router.qweight is None

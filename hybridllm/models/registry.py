@@ -15,6 +15,10 @@ _MODELS = (
     ("Qwen2MoeForCausalLM", ("hybridllm.models.qwen2_moe", "Qwen2MoeForCausalLM")),
     ("Qwen3MoeForCausalLM", ("hybridllm.models.qwen3_moe", "Qwen3MoeForCausalLM")),
     ("OlmoeForCausalLM", ("hybridllm.models.olmoe", "OlmoeForCausalLM")),
+    ("DeepseekV2ForCausalLM", ("hybridllm.models.deepseek_v2", "DeepseekV2ForCausalLM")),
+    ("DeepseekV3ForCausalLM", ("hybridllm.models.deepseek_v2", "DeepseekV3ForCausalLM")),
+    ("Glm4MoeLiteForCausalLM", ("hybridllm.models.deepseek_v2", "Glm4MoeLiteForCausalLM")),
+    ("Glm4MoeForCausalLM", ("hybridllm.models.glm4_moe", "Glm4MoeForCausalLM")),
 )
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(name for name, _ in _MODELS)

@@ -32,8 +32,9 @@ def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.devic
 
 
 def kv_cache_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block over every layer of the stage: keys and values of `block_size` tokens."""
-    elements = 2 * block_size * model.num_kv_heads * model.head_dim
+    """Bytes of one block over every layer of the stage: what the model's cache holds for
+    `block_size` tokens (keys and values, or MLA's latent)."""
+    elements = math.prod(model.kv_cache_shape(1, block_size))
     return elements * dtype.itemsize * model.num_layers_in_stage
 
 

@@ -207,6 +207,10 @@ class WeightStreamer:
         """`model`: the CPU stage (weights loaded, before CPU repacking); `kv_tokens`: the
         KV rows (over all sequences of a step) a staging slot holds; larger steps stay on
         the CPU."""
+        if len(model.kv_cache_shape(1, 1)) != 5:
+            raise NotImplementedError(
+                f"{type(model).__name__}'s KV cache is not per-head keys and values (MLA's latent)"
+            )
         self.device = torch.device(device)
         self.dtype = dtype
         self.threshold = threshold

@@ -1,0 +1,81 @@
+"""DeepSeek-V2/V3, GLM-4.7-Flash (MLA) and GLM-4.5 against transformers' greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridllm import LLM, SamplingParams
+from tests.deepseek_helpers import (
+    DEEPSEEK_ARCHITECTURES,
+    build_tiny_deepseek_model,
+    make_tiny_deepseek_model,
+)
+from tests.moe_helpers import hf_greedy
+
+MAX_TOKENS = 12
+PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+ENGINE_KWARGS = dict(
+    dtype="float32",
+    max_model_len=128,
+    block_size=4,
+    max_num_batched_tokens=16,  # prompts of 17+ tokens are prefilled in chunks
+    kv_cache_memory="16MiB",
+    skip_tokenizer_init=True,
+    use_tqdm=False,
+)
+
+
+def make_prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, 320, (13,), generator=g).tolist()
+    # a shared 13-token prefix (prefix-cache hits on its full blocks) and lengths 1 to 22
+    tails = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (9, 4)]
+    single = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (1, 6)]
+    return [shared + t for t in tails] + single
+
+
+@pytest.fixture(scope="module", params=DEEPSEEK_ARCHITECTURES)
+def model(request, tmp_path_factory):
+    """(arch, saved HF folder, HF's greedy tokens for every prompt)."""
+    arch = request.param
+    hf = build_tiny_deepseek_model(arch)
+    path = make_tiny_deepseek_model(arch, tmp_path_factory.mktemp(arch))
+    return arch, path, [hf_greedy(hf, p, MAX_TOKENS) for p in make_prompts()]
+
+
+def generate(model: str, **kwargs) -> tuple[list[list[int]], LLM]:
+    llm = LLM(model, **{**ENGINE_KWARGS, **kwargs})
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in make_prompts()], PARAMS)
+        stats = llm.llm_engine.get_stats()
+        return [list(o.outputs[0].token_ids) for o in outs], stats
+    finally:
+        llm.shutdown()
+
+
+def test_single_worker_matches_hf(model):
+    # prompts sharing a prefix, chunked prefill (16-token steps) and decodes batched together
+    _, path, want = model
+    assert generate(str(path))[0] == want
+
+
+def test_pipeline_parallel_mp_matches_hf(model):
+    _, path, want = model
+    got, _ = generate(str(path), pipeline_parallel_size=2, distributed_executor_backend="mp")
+    assert got == want
+
+
+def test_preemption_leaves_tokens_unchanged(model):
+    # 12 blocks of 4 tokens cannot hold the four sequences at once: the latest is preempted
+    # and recomputed, its latent rows written again
+    _, path, want = model
+    got, stats = generate(str(path), num_gpu_blocks_override=12, enable_prefix_caching=False)
+    assert stats.num_preemptions > 0
+    assert got == want
+
+
+def test_tensor_parallel_is_refused_with_a_clear_error(model):
+    _, path, _ = model
+    with pytest.raises(ValueError, match="tensor parallelism is not supported.*pipeline"):
+        LLM(str(path), tensor_parallel_size=2, **ENGINE_KWARGS)

@@ -28,21 +28,13 @@ from hybridllm.layers.rotary_embedding import (
 )
 from hybridllm.models.base import WeightLoader, copy_loader, linear_loaders
 from hybridllm.models.moe import MoeDecoderLayer, MoeForCausalLM, MoeSpec, expert_count
+from hybridllm.plan.moe_size import deepseek_dense_layers
 
 if TYPE_CHECKING:
     from hybridllm.distributed.parallel_groups import TPGroup
 
 # model types routed as DeepSeek-V3 is: sigmoid scores, a choice bias, top-two group scores
 V3_ROUTED = ("deepseek_v3", "kimi_k2", "glm4_moe_lite", "glm4_moe")
-
-
-def dense_layers(hf_config: Any) -> frozenset[int]:
-    """Layers with a dense MLP: `mlp_layer_types` where the config lists them, else the first
-    `first_k_dense_replace`."""
-    types = getattr(hf_config, "mlp_layer_types", None)
-    if types is not None:
-        return frozenset(i for i, kind in enumerate(types) if kind == "dense")
-    return frozenset(range(int(getattr(hf_config, "first_k_dense_replace", 0) or 0)))
 
 
 def deepseek_moe_spec(hf_config: Any) -> MoeSpec:
@@ -55,13 +47,13 @@ def deepseek_moe_spec(hf_config: Any) -> MoeSpec:
         groups = topk_groups = 1
     width = int(hf_config.moe_intermediate_size)
     return MoeSpec(
-        num_experts=expert_count(hf_config, 0) or int(hf_config.n_routed_experts),
+        num_experts=expert_count(hf_config, 0),
         top_k=int(hf_config.num_experts_per_tok),
         intermediate_size=width,
         # DeepSeek-V2's router never renormalises (its norm_topk_prob is not read)
         renormalize=v3 and bool(getattr(hf_config, "norm_topk_prob", False)),
         shared_intermediate_size=width * int(getattr(hf_config, "n_shared_experts", 0) or 0),
-        dense_layers=dense_layers(hf_config),
+        dense_layers=deepseek_dense_layers(hf_config),
         scoring="sigmoid" if v3 else "softmax",
         grouping=GroupLimitedRouting(
             num_groups=groups,

@@ -13,7 +13,9 @@ if TYPE_CHECKING:
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
-_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe")
+# multi-head latent attention: the cache holds one latent row a token a layer
+_MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe_lite")
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,8 @@ class ModelSize:
     # Mixtures of experts: layers differ (sparse or dense), `layer_bytes` and
     # `matmul_params_per_layer` are the largest layer's; use the `layer_*` methods below.
     moe: MoeSize | None = None
+    # MLA's attention matmul parameters (q, kv_a, kv_b, o); 0: per-head q/k/v/o from head_dim
+    mla_attention_params: int = 0
 
     @property
     def dtype_bytes(self) -> int:
@@ -109,9 +113,12 @@ class ModelSize:
         return 0 if (self.tied_embeddings and has_embedding) else self.lm_head_bytes
 
     def shard_matmul_params(self, q_heads: int, kv_heads: int, intermediate: int) -> int:
-        """Matmul weights of one layer's tensor-parallel shard: q/k/v/o of its heads + its MLP slice."""
+        """Matmul weights of one layer's tensor-parallel shard: q/k/v/o of its heads + its MLP slice
+        (MLA's attention is not sharded: such models run without tensor parallelism)."""
         q, kv = q_heads * self.head_dim, kv_heads * self.head_dim
-        attention = self.hidden_size * (q + 2 * kv) + q * self.hidden_size
+        attention = (
+            self.mla_attention_params or self.hidden_size * (q + 2 * kv) + q * self.hidden_size
+        )
         return attention + self.mlp_matrices * self.hidden_size * intermediate
 
     def shard_layer_bytes(self, q_heads: int, kv_heads: int, intermediate: int) -> int:
@@ -204,6 +211,8 @@ def model_size(
     model_type = getattr(hf_config, "model_type", "") or ""
     if model_type == "opt":
         size = _opt_size(hf_config, dtype)
+    elif model_type in _MLA:
+        size = _mla_size(hf_config, dtype, model_type)
     elif model_type in _LLAMA_LIKE + _MOE or hasattr(hf_config, "intermediate_size"):
         size = _llama_size(hf_config, dtype, model_type or "llama")
     else:
@@ -227,7 +236,7 @@ def _llama_size(c: Any, dtype: str, model_type: str) -> ModelSize:
     attention_bias = bool(getattr(c, "attention_bias", False))
     qwen2 = model_type in ("qwen2", "qwen2_moe")
     qkv_bias = qwen2 or attention_bias
-    o_bias = attention_bias and not qwen2
+    o_bias = attention_bias and not qwen2 and model_type != "glm4_moe"
     moe = moe_size(c)
     mlp = 3 * hidden * inter
     if moe is not None:  # the largest layer's MLP; `inter` sizes the activation workspace
@@ -238,7 +247,8 @@ def _llama_size(c: Any, dtype: str, model_type: str) -> ModelSize:
     extra += (q + 2 * kv) if qkv_bias else 0
     extra += hidden if o_bias else 0
     extra += (2 * inter + hidden) if getattr(c, "mlp_bias", False) else 0
-    extra += 2 * head_dim if model_type in ("qwen3", "qwen3_moe") else 0  # per-head q/k RMSNorm
+    qk_norm = model_type in ("qwen3", "qwen3_moe") or getattr(c, "use_qk_norm", False)
+    extra += 2 * head_dim if qk_norm else 0  # per-head q/k RMSNorm
     extra += (q + kv) if model_type == "olmoe" else 0  # OLMoE's q/k RMSNorm over all heads
     return ModelSize(
         model_type=model_type,
@@ -260,6 +270,46 @@ def _llama_size(c: Any, dtype: str, model_type: str) -> ModelSize:
         mlp_matrices=3,
         layer_other_bytes=extra * b,
         moe=moe,
+    )
+
+
+def _mla_size(c: Any, dtype: str, model_type: str) -> ModelSize:
+    """DeepSeek-V2/V3-style sizes: latent attention, DeepSeek's experts (moe_size)."""
+    b = DTYPE_BYTES[dtype]
+    hidden, heads, vocab = c.hidden_size, c.num_attention_heads, c.vocab_size
+    nope, rope, v, latent = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+    q_rank = getattr(c, "q_lora_rank", None)
+    q = heads * (nope + rope)
+    q_params = hidden * q_rank + q_rank * q if q_rank else hidden * q
+    attention = (
+        q_params + hidden * (latent + rope) + latent * heads * (nope + v) + heads * v * hidden
+    )
+    moe = moe_size(c)
+    mlp = max(moe.mlp_params(i) for i in range(c.num_hidden_layers))
+    extra = 2 * hidden + latent + (q_rank or 0)  # layer norms, kv_a and q_a RMSNorms
+    if getattr(c, "attention_bias", False):
+        extra += (q_rank or 0) + latent + rope + hidden
+    return ModelSize(
+        model_type=model_type,
+        dtype=dtype,
+        num_layers=c.num_hidden_layers,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        num_heads=heads,
+        num_kv_heads=1,  # one latent row serves every head
+        head_dim=nope + rope,
+        intermediate_size=moe.activation_width,
+        tied_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        layer_bytes=(attention + mlp + extra) * b,
+        embedding_bytes=vocab * hidden * b,
+        final_norm_bytes=hidden * b,
+        lm_head_bytes=vocab * hidden * b,
+        matmul_params_per_layer=attention + mlp,
+        kv_bytes_per_token_per_layer=(latent + rope) * b,
+        mlp_matrices=3,
+        layer_other_bytes=extra * b,
+        moe=moe,
+        mla_attention_params=attention,
     )
 
 

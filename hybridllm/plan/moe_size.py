@@ -11,13 +11,20 @@ _MOE_TYPES = {
     "olmoe": (64, "intermediate_size"),
     "qwen2_moe": (60, "moe_intermediate_size"),
     "qwen3_moe": (128, "moe_intermediate_size"),
+    "deepseek_v2": (64, "moe_intermediate_size"),
+    "deepseek_v3": (256, "moe_intermediate_size"),
+    "kimi_k2": (384, "moe_intermediate_size"),
+    "glm4_moe_lite": (64, "moe_intermediate_size"),
+    "glm4_moe": (128, "moe_intermediate_size"),
 }
+# DeepSeek-style blocks: `n_shared_experts` ungated shared experts, leading dense layers
+DEEPSEEK_STYLE = ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe_lite", "glm4_moe")
 
 
 def expert_count(hf_config: Any, default: int) -> int:
     """The number of routed experts: config.json names it `num_experts` or `num_local_experts`
     (transformers 5 saves Qwen3-MoE's under the latter), else the config class's default."""
-    for name in ("num_experts", "num_local_experts"):
+    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
         value = getattr(hf_config, name, None)
         if value is not None:
             return int(value)
@@ -30,6 +37,15 @@ def qwen_dense_layers(hf_config: Any) -> frozenset[int]:
     only = set(getattr(hf_config, "mlp_only_layers", None) or ())
     layers = range(hf_config.num_hidden_layers)
     return frozenset(i for i in layers if i in only or (i + 1) % step != 0)
+
+
+def deepseek_dense_layers(hf_config: Any) -> frozenset[int]:
+    """DeepSeek-style dense layers: `mlp_layer_types` where the config lists them, else the
+    first `first_k_dense_replace`."""
+    types = getattr(hf_config, "mlp_layer_types", None)
+    if types is not None:
+        return frozenset(i for i, kind in enumerate(types) if kind == "dense")
+    return frozenset(range(int(getattr(hf_config, "first_k_dense_replace", 0) or 0)))
 
 
 @dataclass(frozen=True)
@@ -48,6 +64,7 @@ class MoeSize:
     shared_intermediate: int  # 0: no shared expert
     dense_intermediate: int
     sparse_layers: frozenset[int]
+    shared_gate: bool = True  # Qwen2-MoE's [1, hidden] sigmoid gate on the shared expert
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -67,7 +84,7 @@ class MoeSize:
     def sparse_fixed_params(self) -> int:
         """A sparse layer's MLP outside the routed experts: the router and the shared expert."""
         shared = 3 * self.hidden_size * self.shared_intermediate
-        shared_gate = self.hidden_size if self.shared_intermediate else 0
+        shared_gate = self.hidden_size if self.shared_intermediate and self.shared_gate else 0
         return self.hidden_size * self.num_experts + shared + shared_gate
 
     @property
@@ -106,7 +123,8 @@ class MoeSize:
 
 
 def moe_size(hf_config: Any) -> MoeSize | None:
-    """The MoE sizes of a Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE config; None for dense models."""
+    """The MoE sizes of a Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3 or GLM-4.5
+    config; None for dense models."""
     model_type = getattr(hf_config, "model_type", "") or ""
     if model_type not in _MOE_TYPES:
         return None
@@ -118,6 +136,12 @@ def moe_size(hf_config: Any) -> MoeSize | None:
     shared = 0
     if model_type == "qwen2_moe":
         shared = int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
+    deepseek = model_type in DEEPSEEK_STYLE
+    if deepseek:
+        dense = deepseek_dense_layers(hf_config)
+        shared = int(getattr(hf_config, width)) * int(
+            getattr(hf_config, "n_shared_experts", 0) or 0
+        )
     return MoeSize(
         num_experts=expert_count(hf_config, default),
         top_k=int(hf_config.num_experts_per_tok),
@@ -126,4 +150,5 @@ def moe_size(hf_config: Any) -> MoeSize | None:
         shared_intermediate=shared,
         dense_intermediate=int(getattr(hf_config, "intermediate_size", 0) or 0),
         sparse_layers=frozenset(range(num_layers)) - dense,
+        shared_gate=not deepseek,
     )

@@ -79,3 +79,20 @@ def test_tensor_parallel_is_refused_with_a_clear_error(model):
     _, path, _ = model
     with pytest.raises(ValueError, match="tensor parallelism is not supported.*pipeline"):
         LLM(str(path), tensor_parallel_size=2, **ENGINE_KWARGS)
+
+
+def test_mla_cache_holds_one_latent_row_a_token(model):
+    arch, path, _ = model
+    if arch == "glm4_moe":
+        pytest.skip("GLM-4.5 caches per-head keys and values")
+    llm = LLM(str(path), **ENGINE_KWARGS)
+    try:
+        runner = llm.llm_engine.executor.workers[0].model_runner
+        config = runner.model.hf_config
+        width = config.kv_lora_rank + config.qk_rope_head_dim
+        # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] a layer, nothing per head
+        assert all(c.shape[1:] == (4, width) for c in runner.kv_caches)
+        itemsize = runner.kv_caches[0].element_size()
+        assert runner.kv_cache_bytes_per_block() == 3 * 4 * width * itemsize
+    finally:
+        llm.shutdown()

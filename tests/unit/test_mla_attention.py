@@ -1,0 +1,68 @@
+"""Latent attention: the absorbed decode equals the expanded form on the same cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridllm.layers.attention_metadata import AttentionMetadata
+from hybridllm.layers.mla_attention import LatentAttention
+from hybridllm.layers.prepared_attention import prepare_attention
+
+HEADS, NOPE, ROPE, V, LATENT, BLOCK = 4, 16, 8, 12, 32, 4
+
+
+def decode_step(seq_lens: list[int], num_blocks: int, seed: int = 0):
+    """A random latent cache and a step of one decode row per sequence over it."""
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.randn(num_blocks, BLOCK, LATENT + ROPE, generator=g)
+    max_blocks = max(-(-n // BLOCK) for n in seq_lens)
+    order = torch.randperm(num_blocks, generator=g)  # blocks scattered over the cache
+    tables = order[: len(seq_lens) * max_blocks].view(len(seq_lens), max_blocks).int()
+    last = [
+        int(tables[i, (n - 1) // BLOCK]) * BLOCK + (n - 1) % BLOCK for i, n in enumerate(seq_lens)
+    ]
+    meta = AttentionMetadata(
+        num_decodes=len(seq_lens),
+        num_decode_tokens=len(seq_lens),
+        slot_mapping=torch.tensor(last),
+        query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        query_start_loc_cpu=list(range(len(seq_lens) + 1)),
+        seq_lens_cpu=list(seq_lens),
+        max_seq_len=max(seq_lens),
+        block_size=BLOCK,
+    )
+    q_nope = torch.randn(len(seq_lens), HEADS, NOPE, generator=g)
+    q_pe = torch.randn(len(seq_lens), HEADS, ROPE, generator=g)
+    w_kv_b = 0.3 * torch.randn(HEADS, NOPE + V, LATENT, generator=g)
+    return cache, prepare_attention(meta), q_nope, q_pe, w_kv_b
+
+
+@pytest.mark.parametrize("seq_lens", [[1], [9], [13, 1, 6]])
+def test_absorbed_decode_equals_expanded(seq_lens):
+    cache, prep, q_nope, q_pe, w_kv_b = decode_step(seq_lens, num_blocks=16)
+    attention = LatentAttention(HEADS, NOPE, ROPE, V, LATENT, scale=0.2)
+    latent = cache.view(-1, LATENT + ROPE)[prep.slot_mapping]  # the step's rows, as written
+    absorbed = attention.forward(q_nope, q_pe, latent, cache, prep, w_kv_b)
+    attention.absorb_decode = False
+    expanded = attention.forward(q_nope, q_pe, latent, cache, prep, w_kv_b)
+    assert absorbed.shape == (len(seq_lens), HEADS * V)
+    torch.testing.assert_close(absorbed, expanded, rtol=1e-5, atol=1e-5)
+
+
+def test_expanded_decode_attends_over_its_own_context_only():
+    # a reference by hand for one sequence: per-head keys [k_nope, k_pe], values, softmax
+    cache, prep, q_nope, q_pe, w_kv_b = decode_step([7], num_blocks=8, seed=1)
+    attention = LatentAttention(HEADS, NOPE, ROPE, V, LATENT, scale=0.2)
+    blocks = prep.decode_block_tables[0, :2].long()
+    rows = cache[blocks].reshape(-1, LATENT + ROPE)[:7]  # [7, L + R]
+    kv = torch.einsum("tl,hdl->thd", rows[:, :LATENT], w_kv_b)  # [7, H, nope + v]
+    keys = torch.cat((kv[..., :NOPE], rows[:, None, LATENT:].expand(7, HEADS, ROPE)), dim=-1)
+    query = torch.cat((q_nope[0], q_pe[0]), dim=-1)  # [H, nope + rope]
+    probs = torch.softmax(0.2 * torch.einsum("hd,thd->ht", query, keys), dim=-1)
+    want = torch.einsum("ht,thv->hv", probs, kv[..., NOPE:]).reshape(1, -1)
+    latent = rows[-1:]
+    got = attention.forward(q_nope, q_pe, latent, cache, prep, w_kv_b)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -96,3 +96,18 @@ def test_mla_cache_holds_one_latent_row_a_token(model):
         assert runner.kv_cache_bytes_per_block() == 3 * 4 * width * itemsize
     finally:
         llm.shutdown()
+
+
+def test_cpu_moe_places_the_routed_experts_on_the_host(model):
+    # no GPU here: the stage's device is the CPU too, but the experts take the split path
+    # (own experts_device, hidden states and router logits across, the routed sum back)
+    arch, path, want = model
+    if arch not in ("deepseek_v3", "glm4_moe"):
+        pytest.skip("one MLA and one GQA model")
+    llm = LLM(str(path), **{**ENGINE_KWARGS, "n_cpu_moe": 2})
+    try:
+        assert [s.cpu_expert_layers for s in llm.llm_engine.config.plan.stages] == [2]
+        outs = llm.generate([{"prompt_token_ids": p} for p in make_prompts()], PARAMS)
+        assert [list(o.outputs[0].token_ids) for o in outs] == want
+    finally:
+        llm.shutdown()

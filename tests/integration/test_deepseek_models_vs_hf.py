@@ -111,3 +111,29 @@ def test_cpu_moe_places_the_routed_experts_on_the_host(model):
         assert [list(o.outputs[0].token_ids) for o in outs] == want
     finally:
         llm.shutdown()
+
+
+def test_mtp_layers_after_the_last_are_skipped(model, tmp_path):
+    # DeepSeek-V3 and GLM-4.5 checkpoints carry their multi-token-prediction (NextN) layer as
+    # `model.layers.{num_hidden_layers}.*`: no stage owns it, and loading goes on without it
+    import shutil
+
+    from safetensors.torch import save_file
+
+    arch, path, want = model
+    if arch not in ("deepseek_v3", "glm4_moe"):
+        pytest.skip("one MLA and one GQA model")
+    folder = tmp_path / "with-mtp"
+    shutil.copytree(path, folder)
+    hidden = 96
+    save_file(
+        {
+            "model.layers.3.eh_proj.weight": torch.randn(hidden, 2 * hidden),
+            "model.layers.3.enorm.weight": torch.ones(hidden),
+            "model.layers.3.hnorm.weight": torch.ones(hidden),
+            "model.layers.3.self_attn.o_proj.weight": torch.randn(hidden, hidden),
+            "model.layers.3.shared_head.norm.weight": torch.ones(hidden),
+        },
+        str(folder / "mtp.safetensors"),
+    )
+    assert generate(str(folder))[0] == want

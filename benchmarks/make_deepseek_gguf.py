@@ -1,0 +1,171 @@
+"""Real GGUF files of DeepSeek-V3-shaped layers, made by llama.cpp's own converter and quantizer.
+
+DeepSeek-V3's layers at their real sizes (hidden 7168, 128 heads, MLA ranks 1536 / 512, rope 64,
+nope 128, v 128, routed expert width 2048, top-8, one shared expert, a dense first layer of
+width 18432, YaRN x40) with fewer routed experts and layers than the real 256 x 61, so that the
+files and either engine's memory fit this 24 GiB machine: `--layers` (default 4: one dense, three
+sparse) and `--experts` (default 32, in 8 groups with 4 kept, as V3's 256 in 8 with 4). Random
+seeded weights (N(0, 1/fan_in), the residual projections scaled down), SmolLM2's tokenizer and its
+49,152-token vocabulary, the checkpoint's per-expert tensor names. The folder is written
+tensor by tensor (no model in memory), converted to BF16 GGUF by `convert_hf_to_gguf.py`, then
+quantized by `llama-quantize` to each `--types` (default Q4_K_M and Q2_K).
+
+    .venv/bin/python benchmarks/make_deepseek_gguf.py [--out /work/gguf-files/deepseek]
+        [--layers 4] [--experts 32] [--types Q4_K_M Q2_K] [--llamacpp-bin DIR]
+
+Idempotent, as make_gguf_files.py: each step is skipped when its output exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.make_gguf_files import (  # noqa: E402
+    find_llamacpp_bin,
+    llamacpp_source,
+    log,
+    run_tool,
+    smollm2_tokenizer,
+)
+
+HIDDEN, HEADS, Q_RANK, KV_RANK, NOPE, ROPE, V = 7168, 128, 1536, 512, 128, 64, 128
+DENSE_WIDTH, EXPERT_WIDTH, TOP_K = 18432, 2048, 8
+
+
+def config(layers: int, experts: int, vocab: int, bos: int, eos: int):
+    from transformers import DeepseekV3Config
+
+    c = DeepseekV3Config(
+        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=DENSE_WIDTH,
+        moe_intermediate_size=EXPERT_WIDTH, num_hidden_layers=layers, num_attention_heads=HEADS,
+        num_key_value_heads=HEADS, n_shared_experts=1, n_routed_experts=experts,
+        routed_scaling_factor=2.5, kv_lora_rank=KV_RANK, q_lora_rank=Q_RANK,
+        qk_rope_head_dim=ROPE, v_head_dim=V, qk_nope_head_dim=NOPE, n_group=8, topk_group=4,
+        num_experts_per_tok=TOP_K, first_k_dense_replace=1, norm_topk_prob=True,
+        max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        bos_token_id=bos, eos_token_id=eos, torch_dtype="bfloat16",
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0,
+                             original_max_position_embeddings=4096, mscale=1.0,
+                             mscale_all_dim=1.0, beta_fast=32, beta_slow=1),
+    )  # fmt: skip
+    c.architectures = ["DeepseekV3ForCausalLM"]
+    return c
+
+
+def layer_tensors(i: int, layers: int, experts: int, g):
+    """Layer `i`'s tensors, name -> bf16, in the checkpoint's names."""
+    import torch
+
+    resid = 1.0 / math.sqrt(2 * layers)
+
+    def randn(rows: int, cols: int, std: float) -> torch.Tensor:
+        return (torch.randn(rows, cols, generator=g) * std).to(torch.bfloat16)
+
+    def norm(n: int) -> torch.Tensor:
+        return (1.0 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16)
+
+    p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+    t = {
+        p + "input_layernorm.weight": norm(HIDDEN),
+        p + "post_attention_layernorm.weight": norm(HIDDEN),
+        a + "q_a_proj.weight": randn(Q_RANK, HIDDEN, 1 / math.sqrt(HIDDEN)),
+        a + "q_a_layernorm.weight": norm(Q_RANK),
+        a + "q_b_proj.weight": randn(HEADS * (NOPE + ROPE), Q_RANK, 1 / math.sqrt(Q_RANK)),
+        a + "kv_a_proj_with_mqa.weight": randn(KV_RANK + ROPE, HIDDEN, 1 / math.sqrt(HIDDEN)),
+        a + "kv_a_layernorm.weight": norm(KV_RANK),
+        a + "kv_b_proj.weight": randn(HEADS * (NOPE + V), KV_RANK, 1 / math.sqrt(KV_RANK)),
+        a + "o_proj.weight": randn(HIDDEN, HEADS * V, resid / math.sqrt(HEADS * V)),
+    }
+
+    def mlp(prefix: str, width: int) -> None:
+        t[prefix + "gate_proj.weight"] = randn(width, HIDDEN, 1 / math.sqrt(HIDDEN))
+        t[prefix + "up_proj.weight"] = randn(width, HIDDEN, 1 / math.sqrt(HIDDEN))
+        t[prefix + "down_proj.weight"] = randn(HIDDEN, width, resid / math.sqrt(width))
+
+    if i == 0:
+        mlp(p + "mlp.", DENSE_WIDTH)
+        return t
+    t[p + "mlp.gate.weight"] = randn(experts, HIDDEN, 1 / math.sqrt(HIDDEN))
+    t[p + "mlp.gate.e_score_correction_bias"] = (0.01 * torch.randn(experts, generator=g)).float()
+    mlp(p + "mlp.shared_experts.", EXPERT_WIDTH)
+    for e in range(experts):
+        mlp(f"{p}mlp.experts.{e}.", EXPERT_WIDTH)
+    return t
+
+
+def make_folder(folder: Path, layers: int, experts: int, seed: int = 0) -> Path:
+    if (folder / "config.json").is_file():
+        return folder
+    import torch
+    from safetensors.torch import save_file
+
+    log(f"random DeepSeek-V3-shaped model ({layers} layers, {experts} experts) -> {folder}")
+    tmp = folder.with_name(folder.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tok = smollm2_tokenizer()
+    tok.save_pretrained(tmp)
+    vocab = len(tok)
+    config(layers, experts, vocab, tok.bos_token_id, tok.eos_token_id).save_pretrained(tmp)
+    g = torch.Generator().manual_seed(seed)
+    weight_map: dict[str, str] = {}
+
+    def shard(name: str, tensors: dict) -> None:
+        save_file(tensors, str(tmp / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+
+    std = 2.0 / math.sqrt(HIDDEN)
+    shard("embed.safetensors", {
+        "model.embed_tokens.weight": (torch.randn(vocab, HIDDEN, generator=g) * std).bfloat16(),
+        "lm_head.weight": (torch.randn(vocab, HIDDEN, generator=g) * std).bfloat16(),
+        "model.norm.weight": (1.0 + 0.1 * torch.randn(HIDDEN, generator=g)).bfloat16(),
+    })  # fmt: skip
+    for i in range(layers):
+        shard(f"layer-{i:02d}.safetensors", layer_tensors(i, layers, experts, g))
+    with open(tmp / "model.safetensors.index.json", "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    tmp.rename(folder)
+    return folder
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("/work/gguf-files/deepseek"))
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--types", nargs="+", default=["Q4_K_M", "Q2_K"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llamacpp-bin", type=Path)
+    args = ap.parse_args()
+    bin_dir = find_llamacpp_bin(args.llamacpp_bin)
+    if bin_dir is None:
+        sys.exit("llama.cpp's tools are not built (../shared/tools/build_llamacpp.sh)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    prefix = f"deepseek-v3-{args.layers}l-{args.experts}e"
+    folder = make_folder(args.out / f"{prefix}-hf", args.layers, args.experts)
+    bf16 = args.out / f"{prefix}.BF16.gguf"
+    if not bf16.is_file():
+        log(f"convert_hf_to_gguf.py -> {bf16}")
+        tmp = bf16.with_suffix(".tmp")
+        script = llamacpp_source(bin_dir) / "convert_hf_to_gguf.py"
+        cmd = [sys.executable, script, folder, "--outtype", "bf16", "--outfile", tmp]
+        run_tool(cmd, bin_dir, args.out / "convert.log")
+        tmp.rename(bf16)
+    for type_name in args.types:
+        path = args.out / f"{prefix}.{type_name}.gguf"
+        if path.is_file():
+            continue
+        log(f"llama-quantize {type_name} -> {path}")
+        tmp = path.with_name(path.name + ".tmp")
+        cmd = [bin_dir / "llama-quantize", bf16, tmp, type_name, args.threads]
+        run_tool(cmd, bin_dir, args.out / f"quantize-{type_name}.log")
+        tmp.rename(path)
+        log(f"{path}: {path.stat().st_size / 2**30:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -78,7 +78,10 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.spec = spec
         self.experts_device = experts_device
-        self.gate = Linear(hidden_size, spec.num_experts, False, dtype, device)  # router
+        # DeepSeek's router scores in fp32 whatever the model's dtype (a bf16 logit can flip
+        # which of two close experts a token picks)
+        self.router_dtype = torch.float32 if spec.grouping is not None else dtype
+        self.gate = Linear(hidden_size, spec.num_experts, False, self.router_dtype, device)
         self.experts = FusedMoE(
             spec.num_experts,
             spec.top_k,
@@ -101,7 +104,7 @@ class SparseMoeBlock(nn.Module):
                 self.shared_expert_gate = Linear(hidden_size, 1, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x)  # [n, E]
+        logits = self.gate(x.to(self.router_dtype))  # [n, E]
         if self.experts_device is None:
             out = self.experts(x, logits)  # [n, hidden]
             shared = self._shared(x)

@@ -121,8 +121,9 @@ class EngineArgs:
 
         max_model_len = self.resolve_max_model_len(hf_config)
         batched = self.resolve_max_num_batched_tokens(max_model_len)
+        quantization = self.resolve_quantization(source)
         cpu_blocks = self.kept_cpu_blocks(source, hf_config, kernel_config)
-        cpu_auto = self._cpu_auto_dtype(hf_config, cpu_blocks)
+        cpu_auto = self._cpu_auto_dtype(hf_config, cpu_blocks, quantization)
         int8_blocks = kernel_config.int8_over_blocks(cpu_blocks)
         plan = self._build_plan(
             hf_config, batched, max_model_len, cpu_blocks, cpu_auto, int8_blocks
@@ -139,7 +140,7 @@ class EngineArgs:
             tokenizer=self.tokenizer,
             skip_tokenizer_init=self.skip_tokenizer_init,
             eos_token_ids=_eos_token_ids(source.generation_config, hf_config),
-            quantization=self.quantization,
+            quantization=quantization,
             cpu_blocks=cpu_blocks,
         )
         kv_bytes = _optional_size(self.kv_cache_memory)
@@ -231,17 +232,41 @@ class EngineArgs:
             n_cpu_moe=self.n_cpu_moe,
         )
 
+    def resolve_quantization(self, source: ModelSource) -> str:
+        """What `quantization` means for this checkpoint: as given, except that "auto" on a
+        block-scaled FP8 folder is q8_0 (loader/fp8_block.py); says in the log what an FP8
+        folder's CPU workers re-block its weights into."""
+        from hybridllm.loader.fp8_block import onload_quantization
+
+        quantization = onload_quantization(self.quantization, source)
+        fp8 = getattr(source, "fp8_block", None)
+        if fp8 is not None:
+            chosen = "the default" if self.quantization == "auto" else "--quantization"
+            if quantization == "none":
+                what = "every weight dequantized to the model dtype (--quantization none)"
+            else:
+                what = f"CPU workers re-block its linears into {quantization.upper()} ({chosen})"
+            logger.info(
+                "%s: %s weights; %s, GPU workers dequantize them to the model dtype",
+                source.path,
+                fp8.describe(),
+                what,
+            )
+        return quantization
+
     def kept_cpu_blocks(
         self, source: ModelSource, hf_config: Any, kernels: KernelConfig
     ) -> GGUFBlockSizes | None:
         """What CPU workers keep as GGUF blocks under these flags (None: every weight float;
-        loader/block_sizes.py). The kernels are asked for (and built) only when
-        there are blocks to keep."""
+        loader/block_sizes.py); a block-scaled FP8 folder counts as its re-blocked type. The
+        kernels are asked for (and built) only when there are blocks to keep."""
         from hybridllm.loader.block_sizes import cpu_block_sizes
+        from hybridllm.loader.fp8_block import onload_quantization
         from hybridllm.plan.cpu_dtype import cpu_kernels_built
 
+        quantization = onload_quantization(self.quantization, source)
         return cpu_block_sizes(
-            source, hf_config, self.quantization, lambda: cpu_kernels_built(kernels.cpu_kernels)
+            source, hf_config, quantization, lambda: cpu_kernels_built(kernels.cpu_kernels)
         )
 
     def kernel_config(self) -> KernelConfig:
@@ -251,7 +276,7 @@ class EngineArgs:
             self.cpu_kernels, self.gguf_activations, self.native_decode_layer
         )
 
-    def _cpu_auto_dtype(self, hf_config, cpu_blocks) -> str:
+    def _cpu_auto_dtype(self, hf_config, cpu_blocks, quantization: str) -> str:
         """What dtype "auto" computes in on CPU workers (plan/cpu_dtype.py): the hardware
         profile is read (measured once per machine) only for a bf16 checkpoint on a bf16 CPU."""
         from hybridllm.plan.cpu_dtype import auto_dtype_for
@@ -266,7 +291,7 @@ class EngineArgs:
             cpu = load_or_measure_profile(discover_hardware()).cpu
             return cpu.fp32_flops, cpu.bf16_flops
 
-        return auto_dtype_for(hf_config, self.quantization, cpu_blocks, gemm_rates)
+        return auto_dtype_for(hf_config, quantization, cpu_blocks, gemm_rates)
 
     def _build_plan(
         self,

@@ -80,6 +80,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     from hybridllm.loader import default_model_path, open_model_source
+    from hybridllm.loader.fp8_block import onload_quantization
     from hybridllm.plan.cost_model import CostModel
     from hybridllm.plan.cpu_dtype import auto_dtype_for
     from hybridllm.plan.describe import describe_hardware, describe_plan
@@ -116,7 +117,8 @@ def run_plan(args: argparse.Namespace) -> int:
     profile = load_or_measure_profile(hw, refresh=args.refresh_profile)
     if args.dtype == "auto":  # what "auto" means if the plan ends CPU-only, as the engine decides
         rates = (profile.cpu.fp32_flops, profile.cpu.bf16_flops)
-        auto = auto_dtype_for(hf_config, args.quantization, cpu_blocks, lambda: rates)
+        quantization = onload_quantization(args.quantization, source)  # fp8 folders: q8_0
+        auto = auto_dtype_for(hf_config, quantization, cpu_blocks, lambda: rates)
         placement = dataclasses.replace(placement, cpu_auto_dtype=auto)
     cost = CostModel(profile, context_len=args.context_len)
     plan = build_plan(hf_config, placement, hw, cost, cpu_blocks)

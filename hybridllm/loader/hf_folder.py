@@ -5,8 +5,16 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Collection, Iterator
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
+from hybridllm.loader.fp8_block import (
+    dequantize_fp8_block,
+    fp8_block_quant,
+    is_fp8,
+    is_scale_name,
+    scale_name,
+)
 from hybridllm.loader.hf_config import CONFIG_FILE, HFConfig
 from hybridllm.loader.model_source import (
     NO_TOKENIZER_HINT,
@@ -60,6 +68,8 @@ class HFFolderSource(ModelSource):
         if not os.path.isfile(config_path):
             raise ValueError(f"{self.path}: not a Hugging Face model folder (no {CONFIG_FILE})")
         self.hf_config = HFConfig.from_file(config_path)
+        # DeepSeek's block-scaled FP8 layout (loader/fp8_block.py); other quantizations refused
+        self.fp8_block = fp8_block_quant(self.hf_config, config_path)
         gen_path = os.path.join(self.path, GENERATION_CONFIG_FILE)
         from_file = read_json(gen_path) if os.path.isfile(gen_path) else {}
         self.generation_config = merge_generation_config(self.hf_config, from_file)
@@ -98,7 +108,10 @@ class HFFolderSource(ModelSource):
         return self._weight_map
 
     def weight_names(self) -> list[str]:
-        return list(self._weights_by_file())
+        names = list(self._weights_by_file())
+        if self.fp8_block is not None:  # the scales belong to their weights
+            names = [name for name in names if not is_scale_name(name)]
+        return names
 
     def iter_weights(
         self, owns: WeightFilter = own_all, quantized_types: Collection[int] = ()
@@ -106,10 +119,50 @@ class HFFolderSource(ModelSource):
         # safetensors hold no GGUF blocks: `quantized_types` never applies
         by_file: dict[str, list[str]] = {}
         for name, file_name in self._weights_by_file().items():
+            if self.fp8_block is not None and is_scale_name(name):
+                continue  # read with its weight
             if owns(name):
                 by_file.setdefault(file_name, []).append(name)
         for file_name, names in by_file.items():
-            yield from read_safetensors(os.path.join(self.path, file_name), names)
+            if self.fp8_block is None:
+                yield from read_safetensors(os.path.join(self.path, file_name), names)
+            else:
+                yield from self._read_fp8_file(file_name, names)
+
+    def _read_fp8_file(
+        self, file_name: str, names: list[str]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """One file's tensors, each fp8 weight dequantized with its scale (which may lie in
+        another shard: those are opened as needed and closed with this file)."""
+        assert self.fp8_block is not None
+        weight_map = self._weights_by_file()
+        with ExitStack() as stack:
+            handles: dict[str, Any] = {}
+
+            def opened(shard: str) -> Any:
+                if shard not in handles:
+                    path = os.path.join(self.path, shard)
+                    handles[shard] = stack.enter_context(_open_safetensors(path))
+                return handles[shard]
+
+            for name in names:
+                tensor = _read_tensor(opened(file_name), self.path, file_name, name)
+                scale_file = weight_map.get(scale_name(name))
+                if not is_fp8(tensor):
+                    if scale_file is not None:
+                        raise ModelLoadError(
+                            f"{name}: has a scale {scale_name(name)!r} but is stored as "
+                            f"{tensor.dtype}, not float8_e4m3fn"
+                        )
+                    yield name, tensor
+                    continue
+                scale = None
+                if scale_file is not None:
+                    scale = _read_tensor(
+                        opened(scale_file), self.path, scale_file, scale_name(name)
+                    )
+                yield name, dequantize_fp8_block(name, tensor, scale, self.fp8_block.block)
+                del tensor, scale
 
     def weight_files(self) -> list[str]:
         return sorted({os.path.join(self.path, f) for f in self._weights_by_file().values()})
@@ -158,12 +211,17 @@ def _open_safetensors(file_path: str):
 
 def read_safetensors(file_path: str, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the named tensors of one safetensors file, one at a time (memory-mapped reads)."""
-    from safetensors import SafetensorError
-
+    folder, file_name = os.path.split(file_path)
     with _open_safetensors(file_path) as f:
         for name in names:
-            try:
-                tensor = f.get_tensor(name)
-            except (SafetensorError, OSError) as e:
-                raise ModelLoadError(f"{file_path}: cannot read tensor {name!r} ({e})") from None
-            yield name, tensor
+            yield name, _read_tensor(f, folder, file_name, name)
+
+
+def _read_tensor(f: Any, folder: str, file_name: str, name: str) -> torch.Tensor:
+    from safetensors import SafetensorError
+
+    try:
+        return f.get_tensor(name)
+    except (SafetensorError, OSError) as e:
+        file_path = os.path.join(folder, file_name)
+        raise ModelLoadError(f"{file_path}: cannot read tensor {name!r} ({e})") from None

@@ -44,6 +44,29 @@ class LatentAttention:
         self.scale = scale
         self.native_ops = native_ops
         self.absorb_decode = True  # False: decode rows expanded as prefill is (tests compare)
+        # CPU, a model computing from GGUF blocks: the absorbed decode's per-head matrices as
+        # blocks too, `use_head_blocks`; None: the float `w_kv_b` passed to forward
+        self.head_blocks: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
+
+    def use_head_blocks(self, w_kv_b: torch.Tensor, activations: int) -> None:
+        """Compute the absorbed decode's per-head products from Q8_0 blocks of `w_kv_b`
+        [H, nope + v, L] with `hybridllm::gguf_head_linear` (a quarter of fp32's bytes; torch's
+        bmm of one row a head ran at 2-3 GB/s). Needs nope and L multiples of 32."""
+        import gguf
+
+        q8 = gguf.GGMLQuantizationType.Q8_0
+        heads, nope, latent_dim = self.num_heads, self.nope_dim, self.latent_dim
+        w = w_kv_b.detach().float()
+        w_uk_t = w[:, :nope].transpose(1, 2).reshape(heads * latent_dim, nope)  # [H * L, nope]
+        w_uv = w[:, nope:].reshape(heads * self.v_dim, latent_dim)  # [H * v, L]
+        uk = torch.from_numpy(gguf.quants.quantize(w_uk_t.contiguous().numpy(), q8))
+        uv = torch.from_numpy(gguf.quants.quantize(w_uv.contiguous().numpy(), q8))
+        self.head_blocks = (
+            uk.view(heads, latent_dim, -1),  # [H, L, nope / 32 blocks]
+            uv.view(heads, self.v_dim, -1),  # [H, v, L / 32 blocks]
+            int(q8),
+            activations,
+        )
 
     @staticmethod
     def write(kv_cache: torch.Tensor | None, latent: torch.Tensor, prep: PreparedAttention) -> None:
@@ -134,8 +157,15 @@ class LatentAttention:
         nope, latent_dim = self.nope_dim, self.latent_dim
         w_uk, w_uv = w_kv_b[:, :nope], w_kv_b[:, nope:]  # [H, nope, L], [H, v, L]
         batch = q_nope.shape[0]
-        # [H, B, nope] @ [H, nope, L] -> [H, B, L]: the queries in the latent space
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+        blocks = self.head_blocks if kv_cache.device.type == "cpu" else None
+        if blocks is not None:
+            uk, _, ggml_type, activations = blocks
+            q_latent = torch.ops.hybridllm.gguf_head_linear(
+                q_nope.float().contiguous(), uk, ggml_type, latent_dim, activations
+            ).to(q_nope.dtype)  # [B, H, L]
+        else:
+            # [H, B, nope] @ [H, nope, L] -> [H, B, L]: the queries in the latent space
+            q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
         query = torch.cat((q_latent, q_pe), dim=-1)  # [B, H, L + R]
         if self.native_ops and kv_cache.device.type == "cpu":
             latent_out = torch.ops.hybridllm.mla_decode_attention(
@@ -158,6 +188,11 @@ class LatentAttention:
             latent_out = F.scaled_dot_product_attention(
                 query[:, None], rows, rows[..., :latent_dim], attn_mask=mask, scale=self.scale
             )[:, 0]  # [B, H, L]
+        if blocks is not None:
+            _, uv, ggml_type, activations = blocks
+            return torch.ops.hybridllm.gguf_head_linear(
+                latent_out.float().contiguous(), uv, ggml_type, self.v_dim, activations
+            ).to(q_nope.dtype)  # [B, H, v]
         # [H, B, L] @ [H, L, v] -> [H, B, v]
         return torch.bmm(latent_out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from hybridllm.config import KernelConfig
 from hybridllm.layers.cpu_kernels import cpu_kernels_enabled, load_cpu_kernels
+from hybridllm.layers.gguf_linear import ACTIVATIONS
 from hybridllm.layers.linear import Linear
 from hybridllm.layers.mla_attention import LatentAttention
 from hybridllm.layers.moe_routing import GroupLimitedRouting
@@ -164,6 +165,11 @@ class MLAttention(nn.Module):
         out = self.attn.forward(q[..., : self.nope_dim], q_pe, latent, kv_cache, prep, w_kv_b)
         return self.o_proj(out)
 
+    def blocks_fit(self) -> bool:
+        """Whether the absorbed decode's per-head rows (nope and latent wide) are whole
+        32-weight blocks."""
+        return self.nope_dim % 32 == 0 and self.latent_dim % 32 == 0
+
     def weight_loaders(self, prefix: str) -> dict[str, WeightLoader]:
         if self.q_proj is not None:
             loaders = linear_loaders(prefix, self.q_proj, "q_proj")
@@ -213,6 +219,10 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
 
     @torch.no_grad()
     def process_weights_after_loading(self, kernels: KernelConfig | None = None) -> None:
+        """As the base's; on a CPU with the kernels, MLA decode attends through the native op
+        and, where the linears hold blocks, absorbs through Q8_0 blocks (see LatentAttention)."""
+        if self._weights_processed:
+            return
         super().process_weights_after_loading(kernels)
         kernels = KernelConfig.from_env() if kernels is None else kernels
         native = (
@@ -221,9 +231,21 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
             and load_cpu_kernels()
             and hasattr(torch.ops.hybridllm, "mla_decode_attention")
         )
+        head_blocks = (
+            self.device.type == "cpu"
+            and cpu_kernels_enabled(kernels.cpu_kernels)
+            and load_cpu_kernels()
+            and hasattr(torch.ops.hybridllm, "gguf_head_linear")
+        )
         for module in self.modules():
             if isinstance(module, MLAttention):
                 module.attn.native_ops = native
+                # a model computing from blocks (GGUF, --quantization) absorbs from Q8_0 too
+                if head_blocks and module.o_proj.qweight is not None and module.blocks_fit():
+                    module.attn.use_head_blocks(
+                        module.kv_b_proj.view(module.num_heads, -1, module.latent_dim),
+                        ACTIVATIONS[kernels.gguf_activations],
+                    )
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -17,11 +17,14 @@ from hybridllm.loader.gguf_cache import GGUFConversionCache
 from hybridllm.loader.gguf_dequant import decoded_dtype, dequantize
 from hybridllm.loader.gguf_file import GGUFFile, GGUFTensorInfo
 from hybridllm.loader.gguf_mapping import (
+    KV_B_PARTS,
     ROPE_FREQS_TENSOR,
     GGUFArch,
     generation_config_from_metadata,
     hf_config_kwargs,
     hf_tensor_name,
+    kv_b_from_parts,
+    kv_b_shape,
     rope_row_order,
 )
 from hybridllm.loader.hf_config import HFConfig
@@ -122,9 +125,9 @@ class GGUFSource(ModelSource):
         with open(os.path.join(folder, GENERATION_CONFIG_FILE), "w", encoding="utf-8") as f:
             json.dump(self.generation_config, f, indent=1)
         specs = [
-            (name, info.shape, decoded_dtype(info.ggml_type))
+            (name, *self._decoded_spec(gguf, info))
             for info in gguf.tensors.values()
-            if (name := hf_tensor_name(info.name, self.path)) is not None
+            if (name := self._hf_name(info.name)) is not None
         ]
         # The tokenizer build is pure Python; it overlaps the weights, which mostly release the GIL.
         # A file without tokenizer metadata still converts (the tokenizer may come from elsewhere).
@@ -134,6 +137,29 @@ class GGUFSource(ModelSource):
             write_safetensors(weights_path, specs, self._iter_gguf(own_all))
             if tokenizer is not None:
                 tokenizer.result().save_pretrained(folder)
+
+    def _hf_name(self, gguf_name: str) -> str | None:
+        """`hf_tensor_name` for this file's architecture and decoder layers."""
+        return hf_tensor_name(gguf_name, self.path, self.arch, self.hf_config.num_hidden_layers)
+
+    def _decoded_spec(self, gguf: GGUFFile, info: GGUFTensorInfo) -> tuple[tuple[int, ...], object]:
+        """The shape and dtype `_read_tensor` gives the tensor `info` (not quantized)."""
+        if self._is_k_b(info):
+            v_b = self._v_b_info(gguf, info)
+            return kv_b_shape(info.shape, v_b.shape), torch.float32
+        return info.shape, decoded_dtype(info.ggml_type)
+
+    @staticmethod
+    def _is_k_b(info: GGUFTensorInfo) -> bool:
+        """Whether `info` is a `blk.N.attn_k_b.weight`, read with its attn_v_b as kv_b_proj."""
+        return info.name.startswith("blk.") and info.name.endswith(f".{KV_B_PARTS[0]}.weight")
+
+    def _v_b_info(self, gguf: GGUFFile, k_b: GGUFTensorInfo) -> GGUFTensorInfo:
+        name = k_b.name.replace(f".{KV_B_PARTS[0]}.", f".{KV_B_PARTS[1]}.")
+        info = gguf.tensors.get(name)
+        if info is None:
+            raise ModelLoadError(f"{self.path}: GGUF tensor {k_b.name!r} comes without {name!r}")
+        return info
 
     def _gguf_file(self) -> GGUFFile:
         if self._gguf is None:
@@ -150,7 +176,7 @@ class GGUFSource(ModelSource):
     def weight_names(self) -> list[str]:
         if self._entry is not None:
             return self._entry.weight_names()
-        names = (hf_tensor_name(n, self.path) for n in self._gguf_file().tensors)
+        names = (self._hf_name(n) for n in self._gguf_file().tensors)
         return [n for n in names if n is not None]
 
     def iter_weights(
@@ -175,11 +201,29 @@ class GGUFSource(ModelSource):
         the copies and not also the whole mapped file."""
         gguf = self._gguf_file()
         for info in gguf.tensors.values():
-            name = hf_tensor_name(info.name, self.path)
+            name = self._hf_name(info.name)
             if name is None or not owns(name):
                 continue
-            yield name, self._read_tensor(gguf, info, name, quantized_types)
+            if self._is_k_b(info):
+                v_b = self._v_b_info(gguf, info)
+                yield name, self._read_kv_b(gguf, info, v_b)
+                gguf.release_pages(v_b)
+            else:
+                yield name, self._read_tensor(gguf, info, name, quantized_types)
             gguf.release_pages(info)
+
+    def _read_kv_b(self, gguf: GGUFFile, k_b: GGUFTensorInfo, v_b: GGUFTensorInfo) -> torch.Tensor:
+        """HF's kv_b_proj from llama.cpp's two parts, dequantized (float32): a small tensor
+        (kv_lora_rank columns) whose rows are regrouped per head, so never kept quantized."""
+        parts = []
+        for info in (k_b, v_b):
+            try:
+                parts.append(dequantize(gguf.raw_rows(info), info.ggml_type, info.shape).float())
+            except (NotImplementedError, ValueError) as e:
+                raise ModelLoadError(
+                    f"{self.path}: cannot decode tensor {info.name!r} ({info.ggml_type.name}): {e}"
+                ) from None
+        return kv_b_from_parts(parts[0], parts[1], self.path)
 
     def _read_tensor(
         self, gguf: GGUFFile, info: GGUFTensorInfo, name: str, quantized_types: frozenset[int]

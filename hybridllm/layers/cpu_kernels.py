@@ -1,5 +1,6 @@
-"""Optional native CPU kernels (decode attention, KV cache writes, GGUF linear, RMSNorm,
-SiLU-and-mul, rotary embedding, argmax, fused MoE, whole decoder layer), compiled on first use.
+"""Optional native CPU kernels (decode attention, MLA decode attention, KV cache writes, GGUF
+linear, RMSNorm, SiLU-and-mul, rotary embedding, argmax, fused MoE, whole decoder layer),
+compiled on first use.
 
 The kernels are a speed-up, never a requirement: when there is no C++ compiler, the build
 fails, or `HYBRIDLLM_CPU_KERNELS=0` is set, `load_cpu_kernels` returns False and the plain
@@ -33,6 +34,7 @@ SOURCES = [
     for name in (
         "torch_bindings.cpp",
         "paged_decode_cpu.cpp",
+        "mla_decode_cpu.cpp",
         "gguf_linear_cpu.cpp",
         "gguf_q8_linear_cpu.cpp",
         "gguf_q8_gemm_cpu.cpp",

@@ -15,6 +15,14 @@ TORCH_LIBRARY(hybridllm, m) {
       "paged_decode_attention(Tensor query, Tensor kv_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale, int window) -> Tensor");
 
+  // --- mla_decode_cpu.cpp
+  // DeepSeek MLA decode, absorbed form: query [B, H, D] float32 against the latent cache
+  // [num_blocks, block_size, D] (rows [c_kv | k_pe], D = latent_dim + rope_dim) -> [B, H,
+  // latent_dim] float32, the values being each row's first latent_dim entries
+  m.def(
+      "mla_decode_attention(Tensor query, Tensor kv_cache, Tensor block_tables, "
+      "Tensor seq_lens, float scale, int latent_dim) -> Tensor");
+
   // --- gguf_linear_cpu.cpp (int8 activations: gguf_q8_linear_cpu.cpp, gguf_q8_gemm_cpu.cpp)
   // activations: 0 computes in fp32; 1 quantizes x to int8 for integer dot products (the
   // few-rows kernels, the int8 GEMM for many rows; 2-5 pick one path, for tests: gguf_q8_linear.h)

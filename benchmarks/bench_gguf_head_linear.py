@@ -13,6 +13,7 @@ Run: `PYTHONPATH=. python benchmarks/bench_gguf_head_linear.py [--batch 1] [--th
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import statistics
 import time
@@ -32,8 +33,9 @@ SHAPES = [
 ]
 
 
-def median_seconds(fn, min_time: float) -> float:
-    """Median over 9 timed batches of calls, each about min_time / 9 long, after a warm-up."""
+def median_seconds(fn, min_time: float) -> tuple[float, float]:
+    """(median, fastest) of 9 timed batches of calls, each about min_time / 9 long, after a
+    warm-up. On a shared machine the fastest says what the kernel does when it has the cores."""
     fn()
     t0 = time.perf_counter()
     fn()
@@ -44,7 +46,7 @@ def median_seconds(fn, min_time: float) -> float:
         for _ in range(calls):
             fn()
         samples.append((time.perf_counter() - t0) / calls)
-    return statistics.median(samples)
+    return statistics.median(samples), min(samples)
 
 
 def k_quant_blocks(fmt: Q, rows: int, k: int) -> torch.Tensor:
@@ -60,6 +62,48 @@ def cycle(tensor: torch.Tensor, cold_mb: int):
     return itertools.cycle(copies)
 
 
+def cell(fn, nbytes: int, min_time: float) -> str:
+    """ms at the median, GB/s of `nbytes` at the median (and for the fastest batch)."""
+    t, fast = median_seconds(fn, min_time)
+    return f"{t * 1e3:6.3f} {nbytes / t / 1e9:5.1f} ({nbytes / fast / 1e9:5.1f})"
+
+
+def bench_bmm(x: torch.Tensor, w: torch.Tensor, args: argparse.Namespace) -> str:
+    """torch.bmm of x [B, H, in] against fp32 w [H, out, in]."""
+    xt, weights = x.transpose(0, 1), cycle(w, args.cold_mb)
+    return cell(lambda: torch.bmm(xt, next(weights).transpose(1, 2)), w.nbytes, args.min_time)
+
+
+def bench_format(x: torch.Tensor, w: torch.Tensor, fmt: Q, args: argparse.Namespace) -> list[str]:
+    """gguf_head_linear (fp32, int8 activations) and gguf_linear a head at a time (same) on w
+    [H, out, in] in GGUF blocks of fmt."""
+    heads, n, k = w.shape
+    if fmt in (Q.Q4_K, Q.Q6_K):
+        raw = k_quant_blocks(fmt, heads * n, k)
+    else:
+        raw = torch.from_numpy(quantize(w.reshape(heads * n, k).numpy(), fmt))
+    qweight = raw.reshape(heads, n, -1)
+    weight = dequantize(raw.numpy(), fmt, (heads * n, k)).reshape(heads, n, k)
+    head_op, linear = torch.ops.hybridllm.gguf_head_linear, torch.ops.hybridllm.gguf_linear
+    y = head_op(x, qweight, int(fmt), n)
+    ref = torch.einsum("bhk,hnk->bhn", x.double(), weight.double())
+    assert torch.allclose(y.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max())
+    blocks = cycle(qweight, args.cold_mb)
+
+    def per_head(activations: int) -> None:
+        q = next(blocks)
+        for h in range(heads):
+            linear(x[:, h], q[h], int(fmt), n, activations)
+
+    cells = []
+    for activations in (0, 1):
+        fn = functools.partial(lambda a: head_op(x, next(blocks), int(fmt), n, a), activations)
+        cells.append(cell(fn, qweight.nbytes, args.min_time))
+    for activations in (0, 1):
+        cells.append(cell(functools.partial(per_head, activations), qweight.nbytes, args.min_time))
+    return cells
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=1, help="rows of x (decode tokens)")
@@ -71,48 +115,20 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     assert load_cpu_kernels(), "native CPU kernels unavailable (no compiler, or disabled)"
     torch.manual_seed(0)
-    head_op, linear = torch.ops.hybridllm.gguf_head_linear, torch.ops.hybridllm.gguf_linear
-    print(f"threads={torch.get_num_threads()}, B={args.batch}, H={HEADS}; ms per call (median)")
     print(
-        f"{'product':>7} {'in->out':>8} {'fmt':>5} {'bmm fp32':>17} {'head_linear':>17}"
-        f" {'head int8':>17} {'gguf_linear x128':>17} {'x128 int8':>17}"
+        f"threads={torch.get_num_threads()}, B={args.batch}, H={HEADS}; each cell: ms per call"
+        " (median), GB/s at the median (GB/s of the fastest batch)"
+    )
+    print(
+        f"{'product':>7} {'in->out':>8} {'fmt':>5} {'bmm fp32':>20} {'head_linear':>20}"
+        f" {'head int8':>20} {'gguf_linear x128':>20} {'x128 int8':>20}"
     )
     for name, k, n, formats in SHAPES:
         w = torch.randn(HEADS, n, k) * 0.05
         x = torch.randn(args.batch, HEADS, k)
-        xt = x.transpose(0, 1)
-        fp32 = cycle(w, args.cold_mb)
-        t_bmm = median_seconds(
-            lambda: torch.bmm(xt, next(fp32).transpose(1, 2)), args.min_time
-        )
-        bmm_cell = f"{t_bmm * 1e3:6.3f} {w.nbytes / t_bmm / 1e9:5.1f} GB/s"
+        bmm = bench_bmm(x, w, args)
         for fmt in formats:
-            if fmt in (Q.Q4_K, Q.Q6_K):
-                raw = k_quant_blocks(fmt, HEADS * n, k)
-            else:
-                raw = torch.from_numpy(quantize(w.reshape(HEADS * n, k).numpy(), fmt))
-            qweight = raw.reshape(HEADS, n, -1)
-            weight = dequantize(raw.numpy(), fmt, (HEADS * n, k)).reshape(HEADS, n, k)
-            y = head_op(x, qweight, int(fmt), n)
-            ref = torch.einsum("bhk,hnk->bhn", x.double(), weight.double())
-            assert torch.allclose(y.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max())
-            blocks = cycle(qweight, args.cold_mb)
-            cells = [bmm_cell]
-
-            def cell(fn):
-                t = median_seconds(fn, args.min_time)
-                return f"{t * 1e3:6.3f} {qweight.nbytes / t / 1e9:5.1f} GB/s"
-
-            for activations in (0, 1):
-                cells.append(cell(lambda a=activations: head_op(x, next(blocks), int(fmt), n, a)))
-            for activations in (0, 1):
-
-                def per_head(a=activations):
-                    q = next(blocks)
-                    for h in range(HEADS):
-                        linear(x[:, h], q[h], int(fmt), n, a)
-
-                cells.append(cell(per_head))
+            cells = [bmm, *bench_format(x, w, fmt, args)]
             print(f"{name:>7} {f'{k}->{n}':>8} {fmt.name:>5} " + " ".join(cells), flush=True)
 
 

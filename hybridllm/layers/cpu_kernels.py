@@ -49,6 +49,7 @@ SOURCES = [
         "decode_layer_cpu.cpp",
         "decode_stack_cpu.cpp",
         "prefill_attention_cpu.cpp",
+        "gguf_head_linear_cpu.cpp",
     )
 ]
 # Headers the sources include: part of the build's identity, like the sources.

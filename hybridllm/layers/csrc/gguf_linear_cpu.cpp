@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "gguf_linear.h"
 #include "gguf_panel_gemm.h"
 #include "gguf_prefetch.h"
 #include "gguf_x8.h"
@@ -280,65 +281,79 @@ inline void dot_rows_dispatch(int rows, const float* x, const uint8_t* w, int64_
   }
 }
 
+// x [M, K]'s rows as the direct kernel reads them: in tiles of kRowTile rows, each packed
+// [nb, rows, 32] (see dot_rows); tile t starts at packed + t * kRowTile * K.
+inline void pack_row_tiles(const float* x, int64_t M, int64_t K, float* packed) {
+  const int64_t nb = K / kBlock;
+  for (int64_t r0 = 0; r0 < M; r0 += kRowTile) {
+    const int64_t rows = std::min<int64_t>(kRowTile, M - r0);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t b = 0; b < nb; ++b)
+        std::memcpy(packed + r0 * K + (b * rows + r) * kBlock, x + (r0 + r) * K + b * kBlock,
+                    kBlock * sizeof(float));
+  }
+}
+
+// The direct kernel's weight rows [begin, end) of y [M, N] = x [M, K] W^T, x packed by
+// pack_row_tiles (64-byte aligned).
+template <int64_t kType>
+void direct_rows(const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N, float* y,
+                 int64_t begin, int64_t end, const PrefetchWindow& prefetch) {
+  const int64_t nb = K / kBlock, row_bytes = row_bytes_of(kType, K);
+  // scales of kScaleRows weight rows at a time: whole 16-wide gathers even for short rows
+  constexpr int64_t kScaleRows = 16;
+  std::vector<float> scales(2 * (kScaleRows * nb + 16));
+  float* d = scales.data();
+  float* m = d + kScaleRows * nb + 16;
+  for (int64_t n0 = begin; n0 < end; n0 += kScaleRows) {
+    const int64_t count = std::min(kScaleRows, end - n0);
+    block_scales<kType>(qw + n0 * row_bytes, count * nb, d, m);
+    // x tile outside, weight rows (in pairs) inside: the x tile (kRowTile * K * 4 bytes) and
+    // the group's weight bytes stay in cache while every pair of rows meets every tile
+    for (int64_t r0 = 0; r0 < M; r0 += kRowTile) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRowTile, M - r0));
+      // 4 weight rows a call for 1-2 rows of x (their accumulators fit in registers), else 2
+      const int64_t cols = rows <= 2 ? 4 : 2;
+      for (int64_t i = 0; i < count;) {
+        const uint8_t* w = qw + (n0 + i) * row_bytes;
+        const float* xr = x + r0 * K;
+        float* yr = y + r0 * N + n0 + i;
+        const int64_t left = count - i;
+        if (cols == 4 && left >= 4) {
+          dot_rows_dispatch<kType, 4>(rows, xr, w, row_bytes, nb, d + i * nb, m + i * nb, yr, N,
+                                      prefetch);
+          i += 4;
+        } else if (left >= 2) {
+          dot_rows_dispatch<kType, 2>(rows, xr, w, row_bytes, nb, d + i * nb, m + i * nb, yr, N,
+                                      prefetch);
+          i += 2;
+        } else {
+          dot_rows_dispatch<kType, 1>(rows, xr, w, row_bytes, nb, d + i * nb, m + i * nb, yr, N,
+                                      prefetch);
+          i += 1;
+        }
+      }
+    }
+  }
+}
+
 // Direct kernel for few rows of x: y [M, N] = x [M, K] W^T, parallel over weight rows.
 template <int64_t kType>
 void direct_linear(const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N, float* y) {
-  constexpr int64_t bb = block_bytes(kType);
   const int64_t nb = K / kBlock, row_bytes = row_bytes_of(kType, K);
-  // x in tiles of kRowTile rows, each packed [nb, rows, 32] (see dot_rows) and 64-byte aligned;
-  // tile t starts at t * kRowTile * K. One aligned row is already in that layout.
+  // x packed, 64-byte aligned; one aligned row is already in that layout
   std::vector<float> buffer;
   if (M > 1 || reinterpret_cast<uintptr_t>(x) % 64 != 0) {
     buffer.resize(M * K + 16);
     float* packed = align64(buffer.data());
-    for (int64_t r0 = 0; r0 < M; r0 += kRowTile) {
-      const int64_t rows = std::min<int64_t>(kRowTile, M - r0);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t b = 0; b < nb; ++b)
-          std::memcpy(packed + r0 * K + (b * rows + r) * kBlock, x + (r0 + r) * K + b * kBlock,
-                      kBlock * sizeof(float));
-    }
+    pack_row_tiles(x, M, K, packed);
     x = packed;
   }
   // one contiguous run of weight rows per thread; tiny problems stay on this thread
-  for_weight_rows(qw, row_bytes, N, nb * M * N, M == 1, [&](int64_t begin, int64_t end,
-                                                             const PrefetchWindow& prefetch) {
-    // scales of kScaleRows weight rows at a time: whole 16-wide gathers even for short rows
-    constexpr int64_t kScaleRows = 16;
-    std::vector<float> scales(2 * (kScaleRows * nb + 16));
-    float* d = scales.data();
-    float* m = d + kScaleRows * nb + 16;
-    for (int64_t n0 = begin; n0 < end; n0 += kScaleRows) {
-      const int64_t count = std::min(kScaleRows, end - n0);
-      block_scales<kType>(qw + n0 * row_bytes, count * nb, d, m);
-      // x tile outside, weight rows (in pairs) inside: the x tile (kRowTile * K * 4 bytes) and
-      // the group's weight bytes stay in cache while every pair of rows meets every tile
-      for (int64_t r0 = 0; r0 < M; r0 += kRowTile) {
-        const int rows = static_cast<int>(std::min<int64_t>(kRowTile, M - r0));
-        // 4 weight rows a call for 1-2 rows of x (their accumulators fit in registers), else 2
-        const int64_t cols = rows <= 2 ? 4 : 2;
-        for (int64_t i = 0; i < count;) {
-          const uint8_t* w = qw + (n0 + i) * row_bytes;
-          const float* xr = x + r0 * K;
-          float* yr = y + r0 * N + n0 + i;
-          const int64_t left = count - i;
-          if (cols == 4 && left >= 4) {
-            dot_rows_dispatch<kType, 4>(rows, xr, w, row_bytes, nb, d + i * nb, m + i * nb, yr, N,
-                                        prefetch);
-            i += 4;
-          } else if (left >= 2) {
-            dot_rows_dispatch<kType, 2>(rows, xr, w, row_bytes, nb, d + i * nb, m + i * nb, yr, N,
-                                        prefetch);
-            i += 2;
-          } else {
-            dot_rows_dispatch<kType, 1>(rows, xr, w, row_bytes, nb, d + i * nb, m + i * nb, yr, N,
-                                        prefetch);
-            i += 1;
-          }
-        }
-      }
-    }
-  });
+  for_weight_rows(qw, row_bytes, N, nb * M * N, M == 1,
+                  [&](int64_t begin, int64_t end, const PrefetchWindow& prefetch) {
+                    direct_rows<kType>(x, M, K, qw, N, y, begin, end, prefetch);
+                  });
 }
 
 // dot(w, x row r) for kRows rows of x (ldx apart) into y[r * ldy], K a multiple of 64; with few
@@ -372,29 +387,69 @@ inline void fp32_dots(const float* w, const float* x, int64_t ldx, int64_t K, fl
 #endif
 }
 
-// Few rows of x for a type computed as code blocks (gguf_code_blocks.h), whatever the type: each
-// thread's weight rows decoded one at a time (dequantize_row) into its scratch, where it stays in
-// L1 / L2 while it meets every row of x, 4 at a time.
+// Few rows of x for a type computed as code blocks (gguf_code_blocks.h), whatever the type: the
+// weight rows [begin, end) decoded one at a time (dequantize_row) into the thread's scratch,
+// where each stays in L1 / L2 while it meets every row of x, 4 at a time.
+template <int64_t kType>
+void code_block_rows(const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N, float* y,
+                     int64_t begin, int64_t end, const PrefetchWindow& prefetch) {
+  const int64_t nb = K / kBlock, row_bytes = row_bytes_of(kType, K);
+  float* w = thread_scratch<kDecodedWeightSlot>(K);
+  for (int64_t n = begin; n < end; ++n) {
+    prefetch_ahead(prefetch, qw + begin * row_bytes, 1, (n - begin) * row_bytes, row_bytes);
+    dequantize_row<kType>(qw + n * row_bytes, nb, w, nullptr, nullptr);
+    int64_t r = 0;
+    for (; r + 4 <= M; r += 4) fp32_dots<4>(w, x + r * K, K, K, y + r * N + n, N);
+    switch (M - r) {
+      case 3: fp32_dots<3>(w, x + r * K, K, K, y + r * N + n, N); break;
+      case 2: fp32_dots<2>(w, x + r * K, K, K, y + r * N + n, N); break;
+      case 1: fp32_dots<1>(w, x + r * K, K, K, y + r * N + n, N); break;
+      default: break;
+    }
+  }
+}
+
 template <int64_t kType>
 void code_block_linear(const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N,
                        float* y) {
   const int64_t nb = K / kBlock, row_bytes = row_bytes_of(kType, K);
-  for_weight_rows(qw, row_bytes, N, nb * M * N, M == 1, [&](int64_t begin, int64_t end,
-                                                             const PrefetchWindow& prefetch) {
-    float* w = thread_scratch<kDecodedWeightSlot>(K);
-    for (int64_t n = begin; n < end; ++n) {
-      prefetch_ahead(prefetch, qw + begin * row_bytes, 1, (n - begin) * row_bytes, row_bytes);
-      dequantize_row<kType>(qw + n * row_bytes, nb, w, nullptr, nullptr);
-      int64_t r = 0;
-      for (; r + 4 <= M; r += 4) fp32_dots<4>(w, x + r * K, K, K, y + r * N + n, N);
-      switch (M - r) {
-        case 3: fp32_dots<3>(w, x + r * K, K, K, y + r * N + n, N); break;
-        case 2: fp32_dots<2>(w, x + r * K, K, K, y + r * N + n, N); break;
-        case 1: fp32_dots<1>(w, x + r * K, K, K, y + r * N + n, N); break;
-        default: break;
-      }
+  for_weight_rows(qw, row_bytes, N, nb * M * N, M == 1,
+                  [&](int64_t begin, int64_t end, const PrefetchWindow& prefetch) {
+                    code_block_rows<kType>(x, M, K, qw, N, y, begin, end, prefetch);
+                  });
+}
+
+// fp32_linear_grouped for one type: each group's rows of x packed for the direct kernel (as
+// direct_linear packs them), then every group's weight rows split among the threads together.
+template <int64_t kType>
+void fp32_linear_grouped_typed(const float* x, const int64_t* starts, int64_t groups, int64_t K,
+                               const uint8_t* const* weights, int64_t N, float* y) {
+  const int64_t M = starts[groups], nb = K / kBlock;
+  std::vector<float> buffer;
+  if constexpr (!is_code_block_type(kType)) {
+    // the groups' packed rows at the same offsets as x's (K * 4 bytes is a multiple of 64):
+    // one row a group, 64-byte aligned, is already in that layout
+    bool pack = reinterpret_cast<uintptr_t>(x) % 64 != 0;
+    for (int64_t g = 0; g < groups && !pack; ++g) pack = starts[g + 1] - starts[g] > 1;
+    if (pack) {
+      buffer.resize(M * K + 16);
+      float* packed = align64(buffer.data());
+      for (int64_t g = 0; g < groups; ++g)
+        pack_row_tiles(x + starts[g] * K, starts[g + 1] - starts[g], K, packed + starts[g] * K);
+      x = packed;
     }
-  });
+  }
+  for_grouped_weight_rows(
+      weights, row_bytes_of(kType, K), groups, N, nb * M * N,
+      [&](int64_t g) { return starts[g + 1] - starts[g] == 1; },
+      [&](int64_t g, int64_t n0, int64_t n1, const PrefetchWindow& window) {
+        const int64_t r0 = starts[g], m = starts[g + 1] - r0;
+        if (m == 0) return;
+        if constexpr (is_code_block_type(kType))
+          code_block_rows<kType>(x + r0 * K, m, K, weights[g], N, y + r0 * N, n0, n1, window);
+        else
+          direct_rows<kType>(x + r0 * K, m, K, weights[g], N, y + r0 * N, n0, n1, window);
+      });
 }
 
 // Many rows of x: the weight decoded into fp32 a chunk of rows at a time (all threads), each
@@ -504,6 +559,20 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
 }
 
 }  // namespace
+
+namespace hybridllm_gguf {
+
+void fp32_linear_grouped(int64_t type, const float* x, const int64_t* starts, int64_t groups,
+                         int64_t K, const uint8_t* const* weights, int64_t N, float* y) {
+  dispatch_gguf_type<kFp32Kernels>(
+      type,
+      [&](auto t) {
+        fp32_linear_grouped_typed<decltype(t)::value>(x, starts, groups, K, weights, N, y);
+      },
+      [&] { TORCH_CHECK(false, "gguf_linear: no fp32 kernels for ggml_type ", type); });
+}
+
+}  // namespace hybridllm_gguf
 
 TORCH_LIBRARY_IMPL(hybridllm, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);

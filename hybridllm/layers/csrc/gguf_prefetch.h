@@ -99,4 +99,37 @@ void for_weight_rows(const uint8_t* qw, int64_t row_bytes, int64_t N, int64_t wo
   });
 }
 
+// The same for several weights at once (an MoE layer's experts, an attention layer's heads):
+// groups * N weight rows, weight g's N rows (row_bytes each) from weights[g], split among the
+// threads in contiguous runs of the groups' rows one after the other, so that one group or a
+// batch of 1 still keeps every thread busy: body(g, n0, n1, window) for rows [n0, n1) of group
+// g. A run's groups whose weights lie one after the other in memory (a [groups, N, bytes]
+// tensor) and that stream alike (`streaming(g)`) share one prefetch window over the run's bytes,
+// so the prefetching runs on across group boundaries; any other group gets a window of its own.
+// `work`: as for for_weight_rows.
+template <class Streaming, class Body>
+void for_grouped_weight_rows(const uint8_t* const* weights, int64_t row_bytes, int64_t groups,
+                             int64_t N, int64_t work, Streaming streaming, Body body) {
+  const int64_t total = groups * N, threads = at::get_num_threads();
+  if (total == 0) return;
+  const int64_t grain = work < kSerialWork ? total : (total + threads - 1) / threads;
+  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+    const int64_t first = begin / N, last = (end - 1) / N;  // the run's groups
+    bool shared = true;
+    for (int64_t g = first + 1; g <= last && shared; ++g)
+      shared = weights[g] == weights[g - 1] + N * row_bytes && streaming(g) == streaming(first);
+    PrefetchWindow window{};
+    if (shared)
+      window = start_prefetch(weights[first] + (begin - first * N) * row_bytes,
+                              (end - begin) * row_bytes, kMaxPrefetchBytes, streaming(first));
+    for (int64_t g = first; g <= last; ++g) {
+      const int64_t n0 = std::max(begin, g * N) - g * N, n1 = std::min(end, (g + 1) * N) - g * N;
+      if (!shared)
+        window = start_prefetch(weights[g] + n0 * row_bytes, (n1 - n0) * row_bytes,
+                                kMaxPrefetchBytes, streaming(g));
+      body(g, n0, n1, window);
+    }
+  });
+}
+
 }  // namespace hybridllm_gguf

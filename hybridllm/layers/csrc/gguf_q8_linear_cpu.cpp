@@ -146,20 +146,14 @@ void q8_linear_grouped_typed(int64_t path, const float* x, const int64_t* starts
   const int64_t M = starts[groups];
   const Q8Rows xq = quantize_for<kType>(path, x, M, K);
   const RowsFn rows = rows_fn<kType>(path);
-  const int64_t row_bytes = row_bytes_of(kType, K), total = groups * N;
-  const int64_t threads = at::get_num_threads();
   // every group's weight rows one after the other, split among the threads in contiguous runs
-  const int64_t grain = K / kBlock * M * N < kSerialWork ? total : (total + threads - 1) / threads;
-  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin / N; g < groups && g * N < end; ++g) {
-      const int64_t n0 = std::max(begin, g * N) - g * N, n1 = std::min(end, (g + 1) * N) - g * N;
-      const int64_t r0 = starts[g], m = starts[g + 1] - r0;
-      if (m == 0) continue;
-      rows(xq.row(r0), m, K, weights[g], N, y + r0 * N, n0, n1,
-           start_prefetch(weights[g] + n0 * row_bytes, (n1 - n0) * row_bytes, kMaxPrefetchBytes,
-                          m <= kRowTile));
-    }
-  });
+  for_grouped_weight_rows(
+      weights, row_bytes_of(kType, K), groups, N, K / kBlock * M * N,
+      [&](int64_t g) { return starts[g + 1] - starts[g] <= kRowTile; },
+      [&](int64_t g, int64_t n0, int64_t n1, const PrefetchWindow& window) {
+        const int64_t r0 = starts[g], m = starts[g + 1] - r0;
+        if (m > 0) rows(xq.row(r0), m, K, weights[g], N, y + r0 * N, n0, n1, window);
+      });
 }
 
 }  // namespace

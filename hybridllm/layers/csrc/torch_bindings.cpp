@@ -97,4 +97,12 @@ TORCH_LIBRARY(hybridllm, m) {
   m.def(
       "prefill_attention(Tensor query, Tensor key, Tensor value, float scale, int window) "
       "-> Tensor");
+
+  // --- gguf_head_linear_cpu.cpp
+  // x [B, H, in] float32 against H matrices qweight [H, out_features, bytes] (each as
+  // gguf_linear's qweight) -> [B, H, out_features]: out[b, h] = W[h] x[b, h]; activations as
+  // gguf_linear's
+  m.def(
+      "gguf_head_linear(Tensor x, Tensor qweight, int ggml_type, int out_features, "
+      "int activations=0) -> Tensor");
 }

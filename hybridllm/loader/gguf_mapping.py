@@ -128,20 +128,27 @@ def gguf_arch(metadata: dict[str, Any], path: str) -> GGUFArch:
 
 
 def _deepseek2_arch(metadata: dict[str, Any], path: str) -> GGUFArch:
-    """Which model a `deepseek2` file holds: DeepSeek-V2's router is a softmax (llama.cpp's
-    default when the file names no gating function), DeepSeek-V3's and GLM-4.7-Flash's a
-    sigmoid with a correction bias; GLM's files carry GLM's tokenizer (pre-tokenizer `glm4`)."""
-    gating = metadata.get("deepseek2.expert_gating_func", 1)
-    if gating not in _GATING_FUNCS:
+    """Which model a `deepseek2` file holds. DeepSeek-V2's router is a softmax (what llama.cpp
+    assumes when the file names no gating function), DeepSeek-V3's and GLM-4.7-Flash's a
+    sigmoid with a correction bias. GLM's files carry GLM's tokenizer (pre-tokenizer `glm4`);
+    the converter writes no gating function for GLM-4.7-Flash, which llama.cpp recognises by
+    its 47 layers and 154,880 tokens."""
+    gating = metadata.get("deepseek2.expert_gating_func")
+    if gating is not None and gating not in _GATING_FUNCS:
         raise ModelLoadError(
             f"{path}: deepseek2 expert_gating_func {gating} is not supported "
             f"(supported: {', '.join(f'{k} ({v})' for k, v in _GATING_FUNCS.items())})"
         )
-    if _GATING_FUNCS[gating] == "softmax":
-        return GGUF_ARCHS["deepseek2"]
-    if metadata.get("tokenizer.ggml.pre") == "glm4":
+    layers = (metadata.get("deepseek2.block_count") or 0) - (
+        metadata.get("deepseek2.nextn_predict_layers") or 0
+    )
+    vocab = metadata.get("deepseek2.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", ()))
+    glm = metadata.get("tokenizer.ggml.pre") == "glm4" or (layers == 47 and vocab == 154880)
+    if glm and gating in (None, 2):
         return GLM4_MOE_LITE_ARCH
-    return DEEPSEEK_V3_ARCH
+    if gating == 2:
+        return DEEPSEEK_V3_ARCH
+    return GGUF_ARCHS["deepseek2"]
 
 
 def hf_tensor_name(
@@ -296,7 +303,10 @@ def _deepseek_style_kwargs(
     nextn = get("nextn_predict_layers", 0) or 0
     num_layers = get("block_count", required=True) - nextn
     dense = get("leading_dense_block_count", 0)
-    gating = _GATING_FUNCS.get(get("expert_gating_func", 1))
+    # the router's function where the file does not say: softmax for DeepSeek-V2 (llama.cpp's
+    # default), sigmoid for the architectures picked by their sigmoid (gguf_arch) and GLM's
+    sigmoid = arch.model_type in ("deepseek_v3", "glm4_moe_lite", "glm4_moe")
+    gating = _GATING_FUNCS.get(get("expert_gating_func", 2 if sigmoid else 1))
     if gating is None:
         raise ModelLoadError(
             f"{path}: {metadata['general.architecture']}.expert_gating_func "

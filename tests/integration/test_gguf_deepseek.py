@@ -167,6 +167,11 @@ def test_deepseek2_variants_and_refusals():
     assert gguf_arch(sigmoid, "f").hf_architecture == "DeepseekV3ForCausalLM"
     glm = {**sigmoid, "tokenizer.ggml.pre": "glm4"}
     assert gguf_arch(glm, "f").hf_architecture == "Glm4MoeLiteForCausalLM"
+    # GLM-4.7-Flash's files name no gating function (llama.cpp knows it by its shape)
+    assert gguf_arch({**base, "tokenizer.ggml.pre": "glm4"}, "f").model_type == "glm4_moe_lite"
+    flash = {**base, "deepseek2.block_count": 48, "deepseek2.nextn_predict_layers": 1}
+    assert gguf_arch({**flash, "deepseek2.vocab_size": 154880}, "f").model_type == "glm4_moe_lite"
+    assert gguf_arch({**flash, "deepseek2.vocab_size": 1000}, "f").model_type == "deepseek_v2"
     with pytest.raises(ModelLoadError, match="expert_gating_func 3"):
         gguf_arch({**base, "deepseek2.expert_gating_func": 3}, "f")
     assert GGUF_ARCHS["glm4moe"].hf_architecture == "Glm4MoeForCausalLM"
@@ -188,11 +193,12 @@ def test_deepseek2_variants_and_refusals():
 
 
 def test_glm4_moe_lite_config_from_metadata():
-    """A GLM-4.7-Flash-like deepseek2 file (GLM tokenizer, sigmoid router, an MTP layer)."""
+    """A GLM-4.7-Flash-like deepseek2 file (GLM tokenizer, no gating function: a sigmoid
+    router, an MTP layer)."""
     p = "deepseek2."
     metadata = {
         "general.architecture": "deepseek2", "tokenizer.ggml.pre": "glm4",
-        p + "expert_gating_func": 2, p + "block_count": 4, p + "nextn_predict_layers": 1,
+        p + "block_count": 4, p + "nextn_predict_layers": 1,
         p + "attention.head_count": 4, p + "attention.head_count_kv": 1,
         p + "embedding_length": 64, p + "feed_forward_length": 96, p + "vocab_size": 100,
         p + "expert_count": 8, p + "expert_used_count": 2, p + "expert_shared_count": 1,
@@ -217,3 +223,29 @@ def test_glm4_moe_lite_config_from_metadata():
     )
     assert kwargs["num_key_value_heads"] == 4 and kwargs["routed_scaling_factor"] == 1.8
     assert (kwargs["n_group"], kwargs["topk_group"], kwargs["scoring_func"]) == (1, 1, "sigmoid")
+
+
+def test_deepseek2_config_of_older_files():
+    """Older deepseek2 files: one attn_kv_b, key/value lengths the model's own (no *_mla)."""
+    p = "deepseek2."
+    metadata = {
+        "general.architecture": "deepseek2", p + "block_count": 27,
+        p + "attention.head_count": 4, p + "attention.head_count_kv": 4,
+        p + "embedding_length": 64, p + "feed_forward_length": 96, p + "vocab_size": 100,
+        p + "expert_count": 8, p + "expert_used_count": 2, p + "expert_shared_count": 2,
+        p + "expert_feed_forward_length": 32, p + "leading_dense_block_count": 1,
+        p + "attention.kv_lora_rank": 32, p + "attention.key_length": 24,
+        p + "attention.value_length": 20, p + "rope.dimension_count": 8,
+        p + "expert_group_count": 4, p + "expert_group_used_count": 2,
+    }  # fmt: skip
+    arch, kwargs = hf_config_kwargs(metadata, set(), "f")
+    assert arch.model_type == "deepseek_v2" and kwargs["q_lora_rank"] is None
+    assert (kwargs["qk_nope_head_dim"], kwargs["v_head_dim"], kwargs["topk_method"]) == (
+        16,
+        20,
+        "group_limited_greedy",
+    )
+    assert kwargs["scoring_func"] == "softmax" and kwargs["tie_word_embeddings"]
+    assert hf_tensor_name("blk.0.attn_kv_b.weight", "f", arch) == (
+        "model.layers.0.self_attn.kv_b_proj.weight"
+    )

@@ -34,7 +34,10 @@ def gguf_block_sizes(source: ModelSource, num_layers: int) -> GGUFBlockSizes | N
     infos = tensor_infos()
     kept_params = kept_bytes = total_params = 0
     for layer in range(num_layers):
-        stacks = list(_ATTENTION)
+        stacks = _mla_attention(infos, layer) or list(_ATTENTION)
+        for name in ("attn_k_b", "attn_v_b", "attn_kv_b"):  # MLA's up-projections: floats
+            info = infos.get(f"blk.{layer}.{name}.weight")
+            total_params += math.prod(info.shape) if info is not None else 0
         if f"blk.{layer}.ffn_gate_exps.weight" in infos:
             stacks += _EXPERTS
             if f"blk.{layer}.ffn_gate_shexp.weight" in infos:
@@ -61,6 +64,15 @@ def gguf_block_sizes(source: ModelSource, num_layers: int) -> GGUFBlockSizes | N
     embedding = kept_nbytes("token_embd.weight")
     head = kept_nbytes("output.weight") if "output.weight" in infos else embedding
     return GGUFBlockSizes(kept_params, kept_bytes, total_params, head, embedding)
+
+
+def _mla_attention(infos: dict, layer: int) -> list[tuple[str, ...]] | None:
+    """A multi-head latent attention layer's linears kept as blocks (None: not MLA)."""
+    if f"blk.{layer}.attn_kv_a_mqa.weight" not in infos:
+        return None
+    low_rank = f"blk.{layer}.attn_q_a.weight" in infos
+    queries = [("attn_q_a",), ("attn_q_b",)] if low_rank else [("attn_q",)]
+    return queries + [("attn_kv_a_mqa",), ("attn_output",)]
 
 
 def cpu_block_sizes(

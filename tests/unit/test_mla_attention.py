@@ -8,6 +8,7 @@ import torch
 from hybridllm.layers.attention_metadata import AttentionMetadata
 from hybridllm.layers.mla_attention import LatentAttention
 from hybridllm.layers.prepared_attention import prepare_attention
+from tests.kernel_helpers import require_cpu_kernels
 
 HEADS, NOPE, ROPE, V, LATENT, BLOCK = 4, 16, 8, 12, 32, 4
 
@@ -66,3 +67,24 @@ def test_expanded_decode_attends_over_its_own_context_only():
     latent = rows[-1:]
     got = attention.forward(q_nope, q_pe, latent, cache, prep, w_kv_b)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_absorbed_decode_from_q8_0_head_blocks_is_close_to_floats():
+    # a model computing from blocks absorbs through hybridllm::gguf_head_linear on Q8_0 copies
+    # of the up-projections (nope and latent widths multiples of 32 here)
+    require_cpu_kernels()
+    heads, nope, v, latent_dim = 4, 32, 12, 64
+    g = torch.Generator().manual_seed(2)
+    attention = LatentAttention(heads, nope, ROPE, v, latent_dim, scale=0.2)
+    w_kv_b = 0.3 * torch.randn(heads, nope + v, latent_dim, generator=g)
+    cache = torch.randn(8, BLOCK, latent_dim + ROPE, generator=g)
+    _, prep, _, _, _ = decode_step([7, 3], num_blocks=8, seed=3)
+    q_nope = torch.randn(2, heads, nope, generator=g)
+    q_pe = torch.randn(2, heads, ROPE, generator=g)
+    want = attention.decode_absorbed(q_nope, q_pe, cache, prep, w_kv_b)
+    for activations in (0, 1):  # fp32 and int8 activations
+        attention.use_head_blocks(w_kv_b, activations)
+        got = attention.decode_absorbed(q_nope, q_pe, cache, prep, w_kv_b)
+        # Q8_0 weights (and int8 activations): about 1% of the values' scale
+        assert (got - want).abs().max() < 0.02 * want.abs().max()
+        assert not torch.equal(got, want)  # the blocks were used

@@ -16,10 +16,24 @@ The per-head key and value up-projections `w_uk` [H, nope, latent] and `w_uv` [H
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from hybridllm.layers.prepared_attention import PreparedAttention
+
+
+@dataclass(frozen=True)
+class HeadBlocks:
+    """MLA's up-projections as Q8_0 blocks: all of `kv_b_proj`'s rows for the expanded form,
+    and per head the key part transposed and the value part for the absorbed one."""
+
+    kv_b: torch.Tensor  # [H * (nope + v), L row bytes]
+    uk_t: torch.Tensor  # [H, L, nope row bytes]
+    uv: torch.Tensor  # [H, v, L row bytes]
+    ggml_type: int
+    activations: int
 
 
 class LatentAttention:
@@ -44,28 +58,30 @@ class LatentAttention:
         self.scale = scale
         self.native_ops = native_ops
         self.absorb_decode = True  # False: decode rows expanded as prefill is (tests compare)
-        # CPU, a model computing from GGUF blocks: the absorbed decode's per-head matrices as
-        # blocks too, `use_head_blocks`; None: the float `w_kv_b` passed to forward
-        self.head_blocks: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
+        # CPU, a model computing from GGUF blocks: the up-projections as blocks too
+        # (`use_head_blocks`); None: the float `w_kv_b` passed to forward
+        self.head_blocks: HeadBlocks | None = None
 
     def use_head_blocks(self, w_kv_b: torch.Tensor, activations: int) -> None:
-        """Compute the absorbed decode's per-head products from Q8_0 blocks of `w_kv_b`
-        [H, nope + v, L] with `hybridllm::gguf_head_linear` (a quarter of fp32's bytes; torch's
-        bmm of one row a head ran at 2-3 GB/s). Needs nope and L multiples of 32."""
+        """Compute with Q8_0 blocks of `w_kv_b` [H, nope + v, L] from now on (the caller may
+        drop its floats): the expanded prefill through `hybridllm::gguf_linear`, the absorbed
+        decode's per-head products through `hybridllm::gguf_head_linear` (torch's bmm of one
+        row a head ran at 2-3 GB/s). Needs nope and L multiples of 32."""
         import gguf
 
         q8 = gguf.GGMLQuantizationType.Q8_0
         heads, nope, latent_dim = self.num_heads, self.nope_dim, self.latent_dim
+
+        def blocks(rows: torch.Tensor) -> torch.Tensor:  # [n, L or nope] -> [n, row bytes]
+            return torch.from_numpy(gguf.quants.quantize(rows.contiguous().numpy(), q8))
+
         w = w_kv_b.detach().float()
-        w_uk_t = w[:, :nope].transpose(1, 2).reshape(heads * latent_dim, nope)  # [H * L, nope]
-        w_uv = w[:, nope:].reshape(heads * self.v_dim, latent_dim)  # [H * v, L]
-        uk = torch.from_numpy(gguf.quants.quantize(w_uk_t.contiguous().numpy(), q8))
-        uv = torch.from_numpy(gguf.quants.quantize(w_uv.contiguous().numpy(), q8))
-        self.head_blocks = (
-            uk.view(heads, latent_dim, -1),  # [H, L, nope / 32 blocks]
-            uv.view(heads, self.v_dim, -1),  # [H, v, L / 32 blocks]
-            int(q8),
-            activations,
+        self.head_blocks = HeadBlocks(
+            kv_b=blocks(w.reshape(-1, latent_dim)),  # [H * (nope + v), L / 32 blocks]
+            uk_t=blocks(w[:, :nope].transpose(1, 2).reshape(-1, nope)).view(heads, latent_dim, -1),
+            uv=blocks(w[:, nope:].reshape(-1, latent_dim)).view(heads, self.v_dim, -1),
+            ggml_type=int(q8),
+            activations=activations,
         )
 
     @staticmethod
@@ -85,10 +101,11 @@ class LatentAttention:
         latent: torch.Tensor,
         kv_cache: torch.Tensor | None,
         prep: PreparedAttention,
-        w_kv_b: torch.Tensor,
+        w_kv_b: torch.Tensor | None,
     ) -> torch.Tensor:
         """q_nope [n, H, nope], q_pe [n, H, rope] (rotated), latent [n, L + R] (this step's,
-        already written) and `w_kv_b` [H, nope + v, L] -> [n, H * v]."""
+        already written) and `w_kv_b` [H, nope + v, L] (None: `head_blocks` hold it) ->
+        [n, H * v]."""
         num_tokens = q_nope.shape[0]
         out = q_nope.new_empty(num_tokens, self.num_heads, self.v_dim)
         num_decodes = prep.num_decodes
@@ -121,14 +138,24 @@ class LatentAttention:
         q_pe: torch.Tensor,
         context: torch.Tensor,
         mask: torch.Tensor | None,
-        w_kv_b: torch.Tensor,
+        w_kv_b: torch.Tensor | None,
     ) -> torch.Tensor:
         """Queries [q, H, *] over the context's latents [ctx, L + R], up-projected into per-head
         keys and values; `mask` [q, ctx] (None: causal over equal lengths) -> [q, H, v]."""
         heads, nope, latent_dim = self.num_heads, self.nope_dim, self.latent_dim
         context = context.to(q_nope.dtype)
         ctx = context.shape[0]
-        kv = F.linear(context[:, :latent_dim], w_kv_b.view(-1, latent_dim))  # [ctx, H * (nope + v)]
+        blocks = self.head_blocks if context.device.type == "cpu" else None
+        if blocks is not None:
+            kv = torch.ops.hybridllm.gguf_linear(
+                context[:, :latent_dim].float().contiguous(),
+                blocks.kv_b,
+                blocks.ggml_type,
+                blocks.kv_b.shape[0],
+                blocks.activations,
+            ).to(q_nope.dtype)  # [ctx, H * (nope + v)]
+        else:
+            kv = F.linear(context[:, :latent_dim], w_kv_b.view(-1, latent_dim))
         kv = kv.view(ctx, heads, -1)
         key = torch.empty(ctx, heads, nope + self.rope_dim, dtype=kv.dtype, device=kv.device)
         key[..., :nope] = kv[..., :nope]
@@ -151,21 +178,23 @@ class LatentAttention:
         q_pe: torch.Tensor,
         kv_cache: torch.Tensor,
         prep: PreparedAttention,
-        w_kv_b: torch.Tensor,
+        w_kv_b: torch.Tensor | None,
     ) -> torch.Tensor:
         """Decode rows [B, H, *] attending over the latent rows themselves -> [B, H, v]."""
         nope, latent_dim = self.nope_dim, self.latent_dim
-        w_uk, w_uv = w_kv_b[:, :nope], w_kv_b[:, nope:]  # [H, nope, L], [H, v, L]
         batch = q_nope.shape[0]
         blocks = self.head_blocks if kv_cache.device.type == "cpu" else None
         if blocks is not None:
-            uk, _, ggml_type, activations = blocks
             q_latent = torch.ops.hybridllm.gguf_head_linear(
-                q_nope.float().contiguous(), uk, ggml_type, latent_dim, activations
+                q_nope.float().contiguous(),
+                blocks.uk_t,
+                blocks.ggml_type,
+                latent_dim,
+                blocks.activations,
             ).to(q_nope.dtype)  # [B, H, L]
         else:
             # [H, B, nope] @ [H, nope, L] -> [H, B, L]: the queries in the latent space
-            q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+            q_latent = torch.bmm(q_nope.transpose(0, 1), w_kv_b[:, :nope]).transpose(0, 1)
         query = torch.cat((q_latent, q_pe), dim=-1)  # [B, H, L + R]
         if self.native_ops and kv_cache.device.type == "cpu":
             latent_out = torch.ops.hybridllm.mla_decode_attention(
@@ -189,11 +218,15 @@ class LatentAttention:
                 query[:, None], rows, rows[..., :latent_dim], attn_mask=mask, scale=self.scale
             )[:, 0]  # [B, H, L]
         if blocks is not None:
-            _, uv, ggml_type, activations = blocks
             return torch.ops.hybridllm.gguf_head_linear(
-                latent_out.float().contiguous(), uv, ggml_type, self.v_dim, activations
+                latent_out.float().contiguous(),
+                blocks.uv,
+                blocks.ggml_type,
+                self.v_dim,
+                blocks.activations,
             ).to(q_nope.dtype)  # [B, H, v]
         # [H, B, L] @ [H, L, v] -> [H, B, v]
+        w_uv = w_kv_b[:, nope:]  # [H, v, L]
         return torch.bmm(latent_out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     @staticmethod

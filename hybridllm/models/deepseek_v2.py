@@ -161,9 +161,20 @@ class MLAttention(nn.Module):
         rotary.rotate_(q_pe)  # [n, H, R], in place (a view of q when not interleaved)
         rotary.rotate_(latent[:, None, latent_dim:])  # [n, 1, R]
         self.attn.write(kv_cache, latent, prep)
-        w_kv_b = self.kv_b_proj.view(self.num_heads, -1, latent_dim)  # [H, nope + v, L]
+        w_kv_b = None  # dropped: the attention holds it as blocks (`use_head_blocks`)
+        if self.kv_b_proj.numel():
+            w_kv_b = self.kv_b_proj.view(self.num_heads, -1, latent_dim)  # [H, nope + v, L]
         out = self.attn.forward(q[..., : self.nope_dim], q_pe, latent, kv_cache, prep, w_kv_b)
         return self.o_proj(out)
+
+    def use_head_blocks(self, activations: int) -> None:
+        """Keep `kv_b_proj` only as the attention's Q8_0 blocks (a quarter of its fp32 bytes:
+        4 GB less for DeepSeek-V3's 61 layers)."""
+        self.attn.use_head_blocks(
+            self.kv_b_proj.view(self.num_heads, -1, self.latent_dim), activations
+        )
+        empty = torch.empty(0, dtype=self.kv_b_proj.dtype, device=self.kv_b_proj.device)
+        self.kv_b_proj = nn.Parameter(empty, requires_grad=False)
 
     def blocks_fit(self) -> bool:
         """Whether the absorbed decode's per-head rows (nope and latent wide) are whole
@@ -241,11 +252,12 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
             if isinstance(module, MLAttention):
                 module.attn.native_ops = native
                 # a model computing from blocks (GGUF, --quantization) absorbs from Q8_0 too
-                if head_blocks and module.o_proj.qweight is not None and module.blocks_fit():
-                    module.attn.use_head_blocks(
-                        module.kv_b_proj.view(module.num_heads, -1, module.latent_dim),
-                        ACTIVATIONS[kernels.gguf_activations],
-                    )
+                if (
+                    head_blocks
+                    and module.kv_a_proj_with_mqa.qweight is not None
+                    and module.blocks_fit()
+                ):
+                    module.use_head_blocks(ACTIVATIONS[kernels.gguf_activations])
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -137,3 +137,52 @@ def test_mtp_layers_after_the_last_are_skipped(model, tmp_path):
         str(folder / "mtp.safetensors"),
     )
     assert generate(str(folder))[0] == want
+
+
+def test_quantized_model_keeps_its_up_projections_as_blocks(tmp_path, monkeypatch):
+    # --quantization q8_0 on a CPU worker: the linears are Q8_0 blocks, so MLA's up-projections
+    # are too (prefill through gguf_linear, decode through gguf_head_linear) and the float
+    # kv_b_proj is dropped; nope 32 and kv_lora_rank 64 are whole 32-weight blocks
+    from hybridllm.models.deepseek_v2 import MLAttention
+    from tests.kernel_helpers import require_cpu_kernels
+
+    require_cpu_kernels()
+    path = make_tiny_deepseek_model(
+        "deepseek_v3", tmp_path / "v3", qk_nope_head_dim=32, kv_lora_rank=64
+    )
+    prompts = make_prompts()
+    kwargs = {**ENGINE_KWARGS, "quantization": "q8_0"}
+    llm = LLM(str(path), **kwargs)
+    try:
+        model = llm.llm_engine.executor.workers[0].model_runner.model
+        for layer in model.layers:
+            assert layer.self_attn.attn.head_blocks is not None
+            assert layer.self_attn.kv_b_proj.numel() == 0
+        decode = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], decode)
+    finally:
+        llm.shutdown()
+    # the same Q8_0 model with float up-projections, teacher-forced over the same tokens: each
+    # decoded token's logprob is within the up-projections' Q8_0 error (the rest of the model
+    # is the same blocks, so a comparison with transformers would measure those instead)
+    monkeypatch.setattr(MLAttention, "blocks_fit", lambda self: False)
+    llm = LLM(str(path), **kwargs)
+    try:
+        assert (
+            llm.llm_engine.executor.workers[0]
+            .model_runner.model.layers[0]
+            .self_attn.attn.head_blocks
+            is None
+        )  # noqa: E501
+        forced = [
+            {"prompt_token_ids": p + list(o.outputs[0].token_ids)} for p, o in zip(prompts, outs)
+        ]
+        score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+        floats = llm.generate(forced, score)
+    finally:
+        llm.shutdown()
+    for prompt, out, ref in zip(prompts, outs, floats):
+        tokens = out.outputs[0].token_ids
+        for j, (token, got) in enumerate(zip(tokens, out.outputs[0].logprobs)):
+            want = ref.prompt_logprobs[len(prompt) + j][token].logprob
+            assert abs(got[token].logprob - want) < 0.05

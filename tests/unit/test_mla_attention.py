@@ -69,7 +69,7 @@ def test_expanded_decode_attends_over_its_own_context_only():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_absorbed_decode_from_q8_0_head_blocks_is_close_to_floats():
+def test_up_projections_from_q8_0_blocks_are_close_to_floats():
     # a model computing from blocks absorbs through hybridllm::gguf_head_linear on Q8_0 copies
     # of the up-projections (nope and latent widths multiples of 32 here)
     require_cpu_kernels()
@@ -81,10 +81,16 @@ def test_absorbed_decode_from_q8_0_head_blocks_is_close_to_floats():
     _, prep, _, _, _ = decode_step([7, 3], num_blocks=8, seed=3)
     q_nope = torch.randn(2, heads, nope, generator=g)
     q_pe = torch.randn(2, heads, ROPE, generator=g)
+    context = cache[:2].reshape(-1, latent_dim + ROPE)[:6]  # a 6-token prompt's latents
+    q_prompt = torch.randn(6, heads, nope, generator=g), torch.randn(6, heads, ROPE, generator=g)
     want = attention.decode_absorbed(q_nope, q_pe, cache, prep, w_kv_b)
+    want_prefill = attention.expanded(*q_prompt, context, None, w_kv_b)
     for activations in (0, 1):  # fp32 and int8 activations
         attention.use_head_blocks(w_kv_b, activations)
-        got = attention.decode_absorbed(q_nope, q_pe, cache, prep, w_kv_b)
+        # the floats are not needed any more (the model drops them)
+        got = attention.decode_absorbed(q_nope, q_pe, cache, prep, None)
+        got_prefill = attention.expanded(*q_prompt, context, None, None)
         # Q8_0 weights (and int8 activations): about 1% of the values' scale
-        assert (got - want).abs().max() < 0.02 * want.abs().max()
-        assert not torch.equal(got, want)  # the blocks were used
+        for g_, w_ in ((got, want), (got_prefill, want_prefill)):
+            assert (g_ - w_).abs().max() < 0.02 * w_.abs().max()
+            assert not torch.equal(g_, w_)  # the blocks were used

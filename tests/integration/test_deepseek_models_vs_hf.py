@@ -168,12 +168,8 @@ def test_quantized_model_keeps_its_up_projections_as_blocks(tmp_path, monkeypatc
     monkeypatch.setattr(MLAttention, "blocks_fit", lambda self: False)
     llm = LLM(str(path), **kwargs)
     try:
-        assert (
-            llm.llm_engine.executor.workers[0]
-            .model_runner.model.layers[0]
-            .self_attn.attn.head_blocks
-            is None
-        )  # noqa: E501
+        model = llm.llm_engine.executor.workers[0].model_runner.model
+        assert model.layers[0].self_attn.attn.head_blocks is None
         forced = [
             {"prompt_token_ids": p + list(o.outputs[0].token_ids)} for p, o in zip(prompts, outs)
         ]

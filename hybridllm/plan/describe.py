@@ -107,7 +107,8 @@ def describe_plan(
     capacity = min((m.kv_capacity_tokens for m in usage if m.kv_bytes_per_token), default=0)
     lines.append(
         f"  KV cache: {capacity:,} tokens (the smallest device decides; "
-        f"{budgets.kv_reserve_tokens:,} reserved), {_kv_row_text(size)}"
+        f"{budgets.kv_reserve_tokens:,} reserved), "
+        + _kv_row_text(size.cpu_view() if all(w.is_cpu for w in plan.workers()) else size)
     )
     if host_kv_bytes is not None:
         cpu_workers = sum(w.is_cpu for stage in plan.stages for w in stage.workers)
@@ -210,8 +211,7 @@ def _kv_row_text(size: ModelSize) -> str:
     """What one token costs in one layer's cache, and what it holds."""
     per_layer = format_bytes(size.kv_bytes_per_token_per_layer)
     if size.mla_attention_params:
-        values = size.kv_bytes_per_token_per_layer // size.dtype_bytes
-        return f"{per_layer} a token a layer (MLA latent: {values} values)"
+        return f"{per_layer} a token a layer (one MLA latent row for all heads)"
     return (
         f"{per_layer} a token a layer (keys and values of {size.num_kv_heads} KV heads x "
         f"{size.head_dim})"

@@ -54,6 +54,9 @@ def config(layers: int, experts: int, vocab: int, bos: int, eos: int):
                              mscale_all_dim=1.0, beta_fast=32, beta_slow=1),
     )  # fmt: skip
     c.architectures = ["DeepseekV3ForCausalLM"]
+    # as DeepSeek-V3's config.json has them: the converter writes expert_gating_func = sigmoid
+    # from scoring_func (without it llama.cpp, and a reader of the file, route by softmax)
+    c.scoring_func, c.topk_method = "sigmoid", "noaux_tc"
     return c
 
 

@@ -201,6 +201,10 @@ def test_registry_and_bad_weights():
         "Qwen2MoeForCausalLM",
         "Qwen3MoeForCausalLM",
         "OlmoeForCausalLM",
+        "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "Glm4MoeLiteForCausalLM",
+        "Glm4MoeForCausalLM",
     }
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"):
         get_model_class("GPT2LMHeadModel")

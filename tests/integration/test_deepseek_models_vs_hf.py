@@ -44,6 +44,13 @@ def model(request, tmp_path_factory):
     return arch, path, [hf_greedy(hf, p, MAX_TOKENS) for p in make_prompts()]
 
 
+def only(model, *archs: str) -> None:
+    """Skip `model` unless it is one of `archs`: the placement and loading tests run on one MLA
+    and one GQA model (the rest share their code)."""
+    if model[0] not in archs:
+        pytest.skip(f"run on {' and '.join(archs)} only")
+
+
 def generate(model: str, **kwargs) -> tuple[list[list[int]], LLM]:
     llm = LLM(model, **{**ENGINE_KWARGS, **kwargs})
     try:
@@ -76,15 +83,15 @@ def test_preemption_leaves_tokens_unchanged(model):
 
 
 def test_tensor_parallel_is_refused_with_a_clear_error(model):
+    only(model, "deepseek_v3", "glm4_moe")
     _, path, _ = model
     with pytest.raises(ValueError, match="tensor parallelism is not supported.*pipeline"):
         LLM(str(path), tensor_parallel_size=2, **ENGINE_KWARGS)
 
 
 def test_mla_cache_holds_one_latent_row_a_token(model):
-    arch, path, _ = model
-    if arch == "glm4_moe":
-        pytest.skip("GLM-4.5 caches per-head keys and values")
+    only(model, "deepseek_v3")  # GLM-4.5 caches per-head keys and values
+    _, path, _ = model
     llm = LLM(str(path), **ENGINE_KWARGS)
     try:
         runner = llm.llm_engine.executor.workers[0].model_runner
@@ -101,9 +108,8 @@ def test_mla_cache_holds_one_latent_row_a_token(model):
 def test_cpu_moe_places_the_routed_experts_on_the_host(model):
     # no GPU here: the stage's device is the CPU too, but the experts take the split path
     # (own experts_device, hidden states and router logits across, the routed sum back)
-    arch, path, want = model
-    if arch not in ("deepseek_v3", "glm4_moe"):
-        pytest.skip("one MLA and one GQA model")
+    only(model, "deepseek_v3", "glm4_moe")
+    _, path, want = model
     llm = LLM(str(path), **{**ENGINE_KWARGS, "n_cpu_moe": 2})
     try:
         assert [s.cpu_expert_layers for s in llm.llm_engine.config.plan.stages] == [2]
@@ -120,9 +126,8 @@ def test_mtp_layers_after_the_last_are_skipped(model, tmp_path):
 
     from safetensors.torch import save_file
 
-    arch, path, want = model
-    if arch not in ("deepseek_v3", "glm4_moe"):
-        pytest.skip("one MLA and one GQA model")
+    only(model, "deepseek_v3")
+    _, path, want = model
     folder = tmp_path / "with-mtp"
     shutil.copytree(path, folder)
     hidden = 96

@@ -188,7 +188,7 @@ def test_client_disconnect_aborts_the_request(server, http):
     aborted = 'hybridllm:request_success_total{finished_reason="abort"}'
     before = server.metrics().get(aborted, 0)
     story = [{"role": "user", "content": "Tell me a long story about a dragon and a knight."}]
-    body = {"model": MODEL, "max_tokens": 1000, "messages": story, "stream": True}
+    body = {"model": MODEL, "max_tokens": 1000, "messages": story, "stream": True, "temperature": 0}
     with http.stream("POST", "/v1/messages", json=body) as response:
         assert response.status_code == 200
         for line in response.iter_lines():

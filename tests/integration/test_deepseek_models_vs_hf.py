@@ -11,28 +11,10 @@ from tests.deepseek_helpers import (
     build_tiny_deepseek_model,
     make_tiny_deepseek_model,
 )
+from tests.integration.test_moe_models_vs_hf import ENGINE_KWARGS, PARAMS, make_prompts
 from tests.moe_helpers import hf_greedy
 
-MAX_TOKENS = 12
-PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-ENGINE_KWARGS = dict(
-    dtype="float32",
-    max_model_len=128,
-    block_size=4,
-    max_num_batched_tokens=16,  # prompts of 17+ tokens are prefilled in chunks
-    kv_cache_memory="16MiB",
-    skip_tokenizer_init=True,
-    use_tqdm=False,
-)
-
-
-def make_prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(3)
-    shared = torch.randint(3, 320, (13,), generator=g).tolist()
-    # a shared 13-token prefix (prefix-cache hits on its full blocks) and lengths 1 to 22
-    tails = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (9, 4)]
-    single = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (1, 6)]
-    return [shared + t for t in tails] + single
+MAX_TOKENS = PARAMS.max_tokens
 
 
 @pytest.fixture(scope="module", params=DEEPSEEK_ARCHITECTURES)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridllm.layers.expert_weights import StackedExpertWeight
 from hybridllm.layers.gguf_linear import default_activations
+from hybridllm.layers.mlp import ExpertActivation
 from hybridllm.layers.moe_routing import (
     SCORING_FUNCTIONS,
     GroupLimitedRouting,
@@ -18,7 +18,10 @@ from hybridllm.layers.moe_routing import (
 
 
 class FusedMoE(nn.Module):
-    """E SiLU-gated experts: `down_e(silu(gate_e(x)) * up_e(x))`, each token through its top-k.
+    """E gated experts: `down_e(act(gate_e(x), up_e(x)))`, each token through its top-k.
+
+    `act` is SiLU-and-mul, or gpt-oss's clamped form (`ExpertActivation`); with `bias` each
+    expert adds its own gate/up bias [E, 2I] and down bias [E, H] (gpt-oss).
 
     `w13` stacks every expert's gate and up rows [E, 2I, H], `w2` its down rows [E, H, I]
     (floats, or GGUF blocks computed by the native op). A step groups its (token, slot) pairs
@@ -36,14 +39,16 @@ class FusedMoE(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         scoring: str = "softmax",
-        hidden_act: str = "silu",
+        hidden_act: str | ExpertActivation = "silu",
         grouping: GroupLimitedRouting | None = None,
+        bias: bool = False,
     ):
         """`grouping`: DeepSeek's group-limited routing, choice bias and scaling (None: plain
         top-k); with its `correction_bias` the module holds the [E] bias, loaded like a weight."""
         super().__init__()
-        if hidden_act != "silu":
-            raise ValueError(f"MoE experts support hidden_act='silu' only, got {hidden_act!r}")
+        self.activation = (
+            hidden_act if isinstance(hidden_act, ExpertActivation) else ExpertActivation(hidden_act)
+        )
         if scoring not in SCORING_FUNCTIONS:
             raise ValueError(f"MoE scoring must be one of {SCORING_FUNCTIONS}, got {scoring!r}")
         if not 1 <= top_k <= num_experts:
@@ -65,6 +70,13 @@ class FusedMoE(nn.Module):
             num_experts, (intermediate_size, intermediate_size), hidden_size, dtype, device
         )
         self.w2 = StackedExpertWeight(num_experts, (hidden_size,), intermediate_size, dtype, device)
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            # [E, 2I] in w13's row order (gate | up), [E, H]
+            zeros = torch.zeros(num_experts, 2 * intermediate_size, dtype=dtype, device=device)
+            self.w13_bias = nn.Parameter(zeros, requires_grad=False)
+            zeros = torch.zeros(num_experts, hidden_size, dtype=dtype, device=device)
+            self.w2_bias = nn.Parameter(zeros, requires_grad=False)
         self.native = False  # CPU: the compiled hybridllm::silu_and_mul and fused_moe
         # fused_moe's `activations` (as Linear's: the engine config's, set after loading)
         self.activations = default_activations()
@@ -84,11 +96,15 @@ class FusedMoE(nn.Module):
         self.w13.use_f32_kernel()
         self.w2.use_f32_kernel()
 
-    def _silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.native and gate_up.is_contiguous():
+    @property
+    def plain(self) -> bool:
+        """SiLU-and-mul without biases: what the native whole-block op computes."""
+        return self.activation.name == "silu" and self.w13_bias is None
+
+    def _act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.native and self.activation.name == "silu" and gate_up.is_contiguous():
             return torch.ops.hybridllm.silu_and_mul(gate_up)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return F.silu(gate).mul_(up)
+        return self.activation(gate_up)
 
     def select(
         self, router_logits: torch.Tensor, native: bool = False
@@ -113,7 +129,7 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden], router_logits [num_tokens, E] -> [num_tokens, hidden]."""
         w13, w2 = self.w13.qweight, self.w2.qweight
-        native = self.native and w13 is not None and w2 is not None
+        native = self.native and w13 is not None and w2 is not None and self.plain
         weights, expert_ids = self.select(router_logits, native)  # [n, k] fp32, [n, k] int64
         if native:
             # the whole block in one native call: no per-expert Python
@@ -134,7 +150,11 @@ class FusedMoE(nn.Module):
         for expert in groups.active:
             start, end = groups.offsets[expert], groups.offsets[expert + 1]
             gate_up = self.w13.matmul(expert, rows[start:end])  # [count, 2 * I]
-            out[start:end] = self.w2.matmul(expert, self._silu_and_mul(gate_up))
+            if self.w13_bias is not None:
+                gate_up += self.w13_bias[expert]
+            out[start:end] = self.w2.matmul(expert, self._act_and_mul(gate_up))
+            if self.w2_bias is not None:
+                out[start:end] += self.w2_bias[expert]
         # back in (token, slot) order [n, k, hidden], then each token's weighted sum in fp32
         # (index_select + bmm: index_add_ took 80 ms for 60 rows on torch 2.13's CPU build)
         by_slot = out.index_select(0, groups.inverse).view(x.shape[0], self.top_k, -1).float()

@@ -1,7 +1,8 @@
-"""SiLU-gated MLP (Llama family): down(silu(gate(x)) * up(x)) with gate/up fused in one matmul."""
+"""Gated MLP (Llama family): down(act(gate(x)) * up(x)) with gate/up fused in one matmul."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,6 +13,41 @@ from hybridllm.layers.tensor_parallel import column_linear, local_range, row_lin
 
 if TYPE_CHECKING:
     from hybridllm.distributed.parallel_groups import TPGroup
+
+
+_GATES = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),  # Gemma
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+GATED_ACTIVATIONS = (*_GATES, "swigluoai")
+
+
+@dataclass(frozen=True)
+class ExpertActivation:
+    """How a gated block combines its gate and up halves [..., 2I] -> [..., I].
+
+    "silu"/"gelu_pytorch_tanh": act(gate) * up. "swigluoai" (gpt-oss): gate clamped above at
+    `limit`, up to [-limit, limit], then gate * sigmoid(alpha * gate) * (up + 1).
+    """
+
+    name: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        if self.name not in GATED_ACTIVATIONS:
+            raise ValueError(
+                f"unsupported gated activation {self.name!r}; supported: {GATED_ACTIVATIONS}"
+            )
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.name != "swigluoai":
+            return _GATES[self.name](gate).mul_(up)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        return (gate * torch.sigmoid(gate * self.alpha)).mul_(up + 1)
 
 
 class GatedMLP(nn.Module):
@@ -29,8 +65,7 @@ class GatedMLP(nn.Module):
         tp_group: TPGroup | None = None,
     ):
         super().__init__()
-        if hidden_act != "silu":
-            raise ValueError(f"GatedMLP supports hidden_act='silu' only, got {hidden_act!r}")
+        self.activation = ExpertActivation(hidden_act)
         cols = local_range(intermediate_size, tp_group)
         self.intermediate_size = cols[1] - cols[0]  # this rank's share
         self.gate_up_proj = column_linear(
@@ -48,7 +83,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
-        if self.native and gate_up.dim() == 2 and gate_up.is_contiguous():
+        silu = self.activation.name == "silu"
+        if silu and self.native and gate_up.dim() == 2 and gate_up.is_contiguous():
             return self.down_proj(torch.ops.hybridllm.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(self.activation(gate_up))

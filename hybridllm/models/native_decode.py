@@ -44,7 +44,7 @@ def native_layer(layer: nn.Module, activations: int) -> NativeLayer | None:
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
     if attn.q_norm is not None:
         norms += [attn.q_norm, attn.k_norm]
-    dense = type(mlp) is GatedMLP and mlp.native
+    dense = type(mlp) is GatedMLP and mlp.native and mlp.activation.name == "silu"
     if dense:
         fused.append(mlp.gate_up_proj)
         plain.append(mlp.down_proj)
@@ -98,6 +98,7 @@ def experts(block: nn.Module) -> tuple | None:
         or block.shared_expert is not None
         or not routed.native
         or routed.grouping is not None  # DeepSeek's routing is not the stack's
+        or not routed.plain  # gpt-oss's expert biases and clamped activation
         or routed.w13.qweight is None
         or routed.w2.qweight is None
         or router.qweight is None

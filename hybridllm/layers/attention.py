@@ -24,7 +24,8 @@ def get_attention_backend(device: torch.device) -> TorchPagedAttention:
 
 
 class PagedAttention(nn.Module):
-    """Multi-head attention over the paged KV cache; holds no weights."""
+    """Multi-head attention over the paged KV cache; holds no weights but the optional
+    attention sinks (one fp32 logit per query head)."""
 
     def __init__(
         self,
@@ -34,6 +35,8 @@ class PagedAttention(nn.Module):
         device: torch.device,
         scale: float | None = None,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+        has_sinks: bool = False,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -45,6 +48,17 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
+        # Gemma 2: scores become cap * tanh(scores / cap) before the mask and softmax
+        self.logit_softcap = logit_softcap or None
+        # gpt-oss: one learned logit per query head (this rank's heads) that joins every
+        # softmax's denominator and attends to nothing; the model's weight loader fills it
+        self.sinks = (
+            nn.Parameter(
+                torch.zeros(num_heads, dtype=torch.float32, device=device), requires_grad=False
+            )
+            if has_sinks
+            else None
+        )
         self.backend = get_attention_backend(torch.device(device))
 
     def use_torch_ops(self) -> None:
@@ -64,5 +78,13 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         """query [n, H, D], key/value [n, kvh, D] -> [n, H * D]."""
         return self.backend.forward(
-            query, key, value, kv_cache, prep, self.scale, self.sliding_window
+            query,
+            key,
+            value,
+            kv_cache,
+            prep,
+            self.scale,
+            self.sliding_window,
+            logit_softcap=self.logit_softcap,
+            sinks=self.sinks,
         )

@@ -337,9 +337,25 @@ class CudaPagedAttention(TorchPagedAttention):
         prep: PreparedAttention,
         scale: float,
         sliding_window: int | None,
+        logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if not self.use_triton or query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
-            return super().decode(query, kv_cache, prep, scale, sliding_window)
+        if (
+            not self.use_triton
+            or query.stride(-1) != 1
+            or kv_cache.stride(-1) != 1
+            or logit_softcap is not None
+            or sinks is not None
+        ):
+            return super().decode(
+                query,
+                kv_cache,
+                prep,
+                scale,
+                sliding_window,
+                logit_softcap=logit_softcap,
+                sinks=sinks,
+            )
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
         context = max(prep.decode_seq_lens_cpu)
         if sliding_window is not None:
@@ -378,11 +394,21 @@ class CudaPagedAttention(TorchPagedAttention):
         prep: PreparedAttention,
         scale: float,
         sliding_window: int | None,
+        logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """query [n, H, D], key/value [n, kvh, D] (this step's) -> output [n, H * D]."""
-        kwargs = self._varlen_kwargs(query, key, scale, sliding_window) if prep.prefills else None
+        """query [n, H, D], key/value [n, kvh, D] (this step's) -> output [n, H * D].
+
+        torch's varlen flash attention has no soft-capping or sinks: with either, prefills run
+        the torch path per sequence (`TorchPagedAttention.prefill`)."""
+        extra = {"logit_softcap": logit_softcap, "sinks": sinks}
+        kwargs = None
+        if prep.prefills and logit_softcap is None and sinks is None:
+            kwargs = self._varlen_kwargs(query, key, scale, sliding_window)
         if kwargs is None:
-            return super().forward(query, key, value, kv_cache, prep, scale, sliding_window)
+            return super().forward(
+                query, key, value, kv_cache, prep, scale, sliding_window, **extra
+            )
         num_tokens, num_heads, head_dim = query.shape
         self.write_step_kv(kv_cache, key, value, prep)
         nd = prep.num_decodes

@@ -33,7 +33,8 @@ def native_layer(layer: nn.Module, activations: int) -> NativeLayer | None:
     """The native form of a layer with the standard parts (input_layernorm, self_attn with
     qkv_proj / o_proj / q_norm / k_norm / attn, post_attention_layernorm, mlp), or None where a
     piece lacks one: every linear plain fp32/GGUF blocks, norms compiled and alike, attention
-    compiled. A dense SiLU MLP joins the op; another block (MoE) runs after it.
+    compiled (no logit soft-capping, no sinks). A dense SiLU MLP joins the op; another block (MoE)
+    runs after it.
 
     The caller vouches that `layer.self_attn` computes what the op does (the Llama attention;
     OLMoE's, say, normalises q and k across heads and clips them).
@@ -55,6 +56,9 @@ def native_layer(layer: nn.Module, activations: int) -> NativeLayer | None:
         and all(linear.bias is None for linear in fused[1:] + plain)  # only qkv may (Qwen2)
         and all(norm.native and norm.eps == norms[0].eps for norm in norms)
         and getattr(attn.attn.backend, "native_ops", False)
+        # the op's attention has no soft-capping or sinks
+        and getattr(attn.attn, "logit_softcap", None) is None
+        and getattr(attn.attn, "sinks", None) is None
     ):
         return None
     down = mlp.down_proj if dense else None

@@ -56,8 +56,12 @@ class _Entry:
 
 
 def _layout(layer: nn.Module) -> tuple[list[_Entry], int]:
+    """The twin's streamed parameters, laid out in one flat buffer; attention sinks (fp32, a
+    few per layer) are not among them: they go to the accelerator once, at construction."""
     entries, offset = [], 0
     for path, module in layer.named_modules():
+        if isinstance(module, PagedAttention):
+            continue
         for name, param in module.named_parameters(recurse=False):
             entries.append(_Entry(path, name, tuple(param.shape), offset, param.numel()))
             offset += param.numel()
@@ -250,6 +254,17 @@ class WeightStreamer:
         self.cpu_attention = [
             [m for m in layer.modules() if isinstance(m, PagedAttention)] for layer in layers
         ]
+        # each layer's attention sinks (gpt-oss), on the accelerator once: a step points the
+        # twin's attention at its layer's
+        self.sinks = [
+            [
+                None
+                if m.sinks is None
+                else nn.Parameter(m.sinks.detach().to(self.device), requires_grad=False)
+                for m in attention
+            ]
+            for attention in self.cpu_attention
+        ]
         self.rotary = copy.deepcopy(model.rotary_emb).to(self.device)
         self.rotary.dtype, self.rotary.native = dtype, False
         self.rotary.cos_sin_cache = self.rotary._build(self.rotary.cos_sin_cache.shape[0])
@@ -337,8 +352,10 @@ class WeightStreamer:
         self._prefetch(0, blocks.block_ids, kv_caches, kv_shape)
         for j in range(len(layers)):
             slot = self.slots[j % NUM_SLOTS]
-            for twin, cpu in zip(slot.attention, self.cpu_attention[j]):
+            for twin, cpu, sinks in zip(slot.attention, self.cpu_attention[j], self.sinks[j]):
                 twin.sliding_window = cpu.sliding_window
+                twin.logit_softcap = cpu.logit_softcap
+                twin.sinks = sinks
             kv = slot.kv[: math.prod(kv_shape)].view(kv_shape)
             self.copies.wait_copied(j)
             self._unpack(j, slot)

@@ -163,3 +163,23 @@ def test_run_without_wants_on_the_same_step_still_stages_its_blocks(stage):
         for block in (cache != old).any(dim=(0, 2, 3, 4)).nonzero().flatten()
     }
     assert changed == {3, 4}
+
+
+def test_streamed_steps_carry_soft_capping_and_sinks(monkeypatch):
+    # attention with soft-capping and sinks (Gemma 2's and gpt-oss's, here on the tiny Llama):
+    # each attention gets its own sink logits, so twins that kept theirs would compute wrongly
+    import hybridllm.models.llama as llama
+    from hybridllm.layers.attention import PagedAttention
+
+    made = []
+
+    class CappedWithSinks(PagedAttention):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, logit_softcap=3.0, has_sinks=True, **kwargs)
+            g = torch.Generator().manual_seed(len(made))
+            self.sinks.data.copy_(2 * torch.randn(self.num_heads, generator=g))
+            made.append(self)
+
+    monkeypatch.setattr(llama, "PagedAttention", CappedWithSinks)
+    test_streamed_steps_compute_what_the_cpu_layers_compute("llama")
+    assert len(made) == STAGE_END + NUM_SLOTS  # the stage's layers and the slots' twins

@@ -55,6 +55,53 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
         "Qwen3Config",
         dict(_COMMON, head_dim=32, num_hidden_layers=2, tie_word_embeddings=True),
     ),
+    # Gemma 2: alternating window-8 and global layers, caps small enough to bite
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            _COMMON,
+            head_dim=16,
+            num_hidden_layers=4,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            attn_logit_softcapping=1.5,
+            final_logit_softcapping=3.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+    # Gemma 3: three window-8 layers per global one, each kind with its own RoPE
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            _COMMON,
+            head_dim=16,
+            num_hidden_layers=4,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            },
+            tie_word_embeddings=True,
+        ),
+    ),
+    # gpt-oss: sinks, alternating window-8 and full layers, 5 biased experts, top-2, the
+    # swigluoai clamp low enough to bite
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(
+            _COMMON,
+            head_dim=16,
+            num_hidden_layers=4,
+            intermediate_size=40,
+            num_local_experts=5,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            swiglu_limit=0.6,
+            tie_word_embeddings=False,
+        ),
+    ),
     "opt": (
         "OPTConfig",
         dict(

@@ -78,6 +78,49 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 8,
         "norm_topk_prob": False,
     },
+    "gemma2": {
+        **_LLAMA_DEFAULTS,
+        "vocab_size": 256000,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0,
+    },
+    # Gemma 3's multimodal folders give only what differs from these (gemma-3-4b-it: 6 fields)
+    "gemma3_text": {
+        **_LLAMA_DEFAULTS,
+        "vocab_size": 262208,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "sliding_window_pattern": 6,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+    },
+    "gpt_oss": {
+        **_LLAMA_DEFAULTS,
+        "rms_norm_eps": 1e-5,
+        "attention_bias": True,
+        "head_dim": 64,
+        "sliding_window": 128,
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        "num_experts_per_tok": 4,
+        "rope_theta": 150000.0,
+    },
     "opt": {
         "max_position_embeddings": 2048,
         "do_layer_norm_before": True,
@@ -87,6 +130,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
     },
 }
+_ALTERNATING = ("gemma2", "gemma3_text", "gpt_oss")
 _REQUIRED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
 _REQUIRED_BY_TYPE = {"opt": ("ffn_dim",)}
 _ROPE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -101,6 +145,7 @@ class HFConfig:
     """
 
     def __init__(self, values: dict[str, Any], origin: str = CONFIG_FILE):
+        values = _text_part(values)
         model_type = values.get("model_type")
         merged = {**_DEFAULTS.get(model_type, {}), **values}
         if model_type in _DEFAULTS:
@@ -116,6 +161,14 @@ class HFConfig:
                 "sliding_attention"
                 if sliding_from is not None and i >= sliding_from
                 else "full_attention"
+                for i in range(merged["num_hidden_layers"])
+            ]
+        if model_type in _ALTERNATING and merged.get("layer_types") is None:
+            # Gemma 2 and gpt-oss alternate sliding and global layers; Gemma 3 has one global
+            # layer in each `sliding_window_pattern`
+            pattern = 2 if model_type != "gemma3_text" else _sliding_pattern(merged)
+            merged["layer_types"] = [
+                "sliding_attention" if (i + 1) % pattern else "full_attention"
                 for i in range(merged["num_hidden_layers"])
             ]
         object.__setattr__(self, "_values", merged)
@@ -168,3 +221,19 @@ def _rope_parameters(values: dict[str, Any]) -> dict[str, Any]:
     scaling = dict(values.get("rope_scaling") or {})
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
     return {**scaling, "rope_type": rope_type, "rope_theta": values["rope_theta"]}
+
+
+def _text_part(values: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal folder's language model config (Gemma 3's `text_config`), keeping the
+    folder's `architectures`; any other config as it is."""
+    text = values.get("text_config")
+    if values.get("model_type") != "gemma3" or not isinstance(text, dict):
+        return values
+    return {"model_type": "gemma3_text", **text, "architectures": values.get("architectures")}
+
+
+def _sliding_pattern(values: dict[str, Any]) -> int:
+    pattern = values.get("_sliding_window_pattern") or values.get("sliding_window_pattern")
+    if not isinstance(pattern, int) or pattern < 1:
+        raise ModelLoadError(f"sliding_window_pattern must be a positive integer, got {pattern!r}")
+    return pattern

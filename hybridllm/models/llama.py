@@ -86,7 +86,13 @@ class LlamaAttention(nn.Module):
             head_dim,
             device,
             sliding_window=sliding_window_for_layer(hf_config, layer_idx),
+            **self.paged_attention_options(hf_config, head_dim),
         )
+
+    def paged_attention_options(self, hf_config: Any, head_dim: int) -> dict[str, Any]:
+        """`PagedAttention`'s further keywords for this architecture (scale, logit_softcap,
+        has_sinks); none for Llama."""
+        return {}
 
     def forward(
         self,
@@ -297,6 +303,10 @@ class LlamaForCausalLM(CausalLMBase):
                 loaders[embed] = head_loader(self.lm_head, embed, self.embed_tokens)
         return loaders, optional
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first stage's input hidden states [n, hidden] (Gemma scales them)."""
+        return self.embed_tokens(input_ids)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -315,7 +325,7 @@ class LlamaForCausalLM(CausalLMBase):
         if hidden_states is None:
             if self.embed_tokens is None:
                 raise ValueError("a stage without the embedding needs hidden_states")
-            hidden_states = self.embed_tokens(input_ids)  # [n, hidden]
+            hidden_states = self.embed_input_ids(input_ids)  # [n, hidden]
         hidden_states, residual = self.execution.run(
             hidden_states, residual, rotary, kv_caches, prep, positions, attn_metadata
         )

@@ -24,7 +24,7 @@ from hybridllm.layers.cpu_kernels import cpu_kernels_enabled
 from hybridllm.layers.fused_moe import FusedMoE
 from hybridllm.layers.gguf_linear import ACTIVATIONS, own_f32_gemm_preferred, x8_repacking
 from hybridllm.layers.linear import Linear
-from hybridllm.layers.mlp import GatedMLP
+from hybridllm.layers.mlp import ExpertActivation, GatedMLP
 from hybridllm.layers.moe_routing import GroupLimitedRouting
 from hybridllm.loader.quantized_tensor import QuantizedTensor
 from hybridllm.models.base import WeightLoader, copy_loader, linear_loaders
@@ -56,6 +56,9 @@ class MoeSpec:
     grouping: GroupLimitedRouting | None = None  # DeepSeek's routing (None: plain top-k)
     shared_gate: bool = True  # Qwen2-MoE scales its shared expert by a sigmoid gate
     shared_name: str = "shared_expert"  # the shared expert's checkpoint name
+    router_bias: bool = False  # gpt-oss's router adds a bias to its logits
+    expert_bias: bool = False  # gpt-oss's experts add biases to gate/up and down
+    activation: ExpertActivation | None = None  # None: the config's hidden_act
 
 
 class SparseMoeBlock(nn.Module):
@@ -81,7 +84,9 @@ class SparseMoeBlock(nn.Module):
         # DeepSeek's router scores in fp32 whatever the model's dtype (a bf16 logit can flip
         # which of two close experts a token picks)
         self.router_dtype = torch.float32 if spec.grouping is not None else dtype
-        self.gate = Linear(hidden_size, spec.num_experts, False, self.router_dtype, device)
+        self.gate = Linear(
+            hidden_size, spec.num_experts, spec.router_bias, self.router_dtype, device
+        )
         self.experts = FusedMoE(
             spec.num_experts,
             spec.top_k,
@@ -91,8 +96,9 @@ class SparseMoeBlock(nn.Module):
             dtype,
             device if experts_device is None else experts_device,
             scoring=spec.scoring,
-            hidden_act=hidden_act,
+            hidden_act=hidden_act if spec.activation is None else spec.activation,
             grouping=spec.grouping,
+            bias=spec.expert_bias,
         )
         self.shared_expert = None
         self.shared_expert_gate = None

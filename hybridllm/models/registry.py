@@ -19,6 +19,10 @@ _MODELS = (
     ("DeepseekV3ForCausalLM", ("hybridllm.models.deepseek_v2", "DeepseekV3ForCausalLM")),
     ("Glm4MoeLiteForCausalLM", ("hybridllm.models.deepseek_v2", "Glm4MoeLiteForCausalLM")),
     ("Glm4MoeForCausalLM", ("hybridllm.models.glm4_moe", "Glm4MoeForCausalLM")),
+    ("GptOssForCausalLM", ("hybridllm.models.gpt_oss", "GptOssForCausalLM")),
+    ("Gemma2ForCausalLM", ("hybridllm.models.gemma", "Gemma2ForCausalLM")),
+    ("Gemma3ForCausalLM", ("hybridllm.models.gemma", "Gemma3ForCausalLM")),
+    ("Gemma3ForConditionalGeneration", ("hybridllm.models.gemma", "Gemma3ForCausalLM")),
 )
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(name for name, _ in _MODELS)

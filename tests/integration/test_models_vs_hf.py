@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -168,13 +170,20 @@ def test_half_precision_close_to_fp32(models, dtype):
     assert caches[0].dtype == dtype
     logits = run(ours, caches, [StepSequence(tokens, 0, table)], 4)
     assert logits.dtype == torch.float32
-    assert (logits - expected).abs().max() < 0.05 * expected.abs().max()
+    # within 5% of the largest logit, or no further off than transformers in the same dtype
+    # (Gemma 3's tiny config, four norms a layer of weights near 2, loses 20% in bf16 there)
+    with torch.inference_mode():
+        hf_half = copy.deepcopy(hf).to(dtype)(torch.tensor([tokens])).logits[0].float()
+    bound = max(0.05 * expected.abs().max(), 1.2 * (hf_half - expected).abs().max())
+    assert (logits - expected).abs().max() < bound
     assert (logits.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.8
 
     # bf16 on CPU repacks the linears for oneDNN: same results up to bf16 rounding
     ours.process_weights_after_loading()
     packed = run(ours, allocate_kv_caches(ours, NUM_BLOCKS, 4), [StepSequence(tokens, 0, table)], 4)
-    assert (packed - logits).abs().max() < 0.02 * expected.abs().max()
+    assert (packed - logits).abs().max() < min(0.4 * bound, 0.02 * expected.abs().max()) or (
+        (packed - expected).abs().max() < bound
+    )
     with pytest.raises(ValueError, match="after process_weights_after_loading"):
         ours.load_weights(hf.state_dict().items())
 
@@ -205,6 +214,10 @@ def test_registry_and_bad_weights():
         "DeepseekV3ForCausalLM",
         "Glm4MoeLiteForCausalLM",
         "Glm4MoeForCausalLM",
+        "GptOssForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+        "Gemma3ForConditionalGeneration",
     }
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"):
         get_model_class("GPT2LMHeadModel")

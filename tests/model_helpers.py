@@ -102,6 +102,20 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
             tie_word_embeddings=False,
         ),
     ),
+    # MiniMax-M2: q/k normed across heads, half of each head rotating, a sigmoid router with
+    # a score-correction bias over 5 experts, top-2
+    "minimax_m2": (
+        "MiniMaxM2Config",
+        dict(
+            _COMMON,
+            head_dim=16,
+            rotary_dim=8,
+            intermediate_size=40,
+            num_local_experts=5,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+        ),
+    ),
     "opt": (
         "OPTConfig",
         dict(
@@ -168,6 +182,9 @@ def random_eager_model(config: transformers.PretrainedConfig) -> transformers.Pr
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             elif name.endswith("bias"):
                 param.copy_(0.1 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a buffer, zeros in a fresh model
+                buffer.copy_(0.1 * torch.randn_like(buffer))
     model.generation_config.eos_token_id = None
     return model.eval()
 

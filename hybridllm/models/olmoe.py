@@ -27,6 +27,7 @@ class OlmoeAttention(LlamaAttention):
         self.q_norm = RMSNorm(self.q_size, eps, dtype, device)
         self.k_norm = RMSNorm(self.kv_size, eps, dtype, device)
         self.clip_qkv = getattr(hf_config, "clip_qkv", None)
+        self.rotary_dim = self.head_dim  # MiniMax-M2 rotates a part of each head
 
     def forward(
         self,
@@ -46,8 +47,8 @@ class OlmoeAttention(LlamaAttention):
             v = v.clamp(-self.clip_qkv, self.clip_qkv)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
-        rotary.rotate_(q)
-        rotary.rotate_(k)
+        rotary.rotate_(q[..., : self.rotary_dim])
+        rotary.rotate_(k[..., : self.rotary_dim])
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, kv_cache, prep))
 

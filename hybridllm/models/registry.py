@@ -19,6 +19,7 @@ _MODELS = (
     ("DeepseekV3ForCausalLM", ("hybridllm.models.deepseek_v2", "DeepseekV3ForCausalLM")),
     ("Glm4MoeLiteForCausalLM", ("hybridllm.models.deepseek_v2", "Glm4MoeLiteForCausalLM")),
     ("Glm4MoeForCausalLM", ("hybridllm.models.glm4_moe", "Glm4MoeForCausalLM")),
+    ("MiniMaxM2ForCausalLM", ("hybridllm.models.minimax_m2", "MiniMaxM2ForCausalLM")),
     ("GptOssForCausalLM", ("hybridllm.models.gpt_oss", "GptOssForCausalLM")),
     ("Gemma2ForCausalLM", ("hybridllm.models.gemma", "Gemma2ForCausalLM")),
     ("Gemma3ForCausalLM", ("hybridllm.models.gemma", "Gemma3ForCausalLM")),

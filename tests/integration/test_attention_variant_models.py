@@ -1,6 +1,6 @@
-"""Gemma 2, Gemma 3 and gpt-oss through the engine against transformers' greedy tokens: prompts
-longer than the sliding window, a shared prefix (prefix-cache hits), chunked prefill, one
-worker and two pipeline stages; Gemma 3's multimodal folders load their text part."""
+"""Gemma 2, Gemma 3, gpt-oss and MiniMax-M2 through the engine against transformers' greedy
+tokens: prompts longer than the sliding window, a shared prefix (prefix-cache hits), chunked
+prefill, one worker and two pipeline stages; Gemma 3's multimodal folders load their text part."""
 
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ ENGINE_KWARGS = dict(
     skip_tokenizer_init=True,
     use_tqdm=False,
 )
-ARCHS = ("gemma2", "gemma3", "gpt_oss")  # windows of 8 tokens (tests/model_helpers.py)
+# windows of 8 tokens but MiniMax-M2's (tests/model_helpers.py), which saves its checkpoint
+# names (block_sparse_moe, experts.N.w1)
+ARCHS = ("gemma2", "gemma3", "gpt_oss", "minimax_m2")
 
 
 def make_prompts() -> list[list[int]]:

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
-_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe")
+_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gpt_oss", "minimax_m2")
 # multi-head latent attention: the cache holds one latent row a token a layer
 _MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe_lite")
 
@@ -249,7 +249,14 @@ def _llama_size(c: Any, dtype: str, model_type: str) -> ModelSize:
     extra += (2 * inter + hidden) if getattr(c, "mlp_bias", False) else 0
     qk_norm = model_type in ("qwen3", "qwen3_moe") or getattr(c, "use_qk_norm", False)
     extra += 2 * head_dim if qk_norm else 0  # per-head q/k RMSNorm
-    extra += (q + kv) if model_type == "olmoe" else 0  # OLMoE's q/k RMSNorm over all heads
+    # OLMoE's and MiniMax-M2's q/k RMSNorm over all heads
+    extra += (q + kv) if model_type in ("olmoe", "minimax_m2") else 0
+    if model_type in ("gemma2", "gemma3_text"):
+        extra += 2 * hidden  # the norms before and after the MLP
+        extra += 2 * head_dim if model_type == "gemma3_text" else 0
+    if model_type == "gpt_oss" and moe is not None:
+        # sinks, router bias, the experts' gate/up and down biases
+        extra += heads + moe.num_experts * (1 + 2 * moe.expert_intermediate + hidden)
     return ModelSize(
         model_type=model_type,
         dtype=dtype,

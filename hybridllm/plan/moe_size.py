@@ -16,6 +16,8 @@ _MOE_TYPES = {
     "kimi_k2": (384, "moe_intermediate_size"),
     "glm4_moe_lite": (64, "moe_intermediate_size"),
     "glm4_moe": (128, "moe_intermediate_size"),
+    "gpt_oss": (128, "intermediate_size"),
+    "minimax_m2": (256, "intermediate_size"),
 }
 # DeepSeek-style blocks: `n_shared_experts` ungated shared experts, leading dense layers
 DEEPSEEK_STYLE = ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe_lite", "glm4_moe")
@@ -123,8 +125,8 @@ class MoeSize:
 
 
 def moe_size(hf_config: Any) -> MoeSize | None:
-    """The MoE sizes of a Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3 or GLM-4.5
-    config; None for dense models."""
+    """The MoE sizes of a Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4.5,
+    gpt-oss or MiniMax-M2 config; None for dense models."""
     model_type = getattr(hf_config, "model_type", "") or ""
     if model_type not in _MOE_TYPES:
         return None

@@ -24,7 +24,7 @@ serve: setup
 	$(VENV)/bin/hybridllm serve
 
 test: setup
-	$(VENV)/bin/pytest -q -p no:cacheprovider tests
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=30 tests
 	# The CUDA decode kernels once more, under triton's interpreter on CPU tensors.
 	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q -p no:cacheprovider tests/unit/test_paged_attention.py -k triton
 

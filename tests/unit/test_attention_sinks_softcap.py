@@ -210,11 +210,10 @@ def test_16_bit_cache_under_fp32(kv_dtype, softcap, has_sinks, cpu_backend):
 
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("softcap,has_sinks", FEATURES)
-def test_bf16_torch_path(window, softcap, has_sinks):
+def test_bf16(window, softcap, has_sinks, cpu_backend):
+    # (native: bf16 decode rows run the op, bf16 prefills the torch path)
     specs = [(13, 1), (5, 1), (32, 1), (20, 7), (11, 11)]
-    out, ref = run_case(
-        specs, softcap, has_sinks, TorchPagedAttention(), window=window, dtype=torch.bfloat16
-    )
+    out, ref = run_case(specs, softcap, has_sinks, cpu_backend, window=window, dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
 
@@ -236,6 +235,40 @@ def test_no_sinks_no_cap_is_the_plain_layer():
     assert layer.sinks.dtype == torch.float32 and layer.sinks.shape == (8,)
     assert not layer.sinks.requires_grad
     assert dict(layer.named_parameters()).keys() == {"sinks"}
+
+
+def test_native_ops_check_softcap_and_sinks():
+    require_cpu_kernels()
+    decode = torch.ops.hybridllm.paged_decode_attention
+    prefill = torch.ops.hybridllm.prefill_attention
+    q, cache = torch.randn(2, 4, 8), torch.zeros(2, 4, 4, 2, 8)
+    tables, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    kv = torch.randn(3, 2, 8)
+    sinks = torch.zeros(4)
+    # the defaults: neither
+    decode(q, cache, tables, lens, 1.0, 0)
+    prefill(q[:1], kv, kv, 1.0, 0)
+    with pytest.raises(RuntimeError, match="softcap must be >= 0"):
+        decode(q, cache, tables, lens, 1.0, 0, -1.0, sinks)
+    with pytest.raises(RuntimeError, match="softcap must be >= 0"):
+        prefill(q[:1], kv, kv, 1.0, 0, -1.0, sinks)
+    for bad in (sinks.double(), torch.zeros(3), torch.zeros(8)[::2], torch.zeros(1, 4)):
+        with pytest.raises(RuntimeError, match="sinks must be a contiguous float32"):
+            decode(q, cache, tables, lens, 1.0, 0, 0.0, bad)
+        with pytest.raises(RuntimeError, match="sinks must be a contiguous float32"):
+            prefill(q[:1], kv, kv, 1.0, 0, 0.0, bad)
+
+
+def test_native_sinks_of_minus_infinity_are_no_sinks():
+    # a sink of -inf weighs nothing: the output is plain attention's (capped or not)
+    require_cpu_kernels()
+    torch.manual_seed(0)
+    q, kv = 3 * torch.randn(5, 4, 64), torch.randn(9, 2, 64)
+    none = torch.full((4,), float("-inf"))
+    for cap in (0.0, CAP):
+        want = torch.ops.hybridllm.prefill_attention(q, kv, kv, 0.125, 0, cap)
+        got = torch.ops.hybridllm.prefill_attention(q, kv, kv, 0.125, 0, cap, none)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
 class NoVarlen:

@@ -10,11 +10,16 @@ import torch
 from hybridllm.layers import paged_attention_cpu
 from hybridllm.layers.attention import PagedAttention
 from hybridllm.layers.paged_attention_cpu import TorchPagedAttention, write_kv_cache
-from hybridllm.layers.paged_attention_cuda import CudaPagedAttention
+from hybridllm.layers.paged_attention_cuda import CudaPagedAttention, triton_paged_decode
 from hybridllm.layers.prepared_attention import prepare_attention
 from tests.kernel_helpers import require_cpu_kernels
 from tests.model_helpers import StepSequence, make_step, scattered_block_tables
-from tests.unit.test_paged_attention import dense_reference
+from tests.unit.test_paged_attention import (
+    _CAN_RUN_TRITON,
+    _TRITON_DEVICE,
+    dense_reference,
+    split_decode_case,
+)
 
 NUM_BLOCKS = 64
 CAP = 4.0  # small enough that tanh bends the (scaled-up) scores of these tests
@@ -296,3 +301,56 @@ def test_plain_reference_agrees():
     torch.testing.assert_close(
         reference(q, k, v, 12, 0.25, 4, None, None), dense_reference(q, k, v, 12, 0.25, 4)
     )
+
+
+# ---- Triton decode (CUDA, or CPU tensors under TRITON_INTERPRET=1) ---------------------------
+
+needs_triton = pytest.mark.skipif(
+    not _CAN_RUN_TRITON, reason="needs triton and CUDA (or TRITON_INTERPRET=1)"
+)
+
+
+@needs_triton
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("softcap,has_sinks", FEATURES)
+def test_triton_decode_matches_reference(window, softcap, has_sinks):
+    # decodes only (Triton), then a mixed step: Triton decodes, torch-path prefills
+    for specs in ([(13, 1), (40, 1), (1, 1), (29, 1)], [(9, 1), (17, 1), (20, 7), (11, 11)]):
+        backend = CudaPagedAttention(use_triton=True, varlen_fn=NoVarlen())
+        out, ref = run_case(
+            specs, softcap, has_sinks, backend, head_dim=64, block_size=16, window=window,
+            device=_TRITON_DEVICE,
+        )  # fmt: skip
+        torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("softcap,has_sinks", FEATURES)
+@pytest.mark.parametrize("splits, per_split", [(3, 21), (64, 1)])
+def test_triton_split_decode_matches_torch(window, softcap, has_sinks, splits, per_split):
+    # the sinks join once, in the merge of the ranges; empty ranges still weigh nothing
+    query, cache, prep = split_decode_case([1000, 1, 517, 33])
+    query = QUERY_GAIN * query
+    g = torch.Generator().manual_seed(5)
+    sinks = (2 * torch.randn(query.shape[1], generator=g) + 1).to(query.device)
+    sinks = sinks if has_sinks else None
+    expected = TorchPagedAttention().decode(
+        query, cache, prep, 0.125, window, logit_softcap=softcap, sinks=sinks
+    )
+    actual = triton_paged_decode(
+        query, cache, prep.decode_block_tables, prep.decode_seq_lens, 0.125, window,
+        splits, per_split, logit_softcap=softcap, sinks=sinks,
+    )  # fmt: skip
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("softcap,has_sinks", FEATURES)
+def test_triton_bf16_decode(softcap, has_sinks):
+    backend = CudaPagedAttention(use_triton=True, varlen_fn=NoVarlen())
+    out, ref = run_case(
+        [(13, 1), (40, 1), (1, 1)], softcap, has_sinks, backend, head_dim=64, block_size=16,
+        window=6, dtype=torch.bfloat16, device=_TRITON_DEVICE,
+    )  # fmt: skip
+    torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)

@@ -11,7 +11,8 @@ Prefill rows run SDPA per sequence over their context, causal with the prefix of
 Attention sinks (gpt-oss: a learned logit per query head that joins each softmax's denominator
 and attends to nothing) and logit soft-capping (Gemma 2: scores -> cap * tanh(scores / cap)
 before the mask) are beyond SDPA: where either is set, the torch path computes the scores
-itself (`eager_attention`, fp32); the native ops take both as arguments.
+itself (`eager_attention`, fp32); the native ops take both as arguments (`softcap`, 0 for
+none, and `sinks`).
 """
 
 from __future__ import annotations
@@ -62,6 +63,13 @@ def eager_attention(
         probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
     out = torch.matmul(probs, vf)  # [B, kvh, G, Lq, D]
     return out.reshape(batch, num_heads, q_len, head_dim).to(q.dtype)
+
+
+def native_sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """`sinks` as the native ops take them: contiguous fp32 (the layer's parameter already is)."""
+    if sinks is None:
+        return None
+    return sinks.detach().to(torch.float32).contiguous()
 
 
 def write_kv_cache(
@@ -153,8 +161,7 @@ class TorchPagedAttention:
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query [B, H, D] of single-token rows -> [B, H, D]."""
-        eager = logit_softcap is not None or sinks is not None
-        if self.native_ops and not eager:
+        if self.native_ops:
             return torch.ops.hybridllm.paged_decode_attention(
                 query.contiguous(),
                 kv_cache,
@@ -162,7 +169,10 @@ class TorchPagedAttention:
                 prep.decode_seq_lens,
                 scale,
                 sliding_window or 0,
+                logit_softcap or 0.0,
+                native_sinks(sinks),
             )
+        eager = logit_softcap is not None or sinks is not None
         batch, num_heads, head_dim = query.shape
         num_kv_heads = kv_cache.shape[3]
         padded_len = prep.decode_padded_len
@@ -210,13 +220,19 @@ class TorchPagedAttention:
         """Attention of one sequence's chunk over its context -> [query_len, H, D]."""
         rows = slice(seq.query_start, seq.query_end)
         eager = logit_softcap is not None or sinks is not None
-        if self.native_ops and query.dtype == torch.float32 and not eager:
+        if self.native_ops and query.dtype == torch.float32:
             # the chunk's own keys and values (strided views), or its whole context's
             k, v = (
                 (key[rows], value[rows]) if seq.block_ids is None else self.context(kv_cache, seq)
             )
             return torch.ops.hybridllm.prefill_attention(
-                query[rows], k, v, scale, sliding_window or 0
+                query[rows],
+                k,
+                v,
+                scale,
+                sliding_window or 0,
+                logit_softcap or 0.0,
+                native_sinks(sinks),
             )
         q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
         if seq.block_ids is None:

@@ -77,7 +77,9 @@ if triton is not None:
         cache_ptr,
         block_tables_ptr,
         seq_lens_ptr,
+        sinks_ptr,
         scale,
+        softcap,
         sliding_window,
         blocks_per_split,
         stride_q_tok,
@@ -98,12 +100,17 @@ if triton is not None:
         HEAD_DIM_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         SPLIT: tl.constexpr,
+        SOFTCAP: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
     ):
         # one program per (decode sequence, kv head, context range): streams that head's blocks
         # of the range once and serves all GROUP query heads sharing it, with an online softmax
         # in fp32. SPLIT=False: one range, the whole (windowed) context, written to out.
         # SPLIT=True: the range's normalized output and log-sum-exp go to the partial buffers
         # [B, H, splits, D] and [B, H, splits] for _merge_splits_kernel.
+        # SOFTCAP: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2).
+        # HAS_SINKS (gpt-oss): a head's sink logit sinks_ptr[h] joins the softmax's denominator:
+        # the running max starts at it and the running sum at 1; a split leaves it to the merge.
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -118,8 +125,12 @@ if triton is not None:
         q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
         q = q * scale  # [G, D]
 
-        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        if HAS_SINKS and not SPLIT:
+            m_i = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32)
+            l_i = tl.full([GROUP_PAD], 1.0, tl.float32)
+        else:
+            m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+            l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
         start = tl.maximum(seq_len - sliding_window, 0)
         first = start // BLOCK_SIZE
@@ -139,6 +150,12 @@ if triton is not None:
             k = tl.load(base + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)  # [BS, D]
             v = tl.load(base + stride_c_kv + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, BS]
+            if SOFTCAP:
+                # tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2 |y|): no overflow
+                y = s / softcap
+                e = tl.exp(-2.0 * tl.abs(y))
+                t = (1.0 - e) / (1.0 + e)
+                s = softcap * tl.where(y < 0, -t, t)
             s = tl.where(t_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
@@ -165,6 +182,7 @@ if triton is not None:
         out_ptr,
         part_out_ptr,
         part_lse_ptr,
+        sinks_ptr,
         num_splits,
         stride_o_tok,
         stride_o_head,
@@ -173,9 +191,11 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr,
         SPLITS_PAD: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
     ):
         # one program per (decode sequence, query head): the ranges' outputs weighted by
-        # exp(lse - max lse), over the sum of those weights (the softmax over all ranges)
+        # exp(lse - max lse), over the sum of those weights (the softmax over all ranges);
+        # HAS_SINKS: the head's sink logit joins the max and adds its weight to the sum only
         seq = tl.program_id(0)
         head = tl.program_id(1)
         offs_s = tl.arange(0, SPLITS_PAD)
@@ -184,13 +204,21 @@ if triton is not None:
         d_mask = offs_d < HEAD_DIM
         p_off = seq * stride_p_tok + head * stride_p_head + offs_s  # [S] (split stride 1)
         lse = tl.load(part_lse_ptr + p_off, mask=s_mask, other=float("-inf"))
-        weight = tl.exp(lse - tl.max(lse, axis=0))  # [S]; every sequence has a token: max finite
+        top = tl.max(lse, axis=0)  # every sequence has a token: finite
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + head).to(tl.float32)
+            top = tl.maximum(top, sink)
+            sink_weight = tl.exp(sink - top)
+        else:
+            sink_weight = 0.0
+        weight = tl.exp(lse - top)  # [S]
         part = tl.load(
             part_out_ptr + p_off[:, None] * HEAD_DIM + offs_d[None, :],
             mask=s_mask[:, None] & d_mask[None, :],
             other=0.0,
         )  # [S, D]
-        out = tl.sum(weight[:, None] * part, axis=0) / tl.sum(weight, axis=0)
+        total = tl.sum(weight, axis=0) + sink_weight
+        out = tl.sum(weight[:, None] * part, axis=0) / total
         o_ptrs = out_ptr + seq * stride_o_tok + head * stride_o_head + offs_d
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -204,17 +232,25 @@ def triton_paged_decode(
     sliding_window: int | None,
     num_splits: int = 1,
     blocks_per_split: int = 0,
+    logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [B, H, D] -> [B, H, D]; block_tables [>=B, max_blocks] int32, seq_lens [>=B].
 
     `num_splits` > 1 (with `blocks_per_split`, from `decode_num_splits`) cuts each context
     into that many ranges of `blocks_per_split` blocks, counted from the window's first block.
+    `logit_softcap` caps the scores (Gemma 2); `sinks` [H] fp32 adds each head's sink logit to
+    its softmax's denominator (gpt-oss).
     """
     batch, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
     split = num_splits > 1
+    has_sinks = sinks is not None
+    if has_sinks:
+        sinks = sinks.detach().to(query.device, torch.float32).contiguous()
+    sinks_arg = sinks if has_sinks else out  # unused by the kernels without sinks
     if split:
         # [B, H, splits, D] and [B, H, splits], fp32, contiguous (the kernels index them so)
         part_out = torch.empty(
@@ -239,7 +275,9 @@ def triton_paged_decode(
             kv_cache,
             block_tables,
             seq_lens,
+            sinks_arg,
             scale,
+            logit_softcap or 1.0,
             _NO_WINDOW if sliding_window is None else sliding_window,
             blocks_per_split,
             query.stride(0),
@@ -258,12 +296,15 @@ def triton_paged_decode(
             HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
             BLOCK_SIZE=block_size,
             SPLIT=split,
+            SOFTCAP=logit_softcap is not None,
+            HAS_SINKS=has_sinks,
         )
         if split:
             _merge_splits_kernel[(batch, num_heads)](
                 out,
                 part_out,
                 part_lse,
+                sinks_arg,
                 num_splits,
                 out.stride(0),
                 out.stride(1),
@@ -272,6 +313,7 @@ def triton_paged_decode(
                 HEAD_DIM=head_dim,
                 HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
                 SPLITS_PAD=triton.next_power_of_2(num_splits),
+                HAS_SINKS=has_sinks,
             )
     return out
 
@@ -340,13 +382,7 @@ class CudaPagedAttention(TorchPagedAttention):
         logit_softcap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if (
-            not self.use_triton
-            or query.stride(-1) != 1
-            or kv_cache.stride(-1) != 1
-            or logit_softcap is not None
-            or sinks is not None
-        ):
+        if not self.use_triton or query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
             return super().decode(
                 query,
                 kv_cache,
@@ -372,6 +408,8 @@ class CudaPagedAttention(TorchPagedAttention):
             sliding_window,
             splits,
             per_split,
+            logit_softcap=logit_softcap,
+            sinks=sinks,
         )
 
     def _sm_count(self, device: torch.device) -> int:

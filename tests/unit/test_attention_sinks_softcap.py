@@ -10,11 +10,16 @@ import torch
 from hybridllm.layers import paged_attention_cpu
 from hybridllm.layers.attention import PagedAttention
 from hybridllm.layers.paged_attention_cpu import TorchPagedAttention, write_kv_cache
-from hybridllm.layers.paged_attention_cuda import CudaPagedAttention
+from hybridllm.layers.paged_attention_cuda import CudaPagedAttention, triton_paged_decode
 from hybridllm.layers.prepared_attention import prepare_attention
 from tests.kernel_helpers import require_cpu_kernels
 from tests.model_helpers import StepSequence, make_step, scattered_block_tables
-from tests.unit.test_paged_attention import dense_reference
+from tests.unit.test_paged_attention import (
+    _CAN_RUN_TRITON,
+    _TRITON_DEVICE,
+    dense_reference,
+    split_decode_case,
+)
 
 NUM_BLOCKS = 64
 CAP = 4.0  # small enough that tanh bends the (scaled-up) scores of these tests
@@ -210,11 +215,10 @@ def test_16_bit_cache_under_fp32(kv_dtype, softcap, has_sinks, cpu_backend):
 
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("softcap,has_sinks", FEATURES)
-def test_bf16_torch_path(window, softcap, has_sinks):
+def test_bf16(window, softcap, has_sinks, cpu_backend):
+    # (native: bf16 decode rows run the op, bf16 prefills the torch path)
     specs = [(13, 1), (5, 1), (32, 1), (20, 7), (11, 11)]
-    out, ref = run_case(
-        specs, softcap, has_sinks, TorchPagedAttention(), window=window, dtype=torch.bfloat16
-    )
+    out, ref = run_case(specs, softcap, has_sinks, cpu_backend, window=window, dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
 
@@ -236,6 +240,40 @@ def test_no_sinks_no_cap_is_the_plain_layer():
     assert layer.sinks.dtype == torch.float32 and layer.sinks.shape == (8,)
     assert not layer.sinks.requires_grad
     assert dict(layer.named_parameters()).keys() == {"sinks"}
+
+
+def test_native_ops_check_softcap_and_sinks():
+    require_cpu_kernels()
+    decode = torch.ops.hybridllm.paged_decode_attention
+    prefill = torch.ops.hybridllm.prefill_attention
+    q, cache = torch.randn(2, 4, 8), torch.zeros(2, 4, 4, 2, 8)
+    tables, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    kv = torch.randn(3, 2, 8)
+    sinks = torch.zeros(4)
+    # the defaults: neither
+    decode(q, cache, tables, lens, 1.0, 0)
+    prefill(q[:1], kv, kv, 1.0, 0)
+    with pytest.raises(RuntimeError, match="softcap must be >= 0"):
+        decode(q, cache, tables, lens, 1.0, 0, -1.0, sinks)
+    with pytest.raises(RuntimeError, match="softcap must be >= 0"):
+        prefill(q[:1], kv, kv, 1.0, 0, -1.0, sinks)
+    for bad in (sinks.double(), torch.zeros(3), torch.zeros(8)[::2], torch.zeros(1, 4)):
+        with pytest.raises(RuntimeError, match="sinks must be a contiguous float32"):
+            decode(q, cache, tables, lens, 1.0, 0, 0.0, bad)
+        with pytest.raises(RuntimeError, match="sinks must be a contiguous float32"):
+            prefill(q[:1], kv, kv, 1.0, 0, 0.0, bad)
+
+
+def test_native_sinks_of_minus_infinity_are_no_sinks():
+    # a sink of -inf weighs nothing: the output is plain attention's (capped or not)
+    require_cpu_kernels()
+    torch.manual_seed(0)
+    q, kv = 3 * torch.randn(5, 4, 64), torch.randn(9, 2, 64)
+    none = torch.full((4,), float("-inf"))
+    for cap in (0.0, CAP):
+        want = torch.ops.hybridllm.prefill_attention(q, kv, kv, 0.125, 0, cap)
+        got = torch.ops.hybridllm.prefill_attention(q, kv, kv, 0.125, 0, cap, none)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
 class NoVarlen:
@@ -263,3 +301,56 @@ def test_plain_reference_agrees():
     torch.testing.assert_close(
         reference(q, k, v, 12, 0.25, 4, None, None), dense_reference(q, k, v, 12, 0.25, 4)
     )
+
+
+# ---- Triton decode (CUDA, or CPU tensors under TRITON_INTERPRET=1) ---------------------------
+
+needs_triton = pytest.mark.skipif(
+    not _CAN_RUN_TRITON, reason="needs triton and CUDA (or TRITON_INTERPRET=1)"
+)
+
+
+@needs_triton
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("softcap,has_sinks", FEATURES)
+def test_triton_decode_matches_reference(window, softcap, has_sinks):
+    # decodes only (Triton), then a mixed step: Triton decodes, torch-path prefills
+    for specs in ([(13, 1), (40, 1), (1, 1), (29, 1)], [(9, 1), (17, 1), (20, 7), (11, 11)]):
+        backend = CudaPagedAttention(use_triton=True, varlen_fn=NoVarlen())
+        out, ref = run_case(
+            specs, softcap, has_sinks, backend, head_dim=64, block_size=16, window=window,
+            device=_TRITON_DEVICE,
+        )  # fmt: skip
+        torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("softcap,has_sinks", FEATURES)
+@pytest.mark.parametrize("splits, per_split", [(3, 21), (64, 1)])
+def test_triton_split_decode_matches_torch(window, softcap, has_sinks, splits, per_split):
+    # the sinks join once, in the merge of the ranges; empty ranges still weigh nothing
+    query, cache, prep = split_decode_case([1000, 1, 517, 33])
+    query = QUERY_GAIN * query
+    g = torch.Generator().manual_seed(5)
+    sinks = (2 * torch.randn(query.shape[1], generator=g) + 1).to(query.device)
+    sinks = sinks if has_sinks else None
+    expected = TorchPagedAttention().decode(
+        query, cache, prep, 0.125, window, logit_softcap=softcap, sinks=sinks
+    )
+    actual = triton_paged_decode(
+        query, cache, prep.decode_block_tables, prep.decode_seq_lens, 0.125, window,
+        splits, per_split, logit_softcap=softcap, sinks=sinks,
+    )  # fmt: skip
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("softcap,has_sinks", FEATURES)
+def test_triton_bf16_decode(softcap, has_sinks):
+    backend = CudaPagedAttention(use_triton=True, varlen_fn=NoVarlen())
+    out, ref = run_case(
+        [(13, 1), (40, 1), (1, 1)], softcap, has_sinks, backend, head_dim=64, block_size=16,
+        window=6, dtype=torch.bfloat16, device=_TRITON_DEVICE,
+    )  # fmt: skip
+    torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)

@@ -78,8 +78,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
           "hybridllm::write_kv_cache");
   static const auto attention =
       find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                         const at::Tensor&, double, int64_t)>(
-          "hybridllm::paged_decode_attention");
+                         const at::Tensor&, double, int64_t, double,
+                         const std::optional<at::Tensor>&)>("hybridllm::paged_decode_attention");
 
   TORCH_CHECK(hidden.dim() == 2, "decode_layer: hidden must be [tokens, hidden], got ",
               hidden.sizes());
@@ -119,8 +119,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     rotary.call(qk, cos, sin);
   }
   write_kv.call(k, v, kv_cache, slot_mapping);
+  // no soft-capping, no sinks: native_layer leaves layers with either to Python
   const at::Tensor attn =
-      attention.call(q.contiguous(), kv_cache, block_tables, seq_lens, scale, window);
+      attention.call(q.contiguous(), kv_cache, block_tables, seq_lens, scale, window, 0.0,
+                     std::nullopt);
   const at::Tensor o = gguf_linear(attn.view({n, q_size}), o_weight, o_type, activations);
   std::tie(normed, res) = add_rms_norm(o, res, post_norm, eps);
   TORCH_CHECK(gate_up_weights.empty() != down_weight.has_value(),

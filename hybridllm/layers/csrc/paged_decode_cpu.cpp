@@ -1,8 +1,10 @@
 // Paged decode attention for CPU: each single-token query attends over its context read in
 // place from the block-paged KV cache (no gather into a padded copy). The cache has the query's
 // dtype, or is 16-bit (float16/bfloat16) under an fp32 query: keys and values widen to fp32 as
-// they are loaded and the arithmetic stays fp32. Registered as the torch
-// op hybridllm::paged_decode_attention; built on first use by hybridllm/layers/cpu_kernels.py.
+// they are loaded and the arithmetic stays fp32. Optional logit soft-capping (Gemma 2) and
+// attention sinks (gpt-oss) act on a row's scores between the two passes, outside the loops
+// over keys and values. Registered as the torch op hybridllm::paged_decode_attention; built
+// on first use by hybridllm/layers/cpu_kernels.py.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -22,12 +24,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
 using hybridllm_math::exp_minus_max;
+using hybridllm_math::softcap_inplace;
 
 // How many tokens ahead the first pass over an item's keys asks for the key and value rows it
 // will need. Blocks are scattered, so the hardware prefetcher stops at every block's end; with
@@ -75,8 +80,15 @@ struct SpreadPrefetch {
 
 // Softmax numerators in place for `rows` rows of n scores (scores[r * n + t]), and each row's
 // 1 / sum in inv_sum[r]: the division waits until the weighted sum of values is done.
-inline void softmax_numerators(float* scores, int64_t rows, int64_t n, float* inv_sum) {
-  for (int64_t r = 0; r < rows; ++r) inv_sum[r] = 1.f / exp_minus_max(scores + r * n, n);
+// softcap > 0 first caps each row's scores at +-softcap (tanh); sinks (or nullptr): row r's
+// sink logit sinks[r], in the softmax's denominator only.
+inline void softmax_numerators(float* scores, int64_t rows, int64_t n, float* inv_sum,
+                               float softcap, const float* sinks) {
+  constexpr float kNoSink = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < rows; ++r) {
+    if (softcap > 0.f) softcap_inplace(scores + r * n, n, softcap);
+    inv_sum[r] = 1.f / exp_minus_max(scores + r * n, n, sinks == nullptr ? kNoSink : sinks[r]);
+  }
 }
 
 #if defined(__AVX512F__)
@@ -142,7 +154,8 @@ inline void weighted_values(const kv_t* const* token_rows, int64_t head_off, con
 template <typename kv_t, int kDim>
 int64_t decode_item_avx512(const float* qb, const kv_t* const* token_rows, int64_t value_offset,
                            int64_t head_stride, int64_t h0, int64_t heads, int64_t group,
-                           int64_t n, float scale, float* scores, float* inv_sum, float* ob,
+                           int64_t n, float scale, float softcap, const float* sinks,
+                           float* scores, float* inv_sum, float* ob,
                            const kv_t* const* next_rows, int64_t next_n, int64_t streamed) {
   constexpr int kVec = kDim / 16;                      // zmm per head row
   constexpr int kRows = kVec <= 4 ? 4 : kVec <= 8 ? 2 : 1;  // pass 2: <= 16 zmm of sums
@@ -193,7 +206,7 @@ int64_t decode_item_avx512(const float* qb, const kv_t* const* token_rows, int64
       }
     }
   }
-  softmax_numerators(scores, heads * group, n, inv_sum);
+  softmax_numerators(scores, heads * group, n, inv_sum, softcap, sinks);
   // pass 2: out[r] = sum_t p[r, t] v_t / sum_r, kRows query rows at a time
   for (int64_t hh = 0; hh < heads; ++hh) {
     const int64_t head_off = value_offset + (h0 + hh) * head_stride;
@@ -239,10 +252,11 @@ void fill_token_rows(const scalar_t** rows, const scalar_t* kv, const int32_t* t
 // head share every key and value read.
 // kHeadDim > 0 fixes head_dim at compile time (fully unrolled dot products); 0 reads it.
 // scalar_t: the query's and output's dtype; kv_t: the cache's (scalar_t, or 16-bit under fp32).
+// softcap: 0 for none; sinks: [num_heads] fp32 logits, or nullptr.
 template <typename scalar_t, typename kv_t, int kHeadDim>
 void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, float scale,
-                   int64_t window) {
+                   int64_t window, float softcap, const float* sinks) {
   const int64_t batch = query.size(0), num_heads = query.size(1);
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : query.size(2);
   const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
@@ -288,6 +302,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
       const int64_t n = len - start;
       // query is contiguous [B, H, D]: this item's query heads are rows consecutive rows
       const scalar_t* qb = q + (b * num_heads + h0 * group) * head_dim;
+      const float* item_sinks = sinks == nullptr ? nullptr : sinks + h0 * group;
       scores.resize(rows * n);
       std::swap(token_rows, next_rows);
       if (item + 1 < end)
@@ -298,7 +313,8 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
       if constexpr (std::is_same_v<scalar_t, float> && kHeadDim > 0 && kHeadDim % 16 == 0) {
         streamed = decode_item_avx512<kv_t, kHeadDim>(
             qb, token_rows.data(), value_offset, head_stride, h0, heads_per_item, group, n, scale,
-            scores.data(), inv_sum.data(), o + (b * num_heads + h0 * group) * head_dim,
+            softcap, item_sinks, scores.data(), inv_sum.data(),
+            o + (b * num_heads + h0 * group) * head_dim,
             next_rows.data(),
             heads_per_item == num_kv_heads ? static_cast<int64_t>(next_rows.size()) : 0,
             streamed);
@@ -328,7 +344,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
           }
         }
       }
-      softmax_numerators(scores.data(), rows, n, inv_sum.data());
+      softmax_numerators(scores.data(), rows, n, inv_sum.data(), softcap, item_sinks);
       // acc[r] = sum_t p[r, t] * v_t
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < n; ++t) {
@@ -354,7 +370,8 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
 
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                  double scale, int64_t window) {
+                                  double scale, int64_t window, double softcap,
+                                  const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be a contiguous [B, H, D]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.stride(4) == 1,
               "kv_cache must be [2, num_blocks, block_size, kv_heads, head_dim], last dim dense");
@@ -372,16 +389,22 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
                   seq_lens.size(0) >= query.size(0),
               "seq_lens must be a contiguous int32 [>= B]");
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none), got ", softcap);
+  TORCH_CHECK(!sinks.has_value() ||
+                  (sinks->scalar_type() == at::kFloat && sinks->dim() == 1 &&
+                   sinks->size(0) == query.size(1) && sinks->is_contiguous() && sinks->is_cpu()),
+              "sinks must be a contiguous float32 CPU tensor [num_heads = ", query.size(1), "]");
   at::Tensor out = at::empty_like(query);
-  const float s = static_cast<float>(scale);
+  const float s = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  const float* sink_ptr = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   // head_dim 64 and 128 compiled in (fully unrolled dot products), others read at run time
   auto run = [&](auto query_tag, auto kv_tag) {
     using scalar_t = decltype(query_tag);
     using kv_t = decltype(kv_tag);
     switch (query.size(2)) {
-      case 64: decode_kernel<scalar_t, kv_t, 64>(out, query, kv_cache, block_tables, seq_lens, s, window); break;
-      case 128: decode_kernel<scalar_t, kv_t, 128>(out, query, kv_cache, block_tables, seq_lens, s, window); break;
-      default: decode_kernel<scalar_t, kv_t, 0>(out, query, kv_cache, block_tables, seq_lens, s, window);
+      case 64: decode_kernel<scalar_t, kv_t, 64>(out, query, kv_cache, block_tables, seq_lens, s, window, cap, sink_ptr); break;
+      case 128: decode_kernel<scalar_t, kv_t, 128>(out, query, kv_cache, block_tables, seq_lens, s, window, cap, sink_ptr); break;
+      default: decode_kernel<scalar_t, kv_t, 0>(out, query, kv_cache, block_tables, seq_lens, s, window, cap, sink_ptr);
     }
   };
   if (widen) {

@@ -1,6 +1,7 @@
 // Causal prefill attention for CPU: one sequence's chunk of n query tokens, the last n of its
 // ctx-token context, over that context's keys and values (fp32, or a 16-bit cache's widened as
-// they are read), grouped-query heads, an optional sliding window. Registered as
+// they are read), grouped-query heads, an optional sliding window, optional logit soft-capping
+// (Gemma 2) and attention sinks (gpt-oss), both applied in the softmax pass. Registered as
 // hybridllm::prefill_attention; built on first use by hybridllm/layers/cpu_kernels.py.
 //
 // Why not torch's SDPA: on the project's 2-core EPYC its CPU kernel ran SmolLM2's 128-token
@@ -22,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -31,6 +33,7 @@
 namespace {
 
 using hybridllm_math::exp_minus_max;
+using hybridllm_math::softcap_inplace;
 
 #if defined(__AVX512F__)
 using hybridllm_avx512::in_register;
@@ -105,8 +108,8 @@ void weighted_values(const float* const* p, const float* values, int64_t lo, int
 template <int kDim, typename kv_t>
 void prefill_item(const Rows<float>& query, const Rows<kv_t>& key, const Rows<kv_t>& value,
                   int64_t head_dim_runtime, int64_t group, int64_t kv_head, int64_t i0,
-                  int64_t i1, int64_t offset, int64_t window, float scale, float* out,
-                  int64_t out_token, Scratch& s) {
+                  int64_t i1, int64_t offset, int64_t window, float scale, float softcap,
+                  const float* sinks, float* out, int64_t out_token, Scratch& s) {
   const int64_t D = kDim > 0 ? kDim : head_dim_runtime;
   const int64_t rows = (i1 - i0) * group;  // row r: token i0 + r / group, head r % group
   const int64_t last = offset + i1;        // one past the newest key any row sees
@@ -212,13 +215,17 @@ void prefill_item(const Rows<float>& query, const Rows<kv_t>& key, const Rows<kv
         std::copy(acc[i], acc[i] + count, s.scores.data() + (r0 + i) * n + j0);
     }
   }
-  // softmax numerators over each row's visible keys, zeros elsewhere
+  // softmax numerators over each row's visible keys (soft-capped first; a sink logit in the
+  // denominator), zeros elsewhere
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t pos = offset + i0 + r / group;
     const int64_t lo = (window > 0 ? std::max(first, pos - window + 1) : first) - first;
     const int64_t hi = pos + 1 - first;
     float* sr = s.scores.data() + r * n;
-    s.inv_sum[r] = 1.f / exp_minus_max(sr + lo, hi - lo);
+    if (softcap > 0.f) softcap_inplace(sr + lo, hi - lo, softcap);
+    const float sink = sinks == nullptr ? -std::numeric_limits<float>::infinity()
+                                        : sinks[kv_head * group + r % group];
+    s.inv_sum[r] = 1.f / exp_minus_max(sr + lo, hi - lo, sink);
     std::fill(sr, sr + lo, 0.f);
     std::fill(sr + hi, sr + n, 0.f);
   }
@@ -259,7 +266,8 @@ void prefill_item(const Rows<float>& query, const Rows<kv_t>& key, const Rows<kv
 
 template <int kDim, typename kv_t>
 void prefill_kernel(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                    at::Tensor& out, double scale, int64_t window) {
+                    at::Tensor& out, double scale, int64_t window, float softcap,
+                    const float* sinks) {
   const int64_t n = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t ctx = key.size(0), num_kv_heads = key.size(1);
   const int64_t group = num_heads / num_kv_heads, offset = ctx - n;
@@ -282,13 +290,15 @@ void prefill_kernel(const at::Tensor& query, const at::Tensor& key, const at::Te
       const int64_t tile = order % 2 == 0 ? order / 2 : tiles - 1 - order / 2;
       const int64_t i0 = tile * tile_tokens, i1 = std::min(n, i0 + tile_tokens);
       prefill_item<kDim, kv_t>(q, k, v, head_dim, group, h, i0, i1, offset, window,
-                               static_cast<float>(scale), o, num_heads * head_dim, scratch);
+                               static_cast<float>(scale), softcap, sinks, o, num_heads * head_dim,
+                               scratch);
     }
   });
 }
 
 at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& key,
-                             const at::Tensor& value, double scale, int64_t window) {
+                             const at::Tensor& value, double scale, int64_t window, double softcap,
+                             const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3,
               "prefill_attention: query [n, heads, D], key and value [ctx, kv_heads, D]; got ",
               query.sizes(), ", ", key.sizes(), ", ", value.sizes());
@@ -311,13 +321,21 @@ at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& key,
   TORCH_CHECK(query.stride(2) == 1 && key.stride(2) == 1 && value.stride(2) == 1,
               "prefill_attention: the head dim must be dense");
   TORCH_CHECK(window >= 0, "prefill_attention: window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(softcap >= 0, "prefill_attention: softcap must be >= 0 (0: none), got ", softcap);
+  TORCH_CHECK(!sinks.has_value() ||
+                  (sinks->scalar_type() == at::kFloat && sinks->dim() == 1 &&
+                   sinks->size(0) == query.size(1) && sinks->is_contiguous() && sinks->is_cpu()),
+              "prefill_attention: sinks must be a contiguous float32 CPU tensor [num_heads = ",
+              query.size(1), "]");
+  const float cap = static_cast<float>(softcap);
+  const float* sink_ptr = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   at::Tensor out = at::empty(query.sizes(), query.options());
   if (query.size(0) == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, key.scalar_type(), "prefill", [&] {
     switch (query.size(2)) {  // head_dim 64 and 128: accumulators in registers
-      case 64: prefill_kernel<64, scalar_t>(query, key, value, out, scale, window); break;
-      case 128: prefill_kernel<128, scalar_t>(query, key, value, out, scale, window); break;
-      default: prefill_kernel<0, scalar_t>(query, key, value, out, scale, window);
+      case 64: prefill_kernel<64, scalar_t>(query, key, value, out, scale, window, cap, sink_ptr); break;
+      case 128: prefill_kernel<128, scalar_t>(query, key, value, out, scale, window, cap, sink_ptr); break;
+      default: prefill_kernel<0, scalar_t>(query, key, value, out, scale, window, cap, sink_ptr);
     }
   });
   return out;

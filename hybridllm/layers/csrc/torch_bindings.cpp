@@ -11,9 +11,12 @@
 
 TORCH_LIBRARY(hybridllm, m) {
   // --- paged_decode_cpu.cpp
+  // softcap: Gemma 2's attention logit soft-capping (scores -> softcap * tanh(scores / softcap)
+  // before the softmax), 0 for none; sinks: gpt-oss's per-head sink logits, fp32 [num_heads]
   m.def(
       "paged_decode_attention(Tensor query, Tensor kv_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale, int window) -> Tensor");
+      "Tensor seq_lens, float scale, int window, float softcap=0., Tensor? sinks=None) "
+      "-> Tensor");
 
   // --- mla_decode_cpu.cpp
   // DeepSeek MLA decode, absorbed form: query [B, H, D] float32 against the latent cache
@@ -94,9 +97,10 @@ TORCH_LIBRARY(hybridllm, m) {
       .def("forward", &DecodeStack::forward);
 
   // --- prefill_attention_cpu.cpp
+  // softcap and sinks as paged_decode_attention's
   m.def(
-      "prefill_attention(Tensor query, Tensor key, Tensor value, float scale, int window) "
-      "-> Tensor");
+      "prefill_attention(Tensor query, Tensor key, Tensor value, float scale, int window, "
+      "float softcap=0., Tensor? sinks=None) -> Tensor");
 
   // --- gguf_head_linear_cpu.cpp
   // x [B, H, in] float32 against H matrices qweight [H, out_features, bytes] (each as

@@ -70,9 +70,12 @@ inline __m512 silu16(__m512 x) {
 #endif
 
 // A row of scores in place to its softmax numerators, s[j] = e^(s[j] - max s); returns their
-// sum (the caller divides later).
-inline float exp_minus_max(float* s, int64_t n) {
-  float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
+// sum (the caller divides later). A finite `sink` (an attention sink's logit, gpt-oss) joins
+// the softmax without a column of its own: the max runs over it too, and e^(sink - max) adds
+// to the sum only.
+inline float exp_minus_max(float* s, int64_t n,
+                           float sink = -std::numeric_limits<float>::infinity()) {
+  float mx = sink, sum = 0.f;
 #if defined(__AVX512F__)
   const auto tail = [&](int64_t j) { return static_cast<__mmask16>((1u << (n - j)) - 1); };
   __m512 m = _mm512_set1_ps(mx);
@@ -98,7 +101,22 @@ inline float exp_minus_max(float* s, int64_t n) {
     sum += s[j];
   }
 #endif
+  // (exp_nonpositive clamps at e^-87: no sink must add nothing, not that)
+  if (sink > -std::numeric_limits<float>::infinity()) sum += exp_nonpositive(sink - mx);
   return sum;
+}
+
+// Attention logit soft-capping (Gemma 2) in place: s[j] = cap * tanh(s[j] / cap), with
+// tanh(y) = sign(y) (1 - e) / (1 + e), e = e^(-2 |y|) <= 1 (never overflows). Absolute error
+// about cap * 2e-7: an fp32 logit's own rounding at the cap.
+inline void softcap_inplace(float* s, int64_t n, float cap) {
+  const float inv_cap = 1.f / cap;
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const float y = s[j] * inv_cap;
+    const float e = exp_nonpositive(-2.f * std::fabs(y));
+    s[j] = std::copysign(cap * (1.f - e) / (1.f + e), y);
+  }
 }
 
 }  // namespace hybridllm_math

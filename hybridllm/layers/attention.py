@@ -34,6 +34,7 @@ class PagedAttention(nn.Module):
         device: torch.device,
         scale: float | None = None,
         sliding_window: int | None = None,
+        kv_group: int = 0,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -45,6 +46,8 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
+        # which KV cache group's block tables this layer reads (engine/kv_cache_groups.py)
+        self.kv_group = kv_group
         self.backend = get_attention_backend(torch.device(device))
 
     def use_torch_ops(self) -> None:

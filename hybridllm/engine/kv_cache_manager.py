@@ -51,6 +51,8 @@ class KVCacheManager:
         ]
         self._sliding = [m for m in self.managers if isinstance(m, SlidingWindowBlockManager)]
         self._full = [m for m in self.managers if not isinstance(m, SlidingWindowBlockManager)]
+        # one group: every call goes straight to its manager (the common, per-step path)
+        self._single = self.managers[0] if len(self.managers) == 1 else None
 
     # ----- stats -----
     @property
@@ -93,13 +95,15 @@ class KVCacheManager:
         return None
 
     def get_block_ids(self, request_id: str) -> GroupBlockIds:
+        if self._single is not None:
+            return (self._single.get_block_ids(request_id),)
         return tuple(m.get_block_ids(request_id) for m in self.managers)
 
     # ----- prefix cache -----
     def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
         """Each group's blocks of the longest prefix every group has cached, and its tokens."""
-        if len(self.managers) == 1:
-            blocks, num_hit = self.managers[0].get_computed_blocks(request)
+        if self._single is not None:
+            blocks, num_hit = self._single.get_computed_blocks(request)
             return [blocks], num_hit
         empty: GroupBlocks = [[] for _ in self.managers]
         if (
@@ -128,6 +132,9 @@ class KVCacheManager:
         return blocks, num_hit * self.block_size
 
     def cache_computed_blocks(self, request: Request) -> None:
+        if self._single is not None:
+            self._single.cache_computed_blocks(request)
+            return
         for manager in self.managers:
             manager.cache_computed_blocks(request)
 
@@ -145,10 +152,11 @@ class KVCacheManager:
     ) -> GroupBlockIds | None:
         """Room for `num_new_tokens` more tokens in every group: the ids of each group's new
         blocks, or None, allocating nothing, when a group is short."""
-        hits = new_computed_blocks or [()] * len(self.managers)
-        if len(self.managers) == 1:
-            ids = self.managers[0].allocate_slots(request, num_new_tokens, hits[0])
+        if self._single is not None:
+            hits = new_computed_blocks[0] if new_computed_blocks else ()
+            ids = self._single.allocate_slots(request, num_new_tokens, hits)
             return None if ids is None else (ids,)
+        hits = new_computed_blocks or [()] * len(self.managers)
         num_computed = request.num_computed_tokens + len(hits[0]) * self.block_size
         for manager in self._sliding:
             # blocks this request no longer reads go back first: they may serve this step
@@ -162,5 +170,8 @@ class KVCacheManager:
         )
 
     def free(self, request: Request) -> None:
+        if self._single is not None:
+            self._single.free(request)
+            return
         for manager in self.managers:
             manager.free(request)

@@ -257,6 +257,10 @@ class WeightStreamer:
         self.copies = _CopyStream(self.device)
         # each layer's KV cache group; a step's compact blocks are built once per group
         self.layer_groups = list(model.execution.layer_groups)
+        # each group's sliding window (None: full attention), from its layers' attention
+        self.group_windows: dict[int, int | None] = {}
+        for group, attention in zip(self.layer_groups, self.cpu_attention):
+            self.group_windows[group] = attention[0].sliding_window if attention else None
         self._step: tuple[int, dict[int, _StepBlocks]] | None = None
         self.num_streamed_steps = 0
 
@@ -285,16 +289,29 @@ class WeightStreamer:
 
     def _group_blocks(self, md: AttentionMetadata) -> dict[int, _StepBlocks]:
         """The compact blocks of each KV cache group the stage's layers read."""
-        return {g: self._step_blocks(md.for_group(g)) for g in sorted(set(self.layer_groups))}
+        return {
+            g: self._step_blocks(md.for_group(g), self.group_windows[g])
+            for g in sorted(set(self.layer_groups))
+        }
 
-    def _step_blocks(self, md: AttentionMetadata) -> _StepBlocks:
+    def _step_blocks(self, md: AttentionMetadata, window: int | None = None) -> _StepBlocks:
+        """The blocks the step reads, renumbered: under a sliding `window` only those from
+        the one its first query reads on (table entries before it point at compact block 0,
+        whose keys the window masks)."""
         bs = md.block_size
         table = md.block_tables.cpu().numpy()
-        used = [table[i, : -(-n // bs)] for i, n in enumerate(md.seq_lens_cpu)]
+        starts = md.query_start_loc_cpu
+        first = [0] * len(md.seq_lens_cpu)
+        if window is not None:
+            first = [
+                max(0, n - (starts[i + 1] - starts[i]) - window + 1) // bs
+                for i, n in enumerate(md.seq_lens_cpu)
+            ]
+        used = [table[i, f : -(-n // bs)] for i, (f, n) in enumerate(zip(first, md.seq_lens_cpu))]
         ids = np.unique(np.concatenate(used))  # ascending
         compact_table = np.zeros_like(table)
-        for i, row in enumerate(used):
-            compact_table[i, : len(row)] = np.searchsorted(ids, row)
+        for i, (f, row) in enumerate(zip(first, used)):
+            compact_table[i, f : f + len(row)] = np.searchsorted(ids, row)
         slots = md.slot_mapping.cpu().numpy()
         compact = np.searchsorted(ids, slots // bs) * bs + slots % bs
         dev = self.device

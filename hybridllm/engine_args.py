@@ -222,6 +222,7 @@ class EngineArgs:
             cpu_threads=self.cpu_threads,
             kv_reserve_tokens=min(max_model_len, self.max_num_seqs * 256),
             max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
             dtype=self.dtype,
             cpu_auto_dtype=cpu_auto_dtype,
             kv_cache_dtype=self.kv_cache_dtype,

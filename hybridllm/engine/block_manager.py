@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hybridllm.engine.block_pool import BlockPool
-from hybridllm.engine.kv_cache_utils import KVCacheBlock
+from hybridllm.engine.kv_cache_utils import BlockHash, KVCacheBlock
 from hybridllm.engine.request import Request
 
 
@@ -70,13 +70,18 @@ class BlockManager:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hashes = request.update_block_hashes(self.block_size)
+        computed = self.cached_prefix(hashes[:max_hit_blocks])
+        return computed, len(computed) * self.block_size
+
+    def cached_prefix(self, hashes: Sequence[BlockHash]) -> list[KVCacheBlock]:
+        """The cached blocks of the longest prefix of `hashes` whose blocks are all cached."""
         computed: list[KVCacheBlock] = []
-        for block_hash in hashes[:max_hit_blocks]:
+        for block_hash in hashes:
             block = self.block_pool.get_cached_block(block_hash)
             if block is None:
                 break
             computed.append(block)
-        return computed, len(computed) * self.block_size
+        return computed
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register the request's full blocks whose KV is now computed (O(new full blocks))."""
@@ -143,12 +148,15 @@ class BlockManager:
         num_needed = self._num_blocks_to_allocate(request, num_new_tokens, new_computed_blocks)
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         if new_computed_blocks:
-            self.block_pool.touch(new_computed_blocks)
+            self._touch(new_computed_blocks)
             req_blocks.extend(new_computed_blocks)
             self._num_cached_blocks[request.request_id] = len(req_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_needed)
         req_blocks.extend(new_blocks)
         return [b.block_id for b in new_blocks]
+
+    def _touch(self, hits: Sequence[KVCacheBlock]) -> None:
+        self.block_pool.touch(hits)
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first, so its tail is evicted before its prefix."""

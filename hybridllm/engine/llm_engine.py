@@ -13,6 +13,7 @@ from typing import Any
 from hybridllm.config import EngineConfig
 from hybridllm.engine.errors import EngineDeadError
 from hybridllm.engine.input_validation import InputValidator
+from hybridllm.engine.kv_cache_groups import kv_cache_groups
 from hybridllm.engine.output_processor import OutputProcessor
 from hybridllm.engine.request import Request, RequestStatus
 from hybridllm.engine.scheduler import Scheduler
@@ -59,7 +60,8 @@ class LLMEngine:
             )
         self.executor = create_executor(config, show_progress=show_progress)
         try:
-            self.num_blocks = self.executor.initialize()
+            # one block count per KV cache group (kv_cache_groups of the model's config)
+            self.num_blocks_per_group = self.executor.initialize()
         except BaseException:
             self.executor.shutdown()
             raise
@@ -68,8 +70,13 @@ class LLMEngine:
         self.validator = InputValidator(
             config.model_config.max_model_len, config.model_config.vocab_size
         )
+        self.num_blocks = sum(self.num_blocks_per_group)
         self.scheduler = Scheduler(
-            config.scheduler_config, config.cache_config, self.num_blocks, self.validator
+            config.scheduler_config,
+            config.cache_config,
+            self.num_blocks_per_group,
+            self.validator,
+            kv_cache_groups(config.model_config.hf_config),
         )
         self.structured_output = StructuredOutputManager(
             self.tokenizer, config.model_config.vocab_size, config.model_config.eos_token_ids
@@ -82,12 +89,12 @@ class LLMEngine:
         self._in_flight: deque[tuple[SchedulerOutput, Any]] = deque()
         self._dead: EngineDeadError | None = None
         logger.info(
-            "engine ready: %s (%s) on %s, %d KV blocks of %d tokens",
+            "engine ready: %s (%s) on %s, KV blocks of %d tokens per group: %s",
             config.model_config.model,
             config.model_config.dtype,
             config.device_config.device,
-            self.num_blocks,
             config.cache_config.block_size,
+            list(self.num_blocks_per_group),
         )
 
     @classmethod

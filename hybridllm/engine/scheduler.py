@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from hybridllm.config import CacheConfig, SchedulerConfig
-from hybridllm.engine.block_manager import BlockManager
 from hybridllm.engine.input_validation import InputValidator
+from hybridllm.engine.kv_cache_groups import KVCacheGroupSpec
+from hybridllm.engine.kv_cache_manager import FULL_ATTENTION, GroupBlockIds, KVCacheManager
 from hybridllm.engine.request import Request, RequestStatus
 from hybridllm.engine.scheduler_output import (
     CachedRequestData,
@@ -31,8 +32,9 @@ class Scheduler:
         self,
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
-        num_blocks: int,
+        num_blocks: int | Sequence[int],
         validator: InputValidator | None = None,
+        kv_cache_groups: Sequence[KVCacheGroupSpec] = FULL_ATTENTION,
     ) -> None:
         self.scheduler_config = scheduler_config
         # The engine's (it knows the vocabulary); alone, the context length is all there is.
@@ -40,11 +42,17 @@ class Scheduler:
             validator if validator is not None else InputValidator(scheduler_config.max_model_len)
         )
         self.cache_config = cache_config
-        self.block_manager = BlockManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        # one count per KV cache group (an int: every group has that many)
+        if isinstance(num_blocks, int):
+            num_blocks = [num_blocks] * len(kv_cache_groups)
+        self.block_manager = KVCacheManager(
+            kv_cache_groups, num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
         # A request can grow while the pool can hold all but its next sampled token.
-        self.max_len = min(scheduler_config.max_model_len, self.block_manager.capacity_tokens + 1)
+        capacity = self.block_manager.capacity_tokens
+        self.max_len = scheduler_config.max_model_len
+        if capacity is not None:
+            self.max_len = min(self.max_len, capacity + 1)
 
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
@@ -84,15 +92,10 @@ class Scheduler:
             self.validator.check_prompt(request.prompt_token_ids)
         except (TypeError, ValueError) as exc:
             return str(exc)
+        config = self.scheduler_config
+        chunk = config.max_num_batched_tokens if config.enable_chunked_prefill else None
         num_prompt = request.num_prompt_tokens
-        num_blocks = self.block_manager.num_blocks_for(num_prompt)
-        if num_blocks > self.block_manager.num_blocks:
-            return (
-                f"prompt has {num_prompt} tokens and needs {num_blocks} KV cache blocks, "
-                f"but the whole cache has {self.block_manager.num_blocks} blocks of "
-                f"{self.block_manager.block_size} tokens"
-            )
-        return None
+        return self.block_manager.blocks_short(num_prompt, chunk or num_prompt)
 
     def abort_requests(self, request_ids: str | Iterable[str]) -> None:
         self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -277,7 +280,9 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
         )
 
-    def _cached_request_data(self, request: Request, new_block_ids: list[int]) -> CachedRequestData:
+    def _cached_request_data(
+        self, request: Request, new_block_ids: GroupBlockIds
+    ) -> CachedRequestData:
         num_sent = self._num_tokens_sent[request.request_id]
         self._num_tokens_sent[request.request_id] = request.num_tokens
         return CachedRequestData(

@@ -16,7 +16,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # non-empty only when resumed after preemption (recompute)
     sampling_params: SamplingParams
-    block_ids: list[int]  # the whole block table
+    block_ids: tuple[list[int], ...]  # the whole block table of each KV cache group
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
 
 
@@ -26,7 +26,7 @@ class CachedRequestData:
 
     req_id: str
     new_token_ids: list[int]  # tokens appended since last scheduled (sampled by the last stage)
-    new_block_ids: list[int]  # blocks appended to its block table
+    new_block_ids: tuple[list[int], ...]  # blocks appended to each group's block table
     num_computed_tokens: int
 
 

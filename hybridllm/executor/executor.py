@@ -44,11 +44,15 @@ class Executor(ABC):
     def embed(self, prompts: list[list[int]], pooling: str, normalize: bool) -> list[list[float]]:
         """Pooled final hidden states of each prompt, through every pipeline stage."""
 
-    def initialize(self) -> int:
-        """Load the model on every worker and size the KV cache; returns the block count."""
+    def initialize(self) -> tuple[int, ...]:
+        """Load the model on every worker and size the KV cache; returns the block count of
+        each KV cache group."""
         self.collective_rpc("load_model")
-        # Every worker allocates the same number of blocks: the smallest capacity wins.
-        num_blocks = min(self.collective_rpc("determine_num_blocks"))
+        # Every worker allocates the same number of blocks per group: the smallest capacity
+        # wins (a worker without layers of a group reports what the scheduler could use).
+        num_blocks = tuple(
+            min(counts) for counts in zip(*self.collective_rpc("determine_num_blocks"))
+        )
         self.collective_rpc("initialize_kv_cache", (num_blocks,))
         return num_blocks
 

@@ -37,6 +37,7 @@ class PagedAttention(nn.Module):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         has_sinks: bool = False,
+        kv_group: int = 0,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -59,6 +60,8 @@ class PagedAttention(nn.Module):
             if has_sinks
             else None
         )
+        # which KV cache group's block tables this layer reads (engine/kv_cache_groups.py)
+        self.kv_group = kv_group
         self.backend = get_attention_backend(torch.device(device))
 
     def use_torch_ops(self) -> None:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
 @dataclass
 class AttentionMetadata:
-    """Describes one flattened batch of tokens against the paged KV cache.
+    """Describes one flattened batch of tokens against the paged KV cache of one KV cache
+    group (the first; `other_groups` holds the rest).
 
     The runner orders sequences so the first `num_decodes` have query length 1
     (pure decode), followed by prefill chunks of any length.
@@ -25,3 +26,14 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_seq_len: int
     block_size: int
+    # the same step as seen by KV cache groups 1.. (sliding-window layers): the same sequences
+    # and lengths, their own slot_mapping and block_tables; empty with one group
+    other_groups: tuple[AttentionMetadata, ...] = field(default=())
+
+    @property
+    def num_groups(self) -> int:
+        return 1 + len(self.other_groups)
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """KV cache group `group`'s view of the step (0: this one)."""
+        return self if group == 0 else self.other_groups[group - 1]

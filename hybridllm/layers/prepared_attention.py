@@ -62,7 +62,13 @@ class PreparedAttention:
     prefills: list[PrefillSequence]
     reads_cache: bool  # any decode row or cached prefix: attention must read the KV cache
     block_tables: torch.Tensor | None = None  # [num_seqs, max_num_blocks] int32, every sequence
+    # KV cache groups 1.. (sliding-window layers): the same step over their own block tables
+    other_groups: tuple[PreparedAttention, ...] = ()
     _masks: dict = field(default_factory=dict)
+
+    def for_group(self, group: int) -> PreparedAttention:
+        """What the layers of KV cache group `group` read (0: this one)."""
+        return self if group == 0 else self.other_groups[group - 1]
 
     def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
         """[num_decodes, 1, 1, padded_len] bool: True where a decode row may attend."""
@@ -152,7 +158,15 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def prepare_attention(meta: AttentionMetadata) -> PreparedAttention:
-    """Derive the per-step tensors (block id lists, lengths) from host lists, without syncs."""
+    """Derive the per-step tensors (block id lists, lengths) from host lists, without syncs;
+    for every KV cache group of the step (`PreparedAttention.for_group`)."""
+    prep = _prepare_group(meta)
+    if meta.other_groups:
+        prep.other_groups = tuple(_prepare_group(m) for m in meta.other_groups)
+    return prep
+
+
+def _prepare_group(meta: AttentionMetadata) -> PreparedAttention:
     num_decodes = meta.num_decodes
     block_size = meta.block_size
     starts = meta.query_start_loc_cpu

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hybridllm.config import KernelConfig
+from hybridllm.engine.kv_cache_groups import sliding_window_for_layer  # noqa: F401 (re-exported)
 from hybridllm.layers.attention import PagedAttention
 from hybridllm.layers.cpu_kernels import cpu_kernels_enabled
 from hybridllm.layers.expert_weights import StackedExpertWeight
@@ -122,21 +123,6 @@ def linear_loaders(
             name = f"{prefix}{hf_name}.{kind}"
             loaders[name] = shard_loader(linear, kind, shard, name, quantizable)
     return loaders
-
-
-def sliding_window_for_layer(hf_config: Any, layer_idx: int) -> int | None:
-    """The layer's sliding attention window, or None for full attention.
-
-    transformers 5 names each layer's kind in `layer_types`; Qwen2-style configs keep a
-    `sliding_window` value that only applies when `use_sliding_window` is set.
-    """
-    window = getattr(hf_config, "sliding_window", None)
-    if not window or getattr(hf_config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None and layer_types[layer_idx] != "sliding_attention":
-        return None
-    return int(window)
 
 
 class CausalLMBase(nn.Module):

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from hybridllm.engine.kv_cache_groups import kv_cache_group_of_layer
 from hybridllm.layers.attention import PagedAttention
 from hybridllm.layers.attention_metadata import AttentionMetadata
 from hybridllm.layers.mlp import GatedMLP
@@ -86,6 +87,7 @@ class LlamaAttention(nn.Module):
             head_dim,
             device,
             sliding_window=sliding_window_for_layer(hf_config, layer_idx),
+            kv_group=kv_cache_group_of_layer(hf_config, layer_idx),
             **self.paged_attention_options(hf_config, head_dim),
         )
 

@@ -109,14 +109,15 @@ class CostModel:
         kv_per_layer = shard.kv_heads * size.kv_bytes_per_token_per_layer // size.num_kv_heads
         # Each sequence's KV is read once per query tile (once per token when decoding).
         query_tiles = -(-num_tokens // (num_seqs * ATTENTION_QUERY_TILE))
-        kv_reads = num_seqs * query_tiles * context_len
+        # keys each layer reads, summed over the stage's layers (a sliding one: its window)
+        attended = size.attended_context(stage.layer_start, stage.layer_end, context_len)
         layer_bytes = size.shard_layer_bytes(shard.q_heads, shard.kv_heads, shard.intermediate)
         weight_bytes = layers * layer_bytes
-        bytes_read = layers * kv_reads * kv_per_layer
+        bytes_read = num_seqs * query_tiles * attended * kv_per_layer
         # Matmuls at 2 FLOPs per multiply-add, and attention's QK^T and PV.
         matmul = size.shard_matmul_params(shard.q_heads, shard.kv_heads, shard.intermediate)
         q_dim = shard.q_heads * size.head_dim
-        flops = num_tokens * layers * (2 * matmul + 4 * q_dim * context_len)
+        flops = num_tokens * (layers * 2 * matmul + 4 * q_dim * attended)
         experts_s = 0.0
         if size.moe is not None and len(stage.workers) == 1:
             # layer by layer: a step reads the experts its tokens select, not all of them;

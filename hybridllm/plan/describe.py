@@ -5,6 +5,7 @@ from __future__ import annotations
 from hybridllm.plan.cost_model import PlanPrediction
 from hybridllm.plan.hardware_profile import HardwareProfile
 from hybridllm.plan.memory_budget import (
+    DeviceMemory,
     MemoryBudgets,
     device_memory,
     format_bytes,
@@ -105,6 +106,8 @@ def describe_plan(
         )
     # a host holding only routed experts or streaming copies keeps no KV of its own
     capacity = min((m.kv_capacity_tokens for m in usage if m.kv_bytes_per_token), default=0)
+    if size.layer_windows:
+        lines.append(_sliding_text(size, usage, budgets))
     lines.append(
         f"  KV cache: {capacity:,} tokens (the smallest device decides; "
         f"{budgets.kv_reserve_tokens:,} reserved), "
@@ -205,6 +208,21 @@ def _streaming_text(stage: StagePlan, size: ModelSize, prediction: PlanPredictio
         shown = [f"{n:,} tokens" if n >= 0 else "never" for n in (decode, prefill)]
         text += f"; cost-model crossover: decode {shown[0]}, prefill {shown[1]}"
     return text
+
+
+def _sliding_text(size: ModelSize, usage: tuple[DeviceMemory, ...], budgets: MemoryBudgets) -> str:
+    """The sliding-window layers' bounded KV: not per token, so not in KV/token."""
+    windows = sorted({w for w in size.layer_windows if w is not None})
+    num_sliding = sum(w is not None for w in size.layer_windows)
+    fixed = ", ".join(
+        f"{m.device} {format_bytes(m.kv_fixed_bytes)}" for m in usage if m.kv_fixed_bytes
+    )
+    return (
+        f"  sliding-window layers: {num_sliding} of {size.num_layers} (window "
+        f"{'/'.join(str(w) for w in windows)}) keep {budgets.max_num_seqs} sequences' windows "
+        f"and one step's tokens, whatever the context: {fixed}; KV/token counts the "
+        f"{size.num_layers - num_sliding} full-attention layers"
+    )
 
 
 def _kv_row_text(size: ModelSize) -> str:

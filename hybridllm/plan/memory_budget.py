@@ -24,6 +24,7 @@ class MemoryBudgets:
     max_num_batched_tokens: int
     gpu_sources: tuple[str, ...] = ()  # why each GPU budget is what it is, for error messages
     cpu_source: str = ""
+    max_num_seqs: int = 128  # sequences whose windows sliding-window layers hold at once
 
     def budget_of(self, device: str) -> int:
         return self.cpu if device == "cpu" else self.gpus[_cuda_index(device)]
@@ -62,6 +63,7 @@ def memory_budgets(hw: HardwareInfo, args: PlacementArgs) -> MemoryBudgets:
         args.max_num_batched_tokens,
         tuple(sources),
         cpu_source,
+        args.max_num_seqs,
     )
 
 
@@ -131,9 +133,29 @@ def host_expert_bytes(size: ModelSize, stage: StagePlan) -> int:
 
 
 def worker_kv_bytes_per_token(size: ModelSize, stage: StagePlan, tp_rank: int) -> int:
-    """KV bytes one token costs this worker: its layers x its KV heads (in its cache's dtype)."""
+    """KV bytes one token costs this worker: its full-attention layers x its KV heads (in its
+    cache's dtype); sliding-window layers cost a bounded amount instead (below)."""
     per_head = size.for_worker(stage, tp_rank).kv_bytes_per_token_per_layer // size.num_kv_heads
-    return stage.num_layers * worker_shard(size, stage, tp_rank).kv_heads * per_head
+    layers = size.full_attention_layers(stage.layer_start, stage.layer_end)
+    return layers * worker_shard(size, stage, tp_rank).kv_heads * per_head
+
+
+def worker_sliding_kv_bytes(
+    size: ModelSize, stage: StagePlan, tp_rank: int, budgets: MemoryBudgets
+) -> int:
+    """KV bytes this worker's sliding-window layers hold at most: max_num_seqs windows and one
+    step's tokens each, whatever the context (0 without such layers)."""
+    if not size.layer_windows:
+        return 0
+    per_head = size.for_worker(stage, tp_rank).kv_bytes_per_token_per_layer // size.num_kv_heads
+    rows = size.sliding_kv_tokens(
+        stage.layer_start,
+        stage.layer_end,
+        budgets.kv_reserve_tokens,
+        budgets.max_num_seqs,
+        budgets.max_num_batched_tokens,
+    )
+    return rows * worker_shard(size, stage, tp_rank).kv_heads * per_head
 
 
 @dataclass(frozen=True)
@@ -144,18 +166,21 @@ class DeviceMemory:
     budget: int
     weight_bytes: int
     activation_bytes: int
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # full-attention layers
+    kv_fixed_bytes: int = 0  # sliding-window layers: bounded, whatever the context
 
     @property
     def kv_capacity_tokens(self) -> int:
-        """Tokens of KV cache that fit beside the weights and activations (0 when none do)."""
-        free = self.budget - self.weight_bytes - self.activation_bytes
+        """Tokens of KV cache that fit beside the weights, activations and sliding-window
+        layers' KV (0 when none do)."""
+        free = self.budget - self.weight_bytes - self.activation_bytes - self.kv_fixed_bytes
         if self.kv_bytes_per_token == 0:
             return 0
         return max(0, free // self.kv_bytes_per_token)
 
     def need(self, kv_tokens: int) -> int:
-        return self.weight_bytes + self.activation_bytes + kv_tokens * self.kv_bytes_per_token
+        fixed = self.weight_bytes + self.activation_bytes + self.kv_fixed_bytes
+        return fixed + kv_tokens * self.kv_bytes_per_token
 
 
 # KV rows a streamed step may read: decode batches of long contexts stream too.
@@ -188,22 +213,23 @@ def device_memory(
     totals: dict[str, list[int]] = {}
     for stage in stages:
         for rank, worker in enumerate(stage.workers):
-            t = totals.setdefault(worker.device, [0, 0, 0])
+            t = totals.setdefault(worker.device, [0, 0, 0, 0])
             t[0] += worker_weight_bytes(size, stage, rank)
             t[1] += size.activation_bytes(budgets.max_num_batched_tokens)
             t[2] += worker_kv_bytes_per_token(size, stage, rank)
+            t[3] += worker_sliding_kv_bytes(size, stage, rank, budgets)
         experts = host_expert_bytes(size, stage)
         if experts:
-            totals.setdefault("cpu", [0, 0, 0])[0] += experts
+            totals.setdefault("cpu", [0, 0, 0, 0])[0] += experts
         if stage.stream_device is not None:
             # staging slots on the device; pinned dense copies of the layers on the host
-            t = totals.setdefault(stage.stream_device, [0, 0, 0])
+            t = totals.setdefault(stage.stream_device, [0, 0, 0, 0])
             sent = stream_sent_layer_bytes(size, stage)
             t[0] += stream_staging_bytes(size, stage.stream_kv_tokens, sent)
-            totals.setdefault("cpu", [0, 0, 0])[0] += stage.num_layers * sent
+            totals.setdefault("cpu", [0, 0, 0, 0])[0] += stage.num_layers * sent
     return tuple(
-        DeviceMemory(device, budgets.budget_of(device), w, a, kv)
-        for device, (w, a, kv) in totals.items()
+        DeviceMemory(device, budgets.budget_of(device), w, a, kv, fixed)
+        for device, (w, a, kv, fixed) in totals.items()
     )
 
 
@@ -246,7 +272,7 @@ def host_resident(
     cpu = next((m for m in usage if m.device == "cpu"), None)
     if cpu is None:
         return None
-    kv = kv_cache_bytes if cpu.kv_bytes_per_token else 0
+    kv = kv_cache_bytes if cpu.kv_bytes_per_token or cpu.kv_fixed_bytes else 0
     return HostResident(
         max(1, num_processes) * HOST_PROCESS_BYTES, cpu.weight_bytes, kv, cpu.activation_bytes
     )

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hybridllm.engine.kv_cache_groups import sliding_window_for_layer
 from hybridllm.plan.moe_size import MoeSize, moe_size
 
 if TYPE_CHECKING:
@@ -56,6 +57,9 @@ class ModelSize:
     moe: MoeSize | None = None
     # MLA's attention matmul parameters (q, kv_a, kv_b, o); 0: per-head q/k/v/o from head_dim
     mla_attention_params: int = 0
+    # each layer's sliding window (None: full attention); empty when no layer has one. A
+    # sliding layer's KV cache is bounded per sequence (engine/kv_cache_groups.py)
+    layer_windows: tuple[int | None, ...] = ()
 
     @property
     def dtype_bytes(self) -> int:
@@ -170,6 +174,27 @@ class ModelSize:
     def kv_bytes_per_token(self, num_layers: int) -> int:
         return num_layers * self.kv_bytes_per_token_per_layer
 
+    def full_attention_layers(self, start: int, end: int) -> int:
+        """How many of layers [start, end) keep every token's KV (no sliding window)."""
+        if not self.layer_windows:
+            return end - start
+        return sum(w is None for w in self.layer_windows[start:end])
+
+    def attended_context(self, start: int, end: int, context_len: int) -> int:
+        """Keys a query at `context_len` reads, summed over layers [start, end)."""
+        if not self.layer_windows:
+            return (end - start) * context_len
+        return sum(min(context_len, w or context_len) for w in self.layer_windows[start:end])
+
+    def sliding_kv_tokens(
+        self, start: int, end: int, max_tokens: int, max_num_seqs: int, chunk: int
+    ) -> int:
+        """KV rows layers [start, end)'s sliding windows hold together, at most: each holds
+        `max_num_seqs` sequences' windows plus one step's `chunk` tokens (and a block of 16
+        straddling per sequence), never more than the `max_tokens` a full layer would."""
+        windows = [w for w in self.layer_windows[start:end] if w is not None]
+        return sum(min(max_tokens, max_num_seqs * (w + 16) + chunk) for w in windows)
+
     def activation_bytes(self, num_tokens: int) -> int:
         """Transient workspace of one forward over `num_tokens` (the largest live tensors of a layer).
 
@@ -222,7 +247,13 @@ def model_size(
     kv = None
     if cpu_kv_dtype not in (None, dtype):
         kv = size.kv_bytes_per_token_per_layer * DTYPE_BYTES[cpu_kv_dtype] // DTYPE_BYTES[dtype]
-    return dataclasses.replace(size, cpu_blocks=cpu_blocks, cpu_kv_bytes_per_token_per_layer=kv)
+    windows = tuple(sliding_window_for_layer(hf_config, i) for i in range(size.num_layers))
+    return dataclasses.replace(
+        size,
+        cpu_blocks=cpu_blocks,
+        cpu_kv_bytes_per_token_per_layer=kv,
+        layer_windows=windows if any(w is not None for w in windows) else (),
+    )
 
 
 def _llama_size(c: Any, dtype: str, model_type: str) -> ModelSize:

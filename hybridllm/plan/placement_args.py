@@ -50,6 +50,8 @@ class PlacementArgs:
     cpu_threads: int | None = None  # per CPU worker
     kv_reserve_tokens: int = 4096
     max_num_batched_tokens: int = 2048
+    # sequences at once: what sliding-window layers' bounded KV cache is reserved for
+    max_num_seqs: int = 128
     dtype: str = "auto"
     # what "auto" means when no GPU runs layers (plan/cpu_dtype.py): "float32" or "bfloat16"
     cpu_auto_dtype: str = "float32"

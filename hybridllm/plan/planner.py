@@ -44,6 +44,7 @@ from hybridllm.plan.memory_budget import (
     stream_sent_layer_bytes,
     stream_staging_bytes,
     worker_kv_bytes_per_token,
+    worker_sliding_kv_bytes,
     worker_weight_bytes,
 )
 from hybridllm.plan.model_size import GGUFBlockSizes, ModelSize, model_size
@@ -433,6 +434,7 @@ class _Planner:
             need = (
                 worker_weight_bytes(size, stage, j)
                 + budgets.kv_reserve_tokens * worker_kv_bytes_per_token(size, stage, j)
+                + worker_sliding_kv_bytes(size, stage, j, budgets)
                 + size.activation_bytes(budgets.max_num_batched_tokens)
             )
             if need > budgets.budget_of(w.device):

@@ -28,7 +28,7 @@ class CachedRequestState:
     req_id: str
     token_ids: list[int]  # prompt + output, as known to the scheduler
     num_prompt_tokens: int
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # one block table per KV cache group
     sampling_params: SamplingParams
     num_computed_tokens: int
 
@@ -122,14 +122,15 @@ class InputBatch:
                 req_id=new.req_id,
                 token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
                 num_prompt_tokens=len(new.prompt_token_ids),
-                block_ids=list(new.block_ids),
+                block_ids=tuple(list(ids) for ids in new.block_ids),
                 sampling_params=new.sampling_params,
                 num_computed_tokens=new.num_computed_tokens,
             )
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.token_ids.extend(cached.new_token_ids)
-            state.block_ids.extend(cached.new_block_ids)
+            for table, new_ids in zip(state.block_ids, cached.new_block_ids):
+                table.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
@@ -152,7 +153,8 @@ class InputBatch:
                     for state, (start, length, _) in zip(requests, spans)
                 ]
             )
-        block_tables = [state.block_ids for state in requests]
+        num_groups = len(requests[0].block_ids)
+        block_tables = [[state.block_ids[g] for state in requests] for g in range(num_groups)]
         return step_inputs(
             spans, block_tables, num_decodes, self.block_size, self.device, input_ids, requests
         )
@@ -188,7 +190,7 @@ class InputBatch:
 
 def step_inputs(
     spans: list[Span],
-    block_tables: Sequence[Sequence[int]],
+    block_tables: Sequence[Sequence[Sequence[int]]],
     num_decodes: int,
     block_size: int,
     device: torch.device,
@@ -196,7 +198,8 @@ def step_inputs(
     requests: Sequence[CachedRequestState] = (),
 ) -> StepInputs:
     """Positions, token ids (when given, one per position) and attention metadata of the
-    sequences `spans` describe, each reading and writing the blocks of its `block_tables` row."""
+    sequences `spans` describe, each reading and writing the blocks of its row of each KV cache
+    group's `block_tables[group]`."""
     positions = np.concatenate([np.arange(start, start + length) for start, length, _ in spans])
     attn_metadata = attention_metadata(
         spans, block_tables, num_decodes, positions, block_size, device
@@ -215,39 +218,50 @@ def step_inputs(
 
 def attention_metadata(
     spans: list[Span],
-    block_tables: Sequence[Sequence[int]],
+    block_tables: Sequence[Sequence[Sequence[int]]],
     num_decodes: int,
     positions: np.ndarray,
     block_size: int,
     device: torch.device,
 ) -> AttentionMetadata:
     """Slot mapping, query starts, context lengths and block tables (padded with block 0 and
-    cut to the blocks the longest context reaches) for tokens at `positions` [num_tokens]."""
+    cut to the blocks the longest context reaches) for tokens at `positions` [num_tokens], one
+    metadata per KV cache group (`block_tables[group][seq]`), the rest in `other_groups`."""
     query_lens = [length for _, length, _ in spans]
     seq_lens = [context for _, _, context in spans]
     query_start_loc = np.zeros(len(spans) + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start_loc[1:])
     max_blocks = max(-(-context // block_size) for context in seq_lens)
-    table = np.zeros((len(spans), max_blocks), dtype=np.int32)  # [num_seqs, max_blocks]
-    for i, ids in enumerate(block_tables):
-        used = min(len(ids), max_blocks)
-        table[i, :used] = ids[:used]
-    # slot of each token = block_table[seq][pos // block_size] * block_size + pos % block_size
     seq_of_token = np.repeat(np.arange(len(spans)), query_lens)
-    blocks = table[seq_of_token, positions // block_size].astype(np.int64)
-    slots = blocks * block_size + positions % block_size
-    return AttentionMetadata(
-        num_decodes=num_decodes,
-        num_decode_tokens=num_decodes,
-        slot_mapping=torch.from_numpy(slots).to(device),
-        query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.from_numpy(table).to(device),
-        query_start_loc_cpu=query_start_loc.tolist(),
-        seq_lens_cpu=seq_lens,
-        max_seq_len=max(seq_lens),
-        block_size=block_size,
-    )
+    block_of_token = positions // block_size
+    offsets = positions % block_size
+    query_start_loc_t = torch.from_numpy(query_start_loc.astype(np.int32)).to(device)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    groups = []
+    for group_tables in block_tables:
+        table = np.zeros((len(spans), max_blocks), dtype=np.int32)  # [num_seqs, max_blocks]
+        for i, ids in enumerate(group_tables):
+            used = min(len(ids), max_blocks)
+            table[i, :used] = ids[:used]
+        # slot of each token = block_table[seq][pos // block_size] * block_size + pos % block_size
+        blocks = table[seq_of_token, block_of_token].astype(np.int64)
+        slots = blocks * block_size + offsets
+        groups.append(
+            AttentionMetadata(
+                num_decodes=num_decodes,
+                num_decode_tokens=num_decodes,
+                slot_mapping=torch.from_numpy(slots).to(device),
+                query_start_loc=query_start_loc_t,
+                seq_lens=seq_lens_t,
+                block_tables=torch.from_numpy(table).to(device),
+                query_start_loc_cpu=query_start_loc.tolist(),
+                seq_lens_cpu=seq_lens,
+                max_seq_len=max(seq_lens),
+                block_size=block_size,
+            )
+        )
+    groups[0].other_groups = tuple(groups[1:])
+    return groups[0]
 
 
 def profile_block_tables(spans: list[Span], block_size: int) -> tuple[list[list[int]], int]:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from hybridllm.engine.kv_cache_groups import KVCacheGroupSpec, cdiv
+
 GiB = 1 << 30
 # Without --kv-cache-memory, the CPU workers together take at most this much of the free RAM.
 CPU_DEFAULT_KV_BYTES = 4 * GiB
@@ -75,3 +79,64 @@ def profile_spans(
         spans.append((0, n, n))
         left -= n
     return spans
+
+
+def group_block_needs(
+    groups: Sequence[KVCacheGroupSpec],
+    block_size: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+) -> list[int]:
+    """Most blocks each KV cache group can use: a full group max_num_seqs whole sequences; a
+    sliding group with window W what max_num_seqs sequences hold once their blocks out of the
+    window are freed (ceil((W - 1) / block_size) + 2 each: the window's and the straddling
+    ones) plus one step's chunks (max_num_batched_tokens) and its null block, and never more
+    than the full-attention count."""
+    full = max_num_seqs * cdiv(max_model_len, block_size)
+    needs = []
+    for spec in groups:
+        if spec.sliding_window is None:
+            needs.append(full)
+            continue
+        per_seq = cdiv(spec.sliding_window - 1, block_size) + 2
+        step = cdiv(max_num_batched_tokens, block_size)
+        needs.append(min(full, max_num_seqs * per_seq + step) + 1)
+    return needs
+
+
+def split_kv_budget(
+    budget: int, bytes_per_block: Sequence[int], needs: Sequence[int], first_is_full: bool
+) -> list[int]:
+    """Blocks of each KV cache group from one worker's `budget` bytes.
+
+    One group takes what fits (at most its need). With a full group (the first,
+    `first_is_full`), the largest full-group count n whose total fits, each sliding group
+    getting min(its need, n + 1): a sliding group never holds more blocks than the full group
+    does for the same requests (+1, its null block), and its need (what max_num_seqs requests
+    use within their windows) is all it can use; so a roomy budget goes to the full group and a
+    short one does not strand blocks in sliding groups. Without a full group every group gets
+    the same fraction of its need. A group none of this worker's layers hold
+    (bytes_per_block 0) reports its need, so that the workers' minimum is set by the others.
+    """
+    if len(needs) == 1:
+        return [min(budget // bytes_per_block[0], needs[0]) if bytes_per_block[0] else needs[0]]
+    if first_is_full:
+
+        def blocks(n: int) -> list[int]:
+            return [n, *(min(need, n + 1) for need in needs[1:])]
+
+        def cost(n: int) -> int:
+            return sum(b * k for b, k in zip(bytes_per_block, blocks(n)))
+
+        low, high = 0, needs[0]  # the largest n in [low, high] with cost(n) <= budget
+        while low < high:
+            mid = (low + high + 1) // 2
+            if cost(mid) <= budget:
+                low = mid
+            else:
+                high = mid - 1
+        return [n if b else need for n, b, need in zip(blocks(low), bytes_per_block, needs)]
+    total = sum(b * n for b, n in zip(bytes_per_block, needs))
+    fraction = min(1.0, budget / max(1, total))
+    return [n if b == 0 else int(n * fraction) for b, n in zip(bytes_per_block, needs)]

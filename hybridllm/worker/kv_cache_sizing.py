@@ -9,13 +9,19 @@ from collections.abc import Callable
 import torch
 
 from hybridllm.config import EngineConfig
+from hybridllm.engine.kv_cache_groups import kv_cache_groups
 from hybridllm.plan.memory_budget import host_expert_bytes, worker_weight_bytes
 from hybridllm.plan.model_size import ModelSize, model_size
 from hybridllm.plan.plan import StagePlan, WorkerPlacement
 from hybridllm.platforms import Platform
 from hybridllm.sample import SamplingMetadata
 from hybridllm.sampling_params import SamplingParams
-from hybridllm.worker.kv_cache_budget import cpu_kv_budget, gpu_kv_budget
+from hybridllm.worker.kv_cache_budget import (
+    cpu_kv_budget,
+    gpu_kv_budget,
+    group_block_needs,
+    split_kv_budget,
+)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,6 +42,18 @@ def kv_cache_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: tor
     `block_size` tokens (keys and values, or MLA's latent)."""
     elements = math.prod(model.kv_cache_shape(1, block_size))
     return elements * dtype.itemsize * model.num_layers_in_stage
+
+
+def group_bytes_per_block(
+    model: torch.nn.Module, block_size: int, dtype: torch.dtype, num_groups: int
+) -> list[int]:
+    """[num_groups] bytes of one block of each KV cache group over the stage's layers in it
+    (0 for a group with none here)."""
+    per_layer = math.prod(model.kv_cache_shape(1, block_size)) * dtype.itemsize
+    counts = [0] * num_groups
+    for group in model.execution.layer_groups:
+        counts[group] += 1
+    return [per_layer * count for count in counts]
 
 
 def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -62,13 +80,14 @@ def determine_num_blocks(
     config: EngineConfig,
     platform: Platform,
     stage: StagePlan,
-    bytes_per_block: int,
+    bytes_per_block: list[int],
     profile_forward: ProfileForward,
-) -> int:
-    """Blocks that fit this worker's KV budget (never more than the scheduler could use)."""
+) -> tuple[int, ...]:
+    """Blocks of each KV cache group (`bytes_per_block[group]` bytes each over this stage's
+    layers) that fit this worker's KV budget (never more than the scheduler could use)."""
     cache_config, scheduler_config = config.cache_config, config.scheduler_config
     if cache_config.num_gpu_blocks_override is not None:
-        return cache_config.num_gpu_blocks_override
+        return (cache_config.num_gpu_blocks_override,) * len(bytes_per_block)
     device = platform.device
     if device.type == "cuda":
         if any(worker.is_cpu for worker in stage.workers):
@@ -109,16 +128,25 @@ def determine_num_blocks(
             cache_config.max_cpu_memory_bytes,
             fixed,
         )
-    # No point in more blocks than max_num_seqs full-length sequences.
-    block_size = cache_config.block_size
-    needed = scheduler_config.max_num_seqs * -(-scheduler_config.max_model_len // block_size)
-    num_blocks = min(budget // bytes_per_block, needed)
-    if num_blocks < 1:
-        raise ValueError(
-            f"no memory left for the KV cache on {device} (budget {budget} bytes, "
-            f"{bytes_per_block} bytes per block): lower max_model_len or raise the memory budget"
-        )
-    return int(num_blocks)
+    # No point in more blocks than max_num_seqs full-length sequences (a sliding group: than
+    # they hold within their window).
+    groups = kv_cache_groups(config.model_config.hf_config)
+    needs = group_block_needs(
+        groups,
+        cache_config.block_size,
+        scheduler_config.max_num_seqs,
+        scheduler_config.max_model_len,
+        scheduler_config.max_num_batched_tokens,
+    )
+    num_blocks = split_kv_budget(budget, bytes_per_block, needs, not groups[0].is_sliding)
+    for spec, n in zip(groups, num_blocks):
+        if n < (2 if spec.is_sliding else 1):
+            raise ValueError(
+                f"no memory left for the KV cache on {device} (budget {budget} bytes, "
+                f"{bytes_per_block} bytes per block of each KV cache group): lower "
+                "max_model_len or raise the memory budget"
+            )
+    return tuple(int(n) for n in num_blocks)
 
 
 def _model_size(config: EngineConfig) -> ModelSize:

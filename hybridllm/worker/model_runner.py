@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from hybridllm.config import EngineConfig
+from hybridllm.engine.kv_cache_groups import kv_cache_groups
 from hybridllm.engine.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from hybridllm.layers.cpu_kernels import cpu_kernels_enabled
 from hybridllm.plan.plan import StagePlan
@@ -134,25 +135,46 @@ class ModelRunner:
         self.model = model.eval()
 
     def kv_cache_bytes_per_block(self) -> int:
-        return kv_cache_sizing.kv_cache_bytes_per_block(
-            self.model, self.block_size, self.kv_cache_dtype
+        """Bytes of `block_size` tokens over every layer of the stage."""
+        return sum(self.kv_cache_group_bytes_per_block())
+
+    def kv_cache_group_bytes_per_block(self) -> list[int]:
+        """Bytes of one block of each KV cache group over this stage's layers of the group."""
+        return kv_cache_sizing.group_bytes_per_block(
+            self.model, self.block_size, self.kv_cache_dtype, self.num_kv_cache_groups
         )
 
-    def determine_num_blocks(self) -> int:
-        """Blocks that fit this worker's KV budget (never more than the scheduler could use)."""
-        per_block = self.kv_cache_bytes_per_block()
+    @property
+    def num_kv_cache_groups(self) -> int:
+        return len(kv_cache_groups(self.config.model_config.hf_config))
+
+    def determine_num_blocks(self) -> tuple[int, ...]:
+        """Blocks of each KV cache group that fit this worker's KV budget (never more than the
+        scheduler could use)."""
         return kv_cache_sizing.determine_num_blocks(
-            self.config, self.platform, self.stage, per_block, self.profile_forward
+            self.config,
+            self.platform,
+            self.stage,
+            self.kv_cache_group_bytes_per_block(),
+            self.profile_forward,
         )
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int | tuple[int, ...]) -> None:
         self.kv_caches = self._new_kv_cache(num_blocks)
 
-    def _new_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
-        shape = self.model.kv_cache_shape(num_blocks, self.block_size)
+    def _new_kv_cache(self, num_blocks: int | tuple[int, ...]) -> list[torch.Tensor]:
+        """One cache tensor per layer of the stage, of its KV cache group's block count (an
+        int: every group has that many)."""
+        groups = self.model.execution.layer_groups
+        if isinstance(num_blocks, int):
+            num_blocks = (num_blocks,) * (max(groups, default=0) + 1)
         return [
-            kv_zeros(shape, self.kv_cache_dtype, self.device)
-            for _ in range(self.model.num_layers_in_stage)
+            kv_zeros(
+                self.model.kv_cache_shape(num_blocks[g], self.block_size),
+                self.kv_cache_dtype,
+                self.device,
+            )
+            for g in groups
         ]
 
     def profile_forward(self, on_cache_ready: Callable[[], None] | None = None) -> int:
@@ -174,7 +196,8 @@ class ModelRunner:
             on_cache_ready()  # the step's inputs below count towards the peak
         num_tokens = sum(length for _, length, _ in spans)
         ids = np.zeros(num_tokens, dtype=np.int64)  # every stage gets ids here
-        inputs = step_inputs(spans, block_tables, 0, self.block_size, self.device, ids)
+        tables = [block_tables] * self.num_kv_cache_groups  # every group on the same blocks
+        inputs = step_inputs(spans, tables, 0, self.block_size, self.device, ids)
         stage_inputs = {}
         if not self.is_first_stage:
             hidden_size = self.config.model_config.hf_config.hidden_size
@@ -292,7 +315,7 @@ class ModelRunner:
             num_blocks = -(-n // self.block_size)
             scratch = self._new_kv_cache(num_blocks)
             ids = np.asarray(token_ids, dtype=np.int64)  # every stage gets ids here
-            tables = [list(range(num_blocks))]
+            tables = [[list(range(num_blocks))]] * self.num_kv_cache_groups
             inputs = step_inputs([(0, n, n)], tables, 0, self.block_size, self.device, ids)
             stage_inputs = self._stage_inputs(intermediate[i] if intermediate else None, n)
             hidden = self._forward(inputs, scratch, stage_inputs)

@@ -12,7 +12,8 @@ The KV cache of these layers stays on the CPU, where the CPU path (the common ca
 few sequences) reads it. A streamed step copies the blocks its sequences attend over into the
 slot beside the weights (a compact cache holding only those blocks, with block tables and slot
 mapping renumbered to match), attention runs on the accelerator, and the K/V rows the step wrote
-are copied back into the CPU cache at the end. Keeping KV on the accelerator instead would force
+are copied back into the CPU cache at the end. Each layer reads the blocks of its KV cache
+group (sliding-window layers have their own block tables): a compact cache per group. Keeping KV on the accelerator instead would force
 every CPU-computed step to fetch it back; moving only what a streamed step reads costs less than
 the weights for prefills, and the cost model counts it for big decode batches.
 """
@@ -269,7 +270,13 @@ class WeightStreamer:
         self.rotary.dtype, self.rotary.native = dtype, False
         self.rotary.cos_sin_cache = self.rotary._build(self.rotary.cos_sin_cache.shape[0])
         self.copies = _CopyStream(self.device)
-        self._step: tuple[int, _StepBlocks] | None = None
+        # each layer's KV cache group; a step's compact blocks are built once per group
+        self.layer_groups = list(model.execution.layer_groups)
+        # each group's sliding window (None: full attention), from its layers' attention
+        self.group_windows: dict[int, int | None] = {}
+        for group, attention in zip(self.layer_groups, self.cpu_attention):
+            self.group_windows[group] = attention[0].sliding_window if attention else None
+        self._step: tuple[int, dict[int, _StepBlocks]] | None = None
         self.num_streamed_steps = 0
 
     @property
@@ -289,20 +296,37 @@ class WeightStreamer:
         num_tokens = int(metadata.slot_mapping.shape[0])
         if self.threshold < 0 or num_tokens < self.threshold or not kv_caches:
             return False
-        blocks = self._step_blocks(metadata)
-        if blocks.block_ids.numel() * metadata.block_size > self.kv_tokens:
+        blocks = self._group_blocks(metadata)
+        if any(b.block_ids.numel() * metadata.block_size > self.kv_tokens for b in blocks.values()):
             return False
         self._step = (id(metadata), blocks)
         return True
 
-    def _step_blocks(self, md: AttentionMetadata) -> _StepBlocks:
+    def _group_blocks(self, md: AttentionMetadata) -> dict[int, _StepBlocks]:
+        """The compact blocks of each KV cache group the stage's layers read."""
+        return {
+            g: self._step_blocks(md.for_group(g), self.group_windows[g])
+            for g in sorted(set(self.layer_groups))
+        }
+
+    def _step_blocks(self, md: AttentionMetadata, window: int | None = None) -> _StepBlocks:
+        """The blocks the step reads, renumbered: under a sliding `window` only those from
+        the one its first query reads on (table entries before it point at compact block 0,
+        whose keys the window masks)."""
         bs = md.block_size
         table = md.block_tables.cpu().numpy()
-        used = [table[i, : -(-n // bs)] for i, n in enumerate(md.seq_lens_cpu)]
+        starts = md.query_start_loc_cpu
+        first = [0] * len(md.seq_lens_cpu)
+        if window is not None:
+            first = [
+                max(0, n - (starts[i + 1] - starts[i]) - window + 1) // bs
+                for i, n in enumerate(md.seq_lens_cpu)
+            ]
+        used = [table[i, f : -(-n // bs)] for i, (f, n) in enumerate(zip(first, md.seq_lens_cpu))]
         ids = np.unique(np.concatenate(used))  # ascending
         compact_table = np.zeros_like(table)
-        for i, row in enumerate(used):
-            compact_table[i, : len(row)] = np.searchsorted(ids, row)
+        for i, (f, row) in enumerate(zip(first, used)):
+            compact_table[i, f : f + len(row)] = np.searchsorted(ids, row)
         slots = md.slot_mapping.cpu().numpy()
         compact = np.searchsorted(ids, slots // bs) * bs + slots % bs
         dev = self.device
@@ -337,41 +361,48 @@ class WeightStreamer:
         """The stage's layers over one step, on the accelerator; returns (hidden, residual)
         on the stage's device and dtype, and leaves the step's K/V in the CPU caches."""
         if self._step is None or self._step[0] != id(metadata):
-            self._step = (id(metadata), self._step_blocks(metadata))
-        blocks = self._step[1]
+            self._step = (id(metadata), self._group_blocks(metadata))
+        group_blocks = self._step[1]
         self._step = None
         dev, dtype = self.device, self.dtype
-        num_blocks = int(blocks.block_ids.numel())
-        kv_shape = (2, num_blocks, metadata.block_size, self.kv_heads, self.head_dim)
-        prep = prepare_attention(blocks.metadata)
+        # per KV cache group: its compact cache's shape and the attention over it
+        kv_shapes = {
+            g: (2, int(b.block_ids.numel()), metadata.block_size, self.kv_heads, self.head_dim)
+            for g, b in group_blocks.items()
+        }
+        preps = {g: prepare_attention(b.metadata) for g, b in group_blocks.items()}
+        layer_blocks = [group_blocks[g] for g in self.layer_groups]
+        layer_shapes = [kv_shapes[g] for g in self.layer_groups]
         rotary = self.rotary(positions.to(dev), metadata.max_seq_len)
         h = hidden_states.to(dev, dtype)  # [num_tokens, hidden]
         r = None if residual is None else residual.to(dev, dtype)
         num_tokens = h.shape[0]
         new_kv = self._new_kv_rows(len(layers), num_tokens)  # [layers, 2, tokens, kvh, D]
-        self._prefetch(0, blocks.block_ids, kv_caches, kv_shape)
+        self._prefetch(0, layer_blocks[0].block_ids, kv_caches, layer_shapes[0])
         for j in range(len(layers)):
             slot = self.slots[j % NUM_SLOTS]
             for twin, cpu, sinks in zip(slot.attention, self.cpu_attention[j], self.sinks[j]):
                 twin.sliding_window = cpu.sliding_window
                 twin.logit_softcap = cpu.logit_softcap
                 twin.sinks = sinks
+            kv_shape = layer_shapes[j]
             kv = slot.kv[: math.prod(kv_shape)].view(kv_shape)
             self.copies.wait_copied(j)
             self._unpack(j, slot)
-            h, r = slot.layer(h, r, rotary, kv, prep)
+            # the twin's forward reads the prep it is given: its own group's
+            h, r = slot.layer(h, r, rotary, kv, preps[self.layer_groups[j]])
             # The rows this layer wrote, for the CPU cache.
             rows = kv.view(2, -1, self.kv_heads, self.head_dim).index_select(
-                1, blocks.compact_slots
+                1, layer_blocks[j].compact_slots
             )
             new_kv[j].copy_(rows, non_blocking=True)
             self.copies.mark_computed(j)
             if j + 1 < len(layers):
-                self._prefetch(j + 1, blocks.block_ids, kv_caches, kv_shape)
+                self._prefetch(j + 1, layer_blocks[j + 1].block_ids, kv_caches, layer_shapes[j + 1])
         self.copies.finish()
         for j, cache in enumerate(kv_caches):
             flat = cache.view(2, -1, self.kv_heads, self.head_dim)
-            flat.index_copy_(1, blocks.cpu_slots, new_kv[j].to(cache.dtype))
+            flat.index_copy_(1, layer_blocks[j].cpu_slots, new_kv[j].to(cache.dtype))
         self.num_streamed_steps += 1
         out_h = h.to(hidden_states.device, hidden_states.dtype)
         return out_h, r.to(hidden_states.device, hidden_states.dtype)

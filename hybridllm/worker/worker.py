@@ -85,10 +85,10 @@ class Worker:
         with progress.long_step(f"loading the model weights{where}", done=done, after_s=5.0):
             self.model_runner.load_model()
 
-    def determine_num_blocks(self) -> int:
+    def determine_num_blocks(self) -> tuple[int, ...]:
         return self.model_runner.determine_num_blocks()
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int | tuple[int, ...]) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
         if self.placement.is_cpu:  # everything long-lived is allocated: steps from here on
             keep_freed_memory()

@@ -46,7 +46,8 @@ def _message(i: int):
     4 KiB chunk (a 20 KB array, so the overflow path interleaves with the ring)."""
     if i % 10 == 9:
         return {"i": i, "array": np.full(5000, i, dtype=np.int32)}
-    cached = CachedRequestData(f"req-{i}", [i], [i // 16], num_computed_tokens=i)
+    # two KV cache groups (a full and a sliding one): a block table each
+    cached = CachedRequestData(f"req-{i}", [i], ([i // 16], [i // 32]), num_computed_tokens=i)
     return SchedulerOutput(
         scheduled_cached_reqs=[cached],
         num_scheduled_tokens={f"req-{i}": 1},

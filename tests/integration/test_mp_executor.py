@@ -164,7 +164,7 @@ def test_exception_in_a_step_kills_the_engine_cleanly(model_path, reference):
         assert [o.outputs[0].token_ids for o in out] == [t for t, _ in reference[0][:2]]
         # A step naming a request the worker never saw raises inside its execute_model.
         bogus = SchedulerOutput(
-            scheduled_cached_reqs=[CachedRequestData("ghost", [5], [], 3)],
+            scheduled_cached_reqs=[CachedRequestData("ghost", [5], ([],), 3)],
             num_scheduled_tokens={"ghost": 1},
             total_num_scheduled_tokens=1,
         )

@@ -27,7 +27,7 @@ def make_batch(with_input_ids: bool = True) -> InputBatch:
 
 
 def new(req_id, prompt, blocks, computed=0, output=(), params=GREEDY) -> NewRequestData:
-    return NewRequestData(req_id, list(prompt), list(output), params, list(blocks), computed)
+    return NewRequestData(req_id, list(prompt), list(output), params, (list(blocks),), computed)
 
 
 def step(scheduled: dict[str, int], new_reqs=(), cached=(), finished=()) -> SchedulerOutput:
@@ -60,12 +60,12 @@ def test_update_adds_extends_and_drops_requests():
     assert batch.requests["b"].token_ids == [20, 21, 22]
     assert batch.requests["b"].num_prompt_tokens == 2
     assert batch.requests["b"].output_token_ids == [22]
-    cached = CachedRequestData("a", new_token_ids=[16], new_block_ids=[8], num_computed_tokens=6)
+    cached = CachedRequestData("a", new_token_ids=[16], new_block_ids=([8],), num_computed_tokens=6)
     batch.update(step({"a": 1}, cached=[cached], finished={"b", "never-seen"}))
     assert set(batch.requests) == {"a"}
     state = batch.requests["a"]
     assert state.token_ids == [10, 11, 12, 13, 14, 15, 16]
-    assert state.block_ids == [3, 7, 8]
+    assert state.block_ids == ([3, 7, 8],)
     assert state.num_computed_tokens == 6
     assert state.output_token_ids == [16]
 
@@ -126,7 +126,7 @@ def test_chunked_prefill_spans_samples_and_prompt_logprobs():
     assert logprob_rows.next_token_ids == [51, 52, 53, 54]
 
     def chunk(computed: int, length: int):
-        cached = CachedRequestData("p", [], [], num_computed_tokens=computed)
+        cached = CachedRequestData("p", [], ([],), num_computed_tokens=computed)
         scheduler_output = step({"p": length}, cached=[cached], finished={"plain"})
         batch.update(scheduler_output)
         return batch.prepare_inputs(scheduler_output)
@@ -151,7 +151,7 @@ def test_chunked_prefill_spans_samples_and_prompt_logprobs():
     [logprob_rows] = last.prompt_logprob_rows()
     assert logprob_rows.next_token_ids == [59] and logprob_rows.first_row == 0
 
-    decode = CachedRequestData("p", [61], [], num_computed_tokens=10)
+    decode = CachedRequestData("p", [61], ([],), num_computed_tokens=10)
     scheduler_output = step({"p": 1}, cached=[decode])
     batch.update(scheduler_output)
     inputs = batch.prepare_inputs(scheduler_output)
@@ -204,7 +204,7 @@ def test_profile_block_tables_share_blocks_between_reads():
     assert tables == [[j % 5 for j in range(16)]]
     tables, num_blocks = profile_block_tables([(0, 6, 6), (0, 3, 3)], BLOCK_SIZE)
     assert tables == [[0, 1], [3]] and num_blocks == 5
-    inputs = step_inputs([(0, 6, 6), (0, 3, 3)], tables, 0, BLOCK_SIZE, CPU)
+    inputs = step_inputs([(0, 6, 6), (0, 3, 3)], [tables], 0, BLOCK_SIZE, CPU)
     assert inputs.input_ids is None and inputs.requests == []
     assert inputs.attn_metadata.slot_mapping.tolist() == [0, 1, 2, 3, 4, 5, 12, 13, 14]
     assert inputs.sampling_rows() == ([], [])

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from hybridllm.config import CacheConfig, SchedulerConfig
+from hybridllm.engine.kv_cache_manager import FULL_ATTENTION
 from hybridllm.engine.request import Request, RequestStatus
 from hybridllm.engine.scheduler import Scheduler
 from hybridllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -29,13 +30,19 @@ class FakeWorker:
     table, so a wrong prefix hit, an overwritten shared block or a lost token fails.
     """
 
-    def __init__(self, block_size: int, token_fn: Callable[[str, list[int]], int] = history_token):
+    def __init__(
+        self,
+        block_size: int,
+        token_fn: Callable[[str, list[int]], int] = history_token,
+        windows: tuple[int | None, ...] = (None,),
+    ):
         self.block_size = block_size
         self.token_fn = token_fn
-        self.kv: dict[int, int] = {}  # slot -> prefix hash
+        self.windows = windows  # per KV cache group: None (full) or its sliding window
+        self.kv: dict[tuple[int, int], int] = {}  # (group, slot) -> prefix hash
         self.tokens: dict[str, list[int]] = {}
         self.prefix_hashes: dict[str, list[int]] = {}
-        self.block_tables: dict[str, list[int]] = {}
+        self.block_tables: dict[str, list[list[int]]] = {}  # per group
         self.num_computed: dict[str, int] = {}
 
     def _add_tokens(self, req_id: str, token_ids: list[int]) -> None:
@@ -44,11 +51,15 @@ class FakeWorker:
             self.tokens[req_id].append(token_id)
             hashes.append(hash((hashes[-1] if hashes else None, token_id)))
 
-    def _slot(self, req_id: str, pos: int) -> int:
-        return (
-            self.block_tables[req_id][pos // self.block_size] * self.block_size
-            + pos % self.block_size
-        )
+    def _slot(self, req_id: str, pos: int, group: int = 0) -> tuple[int, int]:
+        block = self.block_tables[req_id][group][pos // self.block_size]
+        return group, block * self.block_size + pos % self.block_size
+
+    def _check_kv(self, req_id: str, group: int, first: int, end: int) -> None:
+        for pos in range(first, end):
+            assert self.kv[self._slot(req_id, pos, group)] == self.prefix_hashes[req_id][pos], (
+                f"{req_id}: KV of group {group} at position {pos} is not this sequence's"
+            )
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in output.finished_req_ids:
@@ -58,12 +69,14 @@ class FakeWorker:
             assert new.req_id not in self.tokens, "new request the worker already holds"
             self.tokens[new.req_id], self.prefix_hashes[new.req_id] = [], []
             self._add_tokens(new.req_id, new.prompt_token_ids + new.output_token_ids)
-            self.block_tables[new.req_id] = list(new.block_ids)
+            assert len(new.block_ids) == len(self.windows)
+            self.block_tables[new.req_id] = [list(ids) for ids in new.block_ids]
             self.num_computed[new.req_id] = new.num_computed_tokens
         for cached in output.scheduled_cached_reqs:
             assert self.num_computed[cached.req_id] == cached.num_computed_tokens
             self._add_tokens(cached.req_id, cached.new_token_ids)
-            self.block_tables[cached.req_id] += cached.new_block_ids
+            for table, ids in zip(self.block_tables[cached.req_id], cached.new_block_ids):
+                table += ids
         scheduled = output.num_scheduled_tokens
         assert sum(scheduled.values()) == output.total_num_scheduled_tokens
         assert len(output.scheduled_new_reqs) + len(output.scheduled_cached_reqs) == len(scheduled)
@@ -72,17 +85,24 @@ class FakeWorker:
             start = self.num_computed[req_id]
             assert num_tokens > 0 and start + num_tokens <= len(self.tokens[req_id])
             for pos in range(start, start + num_tokens):
-                self.kv[self._slot(req_id, pos)] = self.prefix_hashes[req_id][pos]
+                for group in range(len(self.windows)):
+                    self.kv[self._slot(req_id, pos, group)] = self.prefix_hashes[req_id][pos]
             self.num_computed[req_id] = start + num_tokens
+        for req_id, num_tokens in scheduled.items():
+            # a sliding group's first query of the step reads from start - window + 1
+            start = self.num_computed[req_id] - num_tokens
+            for group, window in enumerate(self.windows):
+                if window is not None:
+                    self._check_kv(req_id, group, max(0, start - window + 1), start + num_tokens)
         runner_output = ModelRunnerOutput()
         for req_id in scheduled:
             tokens = self.tokens[req_id]
             if self.num_computed[req_id] < len(tokens):
                 continue  # a prompt chunk that is not the last: nothing to sample
-            for pos in range(len(tokens)):
-                assert self.kv[self._slot(req_id, pos)] == self.prefix_hashes[req_id][pos], (
-                    f"{req_id}: KV at position {pos} is not this sequence's"
-                )
+            for group, window in enumerate(self.windows):
+                # the last query (position len - 1) sees keys in (len - 1 - window, len - 1]
+                first = 0 if window is None else max(0, len(tokens) - window)
+                self._check_kv(req_id, group, first, len(tokens))
             runner_output.req_ids.append(req_id)
             runner_output.sampled_token_ids.append(self.token_fn(req_id, tokens))
             runner_output.logprobs.append(None)
@@ -96,6 +116,7 @@ def make_scheduler(
     max_model_len: int = 256,
     enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True,
+    kv_cache_groups=FULL_ATTENTION,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -106,6 +127,7 @@ def make_scheduler(
         ),
         CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching),
         num_blocks,
+        kv_cache_groups=kv_cache_groups,
     )
 
 
@@ -133,10 +155,12 @@ def run_to_completion(scheduler: Scheduler, worker: FakeWorker, max_steps: int =
 
 
 def assert_no_leaks(scheduler: Scheduler) -> None:
-    manager = scheduler.block_manager
-    assert manager.num_free_blocks == manager.num_blocks
-    assert all(b.ref_cnt == 0 for b in manager.block_pool.blocks)
-    assert manager.req_to_blocks == {} and scheduler.requests == {}
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+    for manager in scheduler.block_manager.managers:
+        null = getattr(manager, "null_block", None)
+        assert all(b.ref_cnt == 0 for b in manager.block_pool.blocks if b is not null)
+        assert manager.req_to_blocks == {}
+    assert scheduler.requests == {}
 
 
 def test_budget_and_max_num_seqs_respected():
@@ -398,10 +422,10 @@ def test_in_flight_requests_are_not_scheduled_twice():
     second = scheduler.schedule()  # "a" is still in flight: only "b" runs
     assert first.num_scheduled_tokens == {"a": 8} and second.num_scheduled_tokens == {"b": 4}
     scheduler.abort_requests("b")  # aborted in flight: blocks freed once it reports back
-    assert scheduler.block_manager.req_to_blocks["b"]
+    assert scheduler.block_manager.managers[0].req_to_blocks["b"]
     scheduler.update_from_output(first, worker.execute(first))
     scheduler.update_from_output(second, worker.execute(second))
-    assert "b" not in scheduler.block_manager.req_to_blocks
+    assert "b" not in scheduler.block_manager.managers[0].req_to_blocks
     run_to_completion(scheduler, worker)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from hybridllm.engine.kv_cache_groups import kv_cache_groups
 from hybridllm.layers.attention_metadata import AttentionMetadata
 
 _COMMON = dict(
@@ -244,9 +246,14 @@ class StepSequence:
 
 
 def make_step(
-    seqs: list[StepSequence], block_size: int, device: str | torch.device = "cpu"
+    seqs: list[StepSequence],
+    block_size: int,
+    device: str | torch.device = "cpu",
+    num_groups: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """(input_ids, positions, AttentionMetadata) for `seqs`, decodes (one token) first."""
+    """(input_ids, positions, AttentionMetadata) for `seqs`, decodes (one token) first; with
+    `num_groups` KV cache groups (sliding-window layers beside full ones) every group gets the
+    same block tables (each layer has a cache of its own, so the ids may repeat across groups)."""
     num_decodes = 0
     while num_decodes < len(seqs) and len(seqs[num_decodes].token_ids) == 1:
         num_decodes += 1
@@ -275,6 +282,7 @@ def make_step(
         max_seq_len=max(seq_lens),
         block_size=block_size,
     )
+    meta.other_groups = tuple(dataclasses.replace(meta) for _ in range(num_groups - 1))
     ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
     return ids, torch.tensor(positions, dtype=torch.int64, device=device), meta
 
@@ -311,3 +319,8 @@ def load_our_model(hf_model, dtype=torch.float32, start_layer=0, end_layer=None)
     if missing:
         raise AssertionError(f"weights not loaded: {sorted(missing)}")
     return model
+
+
+def num_kv_groups(model) -> int:
+    """How many KV cache groups the model's layers read (sliding windows beside full ones)."""
+    return len(kv_cache_groups(model.hf_config))

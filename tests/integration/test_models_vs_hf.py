@@ -16,6 +16,7 @@ from tests.model_helpers import (
     load_our_model,
     make_step,
     make_tiny_model,
+    num_kv_groups,
     scattered_block_tables,
     tiny_config,
 )
@@ -41,7 +42,7 @@ def prompt(length: int, seed: int) -> list[int]:
 
 def run(model, caches, seqs, block_size):
     """One step of `seqs` through the paged cache -> [num_tokens, vocab] logits."""
-    input_ids, positions, meta = make_step(seqs, block_size)
+    input_ids, positions, meta = make_step(seqs, block_size, num_groups=num_kv_groups(model))
     with torch.inference_mode():
         return model.compute_logits(model(input_ids, positions, caches, meta))
 
@@ -150,7 +151,7 @@ def test_two_stage_split_equals_full_model(models):
     caches = [allocate_kv_caches(m, NUM_BLOCKS, block_size) for m in (full, first, second)]
     steps = [StepSequence(tokens, 0, table), StepSequence([7], len(tokens), table)]
     for seq in steps:
-        input_ids, positions, meta = make_step([seq], block_size)
+        input_ids, positions, meta = make_step([seq], block_size, num_groups=num_kv_groups(full))
         with torch.inference_mode():
             expected = full(input_ids, positions, caches[0], meta)
             hidden, residual = first(input_ids, positions, caches[1], meta)

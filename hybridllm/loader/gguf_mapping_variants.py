@@ -94,7 +94,7 @@ def variant_kwargs(
         out["layer_types"] = [FULL] * layers
     if model_type == "gpt_oss":
         return _gpt_oss(get, tensor_names, out)
-    return _gemma(model_type, get, out)
+    return _gemma(model_type, get, out, path)
 
 
 def layer_types(model_type: str, pattern: Any, num_layers: int) -> list[str]:
@@ -109,8 +109,11 @@ def layer_types(model_type: str, pattern: Any, num_layers: int) -> list[str]:
     return [SLIDING if period == 0 or i % period < period - 1 else FULL for i in range(num_layers)]
 
 
-def _gemma(model_type: str, get: Callable[..., Any], out: dict[str, Any]) -> dict[str, Any]:
+def _gemma(
+    model_type: str, get: Callable[..., Any], out: dict[str, Any], path: str
+) -> dict[str, Any]:
     heads, hidden = out["num_attention_heads"], out["hidden_size"]
+    gemma2 = model_type == "gemma2"
     if out["num_hidden_layers"] == _GEMMA_27B_LAYERS[model_type]:
         scalar = hidden // heads
     else:
@@ -118,13 +121,17 @@ def _gemma(model_type: str, get: Callable[..., Any], out: dict[str, Any]) -> dic
     out.update(
         hidden_activation="gelu_pytorch_tanh",
         query_pre_attn_scalar=scalar,
-        final_logit_softcapping=get("final_logit_softcapping"),
-        attn_logit_softcapping=get("attn_logit_softcapping"),
+        # llama.cpp's defaults where a file lacks them: Gemma 2 caps both (50, 30, as
+        # transformers' Gemma2Config), Gemma 3 only final logits and only when given
+        final_logit_softcapping=get("final_logit_softcapping", 30.0 if gemma2 else None),
+        attn_logit_softcapping=get("attn_logit_softcapping", 50.0) if gemma2 else None,
         attention_bias=False,
     )
-    if model_type == "gemma2":
+    if gemma2:
         if get("rope.freq_base_swa") not in (None, out["rope_parameters"]["rope_theta"]):
-            raise ModelLoadError("a gemma2 file with a sliding-layer RoPE base is not supported")
+            raise ModelLoadError(
+                f"{path}: a gemma2 file with a sliding-layer RoPE base is not supported"
+            )
         return out
     # Gemma 3: the global layers' RoPE as the file says, the sliding layers' unscaled
     local = {"rope_type": "default", "rope_theta": float(get("rope.freq_base_swa", 10000.0))}

@@ -251,6 +251,21 @@ def test_gemma3_config_of_a_27b_shaped_file():
     assert set(kwargs["layer_types"]) == {"full_attention"} and kwargs["sliding_window"] is None
 
 
+def test_gemma2_config_where_the_file_says_little():
+    """llama.cpp's Gemma 2 defaults: windows of 4096 on every other layer, attention capped at
+    50 and logits at 30; 46 layers (gemma-2-27b) scale queries by hidden/heads (144)."""
+    metadata = _metadata("gemma2", block_count=46, embedding_length=4608)
+    arch, kwargs = hf_config_kwargs(metadata, set(), "f")
+    assert arch.model_type == "gemma2" and kwargs["query_pre_attn_scalar"] == 144
+    assert (kwargs["attn_logit_softcapping"], kwargs["final_logit_softcapping"]) == (50.0, 30.0)
+    assert kwargs["sliding_window"] == 4096 and kwargs["layer_types"][:2] == [
+        "sliding_attention",
+        "full_attention",
+    ]
+    with pytest.raises(ModelLoadError, match="sliding-layer RoPE base"):
+        hf_config_kwargs({**metadata, "gemma2.rope.freq_base_swa": 5.0}, set(), "f")
+
+
 def test_variant_tensor_names_and_refusals():
     oss, gemma = GGUF_ARCHS["gpt-oss"], GGUF_ARCHS["gemma2"]
     assert hf_tensor_name("blk.2.attn_sinks.weight", "f", oss) == "model.layers.2.self_attn.sinks"

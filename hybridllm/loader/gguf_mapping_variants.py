@@ -11,8 +11,10 @@ config.json says; where a field is missing this takes what llama.cpp computes wi
   layers is global; or a flag per layer), else the architecture's period: 2 for Gemma 2 and
   gpt-oss, 6 for Gemma 3. Gemma 3's sliding layers rotate with `rope.freq_base_swa` (10000 when
   absent), unscaled; its global ones with `rope.freq_base` and the file's scaling.
-- gpt-oss's swiglu clamp is llama.cpp's constant 7.0 (alpha 1.702), its YaRN the released
-  checkpoints' (the correction range not truncated, as transformers computes it).
+- gpt-oss's swiglu clamp is llama.cpp's constant 7.0 (alpha 1.702). Its YaRN is the released
+  checkpoints' (`truncate: false`): llama.cpp rounds the correction range to whole dimensions
+  (ggml_rope_yarn_corr_dims), so its tokens from a converted tiny model equal transformers'
+  with truncate=True and differ slightly from the checkpoint's own; this follows the checkpoint.
 - Gemma's converter stores every norm weight as 1 + w (`GGUFArch.norm_shift`); the source
   subtracts it again, so the tensors read are the checkpoint's and the model adds it as for a
   folder (exact: for a stored value v in [0.5, 2], v - 1 and then + 1 round to v).

@@ -164,11 +164,12 @@ def hf_tensor_name(
     """The HF parameter name of a GGUF tensor; None for tensors that are not parameters.
 
     `arch` picks the architecture's own names where they differ (DeepSeek's and GLM's
-    `shared_experts`, gguf_mapping_variants' VARIANT_BLOCK_NAMES); with `num_layers` (the model's decoder layers), blocks after them are
-    skipped (None): llama.cpp's converter writes the multi-token-prediction layers of GLM-4.5
-    and GLM-4.7-Flash as `blk.N.*` and `blk.N.nextn.*` with N >= num_layers, which no HF
-    causal LM loads (`nextn.*` is skipped in any block). `blk.N.attn_v_b` is None too: it is
-    read with `blk.N.attn_k_b` into kv_b_proj (kv_b_from_parts).
+    `shared_experts`, gguf_mapping_variants' VARIANT_BLOCK_NAMES); with `num_layers` (the
+    model's decoder layers), blocks after them are skipped (None): llama.cpp's converter
+    writes the multi-token-prediction layers of GLM-4.5 and GLM-4.7-Flash as `blk.N.*` and
+    `blk.N.nextn.*` with N >= num_layers, which no HF causal LM loads (`nextn.*` is skipped in
+    any block). `blk.N.attn_v_b` is None too: it is read with `blk.N.attn_k_b` into kv_b_proj
+    (kv_b_from_parts).
     """
     if gguf_name in _IGNORED_TENSORS or _NEXTN_RE.match(gguf_name):
         return None

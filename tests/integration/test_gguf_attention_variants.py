@@ -110,8 +110,8 @@ def _folder_tensor(kind: str, f, name: str) -> torch.Tensor:
 @needs_converter
 def test_every_tensor_maps_to_the_folders(files):
     """Each GGUF tensor maps to the folder's: bit for bit from the F32 file (Gemma's norms as
-    the model holds them, 1 + w: the converter added the 1, the source takes it off), within 8-bit (Q8_0) or 4-bit (MXFP4)
-    blocks' error from the quantized one."""
+    the model holds them, 1 + w: the converter added the 1, the source takes it off), within
+    8-bit (Q8_0) or 4-bit (MXFP4) blocks' error from the quantized one."""
     kind, paths, _, _ = files
     with safe_open(str(paths["hf"] / "model.safetensors"), "pt") as f:
         for label in ("F32", QUANTS[kind]):

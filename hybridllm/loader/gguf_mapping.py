@@ -1,5 +1,6 @@
 """GGUF metadata and tensor names mapped to their Hugging Face equivalents (Llama/Qwen families,
-MoEs, DeepSeek-V2/V3 and GLM-4.5 / GLM-4.7-Flash)."""
+MoEs, DeepSeek-V2/V3 and GLM-4.5 / GLM-4.7-Flash; Gemma 2/3, gpt-oss and MiniMax-M2 in
+gguf_mapping_variants)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridllm.loader.gguf_mapping_variants import VARIANT_BLOCK_NAMES, is_variant, variant_kwargs
 from hybridllm.loader.model_source import ModelLoadError
 
 
@@ -20,6 +22,7 @@ class GGUFArch:
     model_type: str  # transformers config model_type
     hf_architecture: str  # config.architectures[0]
     rope_permuted: bool  # llama.cpp's converter interleaved q/k rows for its rope layout
+    norm_shift: float = 0.0  # what the converter added to every norm weight (Gemma's 1 + w)
 
 
 GGUF_ARCHS = {
@@ -34,6 +37,10 @@ GGUF_ARCHS = {
     # rope part of q and kv_a as interleaved pairs (HF's rope_interleave), GLM-4.5 rotate-half.
     "deepseek2": GGUFArch("deepseek_v2", "DeepseekV2ForCausalLM", rope_permuted=False),
     "glm4moe": GGUFArch("glm4_moe", "Glm4MoeForCausalLM", rope_permuted=False),
+    "gemma2": GGUFArch("gemma2", "Gemma2ForCausalLM", rope_permuted=False, norm_shift=1.0),
+    "gemma3": GGUFArch("gemma3_text", "Gemma3ForCausalLM", rope_permuted=False, norm_shift=1.0),
+    "gpt-oss": GGUFArch("gpt_oss", "GptOssForCausalLM", rope_permuted=False),
+    "minimax-m2": GGUFArch("minimax_m2", "MiniMaxM2ForCausalLM", rope_permuted=False),
 }
 # llama.cpp writes Mixtral as a `llama` file with experts (`llama.expert_count` > 0)
 MIXTRAL_ARCH = GGUFArch("mixtral", "MixtralForCausalLM", rope_permuted=True)
@@ -157,11 +164,12 @@ def hf_tensor_name(
     """The HF parameter name of a GGUF tensor; None for tensors that are not parameters.
 
     `arch` picks the architecture's own names where they differ (DeepSeek's and GLM's
-    `shared_experts`); with `num_layers` (the model's decoder layers), blocks after them are
-    skipped (None): llama.cpp's converter writes the multi-token-prediction layers of GLM-4.5
-    and GLM-4.7-Flash as `blk.N.*` and `blk.N.nextn.*` with N >= num_layers, which no HF
-    causal LM loads (`nextn.*` is skipped in any block). `blk.N.attn_v_b` is None too: it is
-    read with `blk.N.attn_k_b` into kv_b_proj (kv_b_from_parts).
+    `shared_experts`, gguf_mapping_variants' VARIANT_BLOCK_NAMES); with `num_layers` (the
+    model's decoder layers), blocks after them are skipped (None): llama.cpp's converter
+    writes the multi-token-prediction layers of GLM-4.5 and GLM-4.7-Flash as `blk.N.*` and
+    `blk.N.nextn.*` with N >= num_layers, which no HF causal LM loads (`nextn.*` is skipped in
+    any block). `blk.N.attn_v_b` is None too: it is read with `blk.N.attn_k_b` into kv_b_proj
+    (kv_b_from_parts).
     """
     if gguf_name in _IGNORED_TENSORS or _NEXTN_RE.match(gguf_name):
         return None
@@ -170,6 +178,9 @@ def hf_tensor_name(
         block, kind, suffix = m.groups()
         if (num_layers is not None and int(block) >= num_layers) or kind == KV_B_PARTS[1]:
             return None
+        variant = VARIANT_BLOCK_NAMES.get(arch.model_type, {}) if arch is not None else {}
+        if f"{kind}.{suffix}" in variant:
+            return f"model.layers.{block}.{variant[f'{kind}.{suffix}']}"
         if kind in _SHARED_EXPERTS and arch is not None and arch.model_type in _DEEPSEEK_STYLE:
             return f"model.layers.{block}.{_SHARED_EXPERTS[kind]}.{suffix}"
         if kind in _BLOCK_NAMES:
@@ -250,6 +261,9 @@ def hf_config_kwargs(
         "tie_word_embeddings": "output.weight" not in tensor_names,
         **generation_config_from_metadata(metadata),
     }
+    if is_variant(arch.model_type):
+        kwargs = variant_kwargs(arch.model_type, get, tensor_names, kwargs, _rope_parameters, path)
+        return arch, kwargs
     if arch.model_type == "llama":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     if arch.model_type in _NORM_TOPK_DEFAULT:

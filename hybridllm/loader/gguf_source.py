@@ -246,6 +246,10 @@ class GGUFSource(ModelSource):
             ) from None
         if order is not None and len(info.shape) == 1:  # q/k bias: [rows]
             tensor = tensor[torch.from_numpy(order)]
+        assert self.arch is not None
+        if self.arch.norm_shift and info.name.endswith("norm.weight"):
+            # Gemma's converter stored 1 + w: the checkpoint's w, as the model loads a folder's
+            tensor = (tensor.float() - self.arch.norm_shift).to(tensor.dtype)
         return tensor
 
     def _rope_row_order(self, hf_name: str, num_rows: int) -> np.ndarray | None:

@@ -7,6 +7,12 @@ Checkpoints keep each expert stack transposed with gate and up interleaved: floa
 `experts.gate_up_proj` [E, H, 2I] (gate at even columns) and `experts.down_proj` [E, I, H]; MXFP4
 stacks arrive as blocks of output rows, [E * 2I, H] (gate at even rows) and [E * H, I]. The
 loaders put them in `FusedMoE`'s order: [E, gate rows | up rows, H] and [E, H, I].
+
+GGUF files (llama.cpp's `gpt-oss`) hold separate stacks in that order already: gate and up
+[E, I, H] as `experts.gate_proj` / `experts.up_proj` (loaded as every MoE's GGUF stacks are),
+down [E, H, I] as `experts.down_proj_gguf` (HF's float down_proj is its transpose, of the same
+shape when H == I), and the gate and up biases [E, I] apart (`experts.gate_proj_bias`,
+`experts.up_proj_bias`; together they give what `experts.gate_up_proj_bias` gives).
 """
 
 from __future__ import annotations
@@ -81,6 +87,7 @@ class GptOssDecoderLayer(MoeDecoderLayer):
             return loaders
         experts, num = block.experts, block.spec.num_experts
         gate_up, down = f"{prefix}experts.gate_up_proj.weight", f"{prefix}experts.down_proj.weight"
+        fused_order_down = loaders[down]  # SparseMoeBlock's: [E, H, I]
 
         def load_gate_up(loaded: torch.Tensor | QuantizedTensor) -> None:
             if isinstance(loaded, QuantizedTensor):
@@ -106,7 +113,22 @@ class GptOssDecoderLayer(MoeDecoderLayer):
         loaders[f"{prefix}experts.down_proj_bias"] = copy_loader(
             experts.w2_bias, f"{prefix}experts.down_proj_bias"
         )
+        # a GGUF file's: the down stack in FusedMoE's order, the gate and up biases apart
+        loaders[f"{prefix}experts.down_proj_gguf.weight"] = fused_order_down
+        for part, name in enumerate(("gate_proj_bias", "up_proj_bias")):
+            loaders[f"{prefix}experts.{name}"] = self._bias_part_loader(
+                part, f"{prefix}experts.{name}"
+            )
         return loaders
+
+    def _bias_part_loader(self, part: int, name: str) -> WeightLoader:
+        """Gate (part 0) or up (1) biases [E, I] into their half of the experts' [E, 2I]."""
+        experts, width = self.mlp.experts, self.mlp.spec.intermediate_size
+
+        def load(loaded: torch.Tensor) -> None:
+            copy_loader(experts.w13_bias[:, part * width : (part + 1) * width], name)(loaded)
+
+        return load
 
 
 class GptOssForCausalLM(MoeForCausalLM):
@@ -117,6 +139,21 @@ class GptOssForCausalLM(MoeForCausalLM):
     def _attention_options(self, hf_config: Any) -> tuple[bool, bool, bool]:
         bias = bool(getattr(hf_config, "attention_bias", True))
         return bias, bias, False
+
+    def _build_weight_loaders(self, tied: bool) -> tuple[dict[str, WeightLoader], set[str]]:
+        loaders, optional = super()._build_weight_loaders(tied)
+        for layer_idx, layer in zip(range(self.start_layer, self.end_layer), self.layers):
+            if not isinstance(layer.mlp, SparseMoeBlock):
+                continue
+            experts, num = f"model.layers.{layer_idx}.mlp.experts.", layer.mlp.spec.num_experts
+            # a GGUF file's down stack stands for every expert's down_proj, and the gate_up
+            # bias for the gate and up biases apart (the names a GGUF file gives)
+            down = {f"{experts}{e}.down_proj.weight" for e in range(num)}
+            parts = {f"{experts}gate_proj_bias", f"{experts}up_proj_bias"}
+            self._covers[f"{experts}down_proj_gguf.weight"] = down
+            self._covers[f"{experts}gate_up_proj_bias"] = parts
+            optional |= {f"{experts}down_proj_gguf.weight", f"{experts}gate_up_proj_bias"}
+        return loaders, optional
 
     def normalize_weight_name(self, name: str) -> str:
         return super().normalize_weight_name(name.replace(".mlp.router.", ".mlp.gate."))

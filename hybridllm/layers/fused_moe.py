@@ -67,8 +67,9 @@ class FusedMoE(nn.Module):
         if grouping is not None:
             grouping.check(num_experts, top_k)
             if grouping.correction_bias:
-                bias = torch.zeros(num_experts, dtype=torch.float32, device=device)
-                self.correction_bias = nn.Parameter(bias, requires_grad=False)
+                # not `bias`: that names the experts' own biases' flag below
+                correction = torch.zeros(num_experts, dtype=torch.float32, device=device)
+                self.correction_bias = nn.Parameter(correction, requires_grad=False)
         self.w13 = StackedExpertWeight(
             num_experts, (intermediate_size, intermediate_size), hidden_size, dtype, device
         )

@@ -92,11 +92,6 @@ struct Avx512Vnni {
                                          _mm_set1_epi8(-128));
     return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(values), nibbles);
   }
-  // the same as signed values (for code_signs / abs8 / signed_x)
-  static V table_values(V nibbles, const int8_t* table) {
-    return _mm512_shuffle_epi8(
-        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table))), nibbles);
-  }
   // Q6_K: 64 weights' 6-bit codes from a half's 64 ql bytes and its 32 qh bytes (broadcast):
   // part 0 the low nibbles with qh bits 0-1 (unit 0) and 2-3 (unit 1), part 1 the high nibbles
   // with bits 4-5 and 6-7. 16-bit shifts: what crosses from the neighbour byte is masked off.
@@ -252,6 +247,7 @@ struct Avx512Vnni {
         s16);
   }
   static V add32(V a, V b) { return _mm512_add_epi32(a, b); }
+  static V sub32(V a, V b) { return _mm512_sub_epi32(a, b); }
   // the two units' int32 sums added lane by lane
   static __m256i fold(V v) {
     return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
@@ -363,7 +359,6 @@ struct Avx2Q8 {
         _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table)));
     return {_mm256_shuffle_epi8(values, nibbles.lo), _mm256_shuffle_epi8(values, nibbles.hi)};
   }
-  static V table_values(V nibbles, const int8_t* table) { return table_codes(nibbles, table); }
   static V add_fifth_bit(V w, V hb, int bit) {
     const __m256i b0 = _mm256_set1_epi8(static_cast<char>(1 << bit));
     const __m256i b1 = _mm256_set1_epi8(static_cast<char>(2 << bit)),
@@ -501,6 +496,7 @@ struct Avx2Q8 {
         _mm256_permutevar8x32_ps(half, _mm256_add_epi32(pairs, _mm256_set1_epi32(4 * q % 8 + 2)))};
   }
   static V add32(V a, V b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
+  static V sub32(V a, V b) { return {_mm256_sub_epi32(a.lo, b.lo), _mm256_sub_epi32(a.hi, b.hi)}; }
   static __m256i fold(V v) { return _mm256_add_epi32(v.lo, v.hi); }
   static F fma_cvt(F acc, V sums, F scale) {
     return {_mm256_fmadd_ps(_mm256_cvtepi32_ps(sums.lo), scale.lo, acc.lo),

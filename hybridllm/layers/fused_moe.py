@@ -16,6 +16,9 @@ from hybridllm.layers.moe_routing import (
     select_experts_grouped,
 )
 
+# hybridllm::fused_moe's `act` codes (fused_moe_cpu.cpp's ExpertAct), by ExpertActivation name.
+NATIVE_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1, "swigluoai": 2}
+
 
 class FusedMoE(nn.Module):
     """E gated experts: `down_e(act(gate_e(x), up_e(x)))`, each token through its top-k.
@@ -64,8 +67,9 @@ class FusedMoE(nn.Module):
         if grouping is not None:
             grouping.check(num_experts, top_k)
             if grouping.correction_bias:
-                choice = torch.zeros(num_experts, dtype=torch.float32, device=device)
-                self.correction_bias = nn.Parameter(choice, requires_grad=False)
+                # not `bias`: that names the experts' own biases' flag below
+                correction = torch.zeros(num_experts, dtype=torch.float32, device=device)
+                self.correction_bias = nn.Parameter(correction, requires_grad=False)
         self.w13 = StackedExpertWeight(
             num_experts, (intermediate_size, intermediate_size), hidden_size, dtype, device
         )
@@ -98,8 +102,19 @@ class FusedMoE(nn.Module):
 
     @property
     def plain(self) -> bool:
-        """SiLU-and-mul without biases: what the native whole-block op computes."""
+        """SiLU-and-mul without biases: what the native decode stack's layers compute (the
+        fused_moe op itself computes every activation, with or without biases)."""
         return self.activation.name == "silu" and self.w13_bias is None
+
+    def _native_activation(self) -> tuple[int, float, float]:
+        """fused_moe's activation code, alpha and limit (NATIVE_ACTIVATIONS)."""
+        act = self.activation
+        return NATIVE_ACTIVATIONS[act.name], float(act.alpha), float(act.limit)
+
+    def _native_bias(self, bias: torch.Tensor | None) -> torch.Tensor | None:
+        # float32 for the op: the loaded parameter itself when it is (a copy a call otherwise,
+        # [E, 2I] + [E, H] values: small beside the experts' blocks a step reads)
+        return None if bias is None else bias.detach().float().contiguous()
 
     def _act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.native and self.activation.name == "silu" and gate_up.is_contiguous():
@@ -129,10 +144,11 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden], router_logits [num_tokens, E] -> [num_tokens, hidden]."""
         w13, w2 = self.w13.qweight, self.w2.qweight
-        native = self.native and w13 is not None and w2 is not None and self.plain
+        native = self.native and w13 is not None and w2 is not None
         weights, expert_ids = self.select(router_logits, native)  # [n, k] fp32, [n, k] int64
         if native:
             # the whole block in one native call: no per-expert Python
+            act, alpha, limit = self._native_activation()
             out = torch.ops.hybridllm.fused_moe(
                 x.float(),
                 weights,
@@ -142,6 +158,11 @@ class FusedMoE(nn.Module):
                 w2,
                 self.w2.ggml_type,
                 self.activations,
+                self._native_bias(self.w13_bias),
+                self._native_bias(self.w2_bias),
+                act,
+                alpha,
+                limit,
             )
             return out.to(x.dtype)  # [n, hidden]
         groups = group_by_expert(expert_ids, self.num_experts)

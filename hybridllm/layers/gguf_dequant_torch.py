@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import IQ4_NL
+from gguf.quants import IQ4_NL, MXFP4
 
 from hybridllm.layers.gguf_dequant_torch_iq import IQ_DECODERS, const, f16, nibble_pairs
 
@@ -74,6 +74,25 @@ def _kvalues(device: torch.device) -> torch.Tensor:
 
 def _iq4_nl(b: torch.Tensor) -> torch.Tensor:  # f16 d, 16 bytes of nibbles indexing kvalues
     return _f16(b, 0) * _kvalues(b.device)[_nibble_codes(b[:, 2:]).long()]
+
+
+@functools.cache
+def _mxfp4_values(device: torch.device) -> torch.Tensor:
+    """MXFP4's 16 E2M1 values doubled (0, 1, 2, 3, 4, 6, 8, 12 and negatives), float32."""
+    return torch.tensor(MXFP4.kvalues, dtype=torch.float32, device=device)
+
+
+def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """E8M0 exponent bytes [n, 1] as half their power of two, 2^(e - 128), float32 [n, 1]:
+    (e - 1) << 23 as float bits, or the subnormals 2^-128, 2^-127 for e = 0, 1 (gguf's
+    e8m0_to_fp32_half; the native kernels' e8m0_half_to_float)."""
+    e = e.int()
+    bits = torch.where(e < 2, torch.full_like(e, 0x00200000) << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:  # E8M0 byte, 16 bytes of nibbles (IQ4_NL's order)
+    return _e8m0_half(b[:, :1]) * _mxfp4_values(b.device)[_nibble_codes(b[:, 1:]).long()]
 
 
 def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
@@ -166,6 +185,7 @@ _DECODERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
     Q.Q5_0: _q5_0,
     Q.Q5_1: _q5_1,
     Q.IQ4_NL: _iq4_nl,
+    Q.MXFP4: _mxfp4,
     Q.IQ4_XS: _iq4_xs,
     Q.Q2_K: _q2_k,
     Q.Q3_K: _q3_k,

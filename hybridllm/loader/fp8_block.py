@@ -58,10 +58,13 @@ def fp8_block_quant(hf_config: Any, origin: str) -> Fp8BlockQuant | None:
     if not isinstance(qc, dict):
         raise ModelLoadError(f"{origin}: quantization_config is not an object")
     method = qc.get("quant_method")
+    if method == "mxfp4":  # gpt-oss's: its blocks load as GGUF MXFP4 (loader/mxfp4_blocks.py)
+        return None
     if method != "fp8":
         raise ModelLoadError(
             f"{origin}: quantization_config quant_method {method!r} is not supported (supported: "
-            f"{_SUPPORTED}, DeepSeek's block-scaled layout; or an unquantized checkpoint)"
+            f"{_SUPPORTED}, DeepSeek's block-scaled layout; 'mxfp4', gpt-oss's; or an "
+            "unquantized checkpoint)"
         )
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":

@@ -42,6 +42,7 @@ OWN_KERNEL_TYPES: tuple[int, ...] = tuple(
         _Q.Q5_1,
         _Q.Q8_0,
         _Q.IQ4_NL,
+        _Q.MXFP4,
         _Q.Q4_K,
         _Q.Q5_K,
         _Q.Q6_K,

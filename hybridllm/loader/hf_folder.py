@@ -24,10 +24,13 @@ from hybridllm.loader.model_source import (
     WeightFilter,
     own_all,
 )
+from hybridllm.loader.mxfp4_blocks import MXFP4, mxfp4_pairs, mxfp4_weight
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerFast
+
+    from hybridllm.loader.quantized_tensor import QuantizedTensor
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
@@ -74,6 +77,8 @@ class HFFolderSource(ModelSource):
         from_file = read_json(gen_path) if os.path.isfile(gen_path) else {}
         self.generation_config = merge_generation_config(self.hf_config, from_file)
         self._weight_map: dict[str, str] | None = None  # hf name -> safetensors file, on demand
+        # MXFP4 weights (loader/mxfp4_blocks.py): X -> (X_blocks, X_scales), on demand
+        self._mxfp4_pairs: dict[str, tuple[str, str]] | None = None
 
     # ---- weights --------------------------------------------------------------------------------
 
@@ -107,35 +112,55 @@ class HFFolderSource(ModelSource):
                 self._weight_map.update(dict.fromkeys(names, file_name))
         return self._weight_map
 
+    def _mxfp4(self) -> dict[str, tuple[str, str]]:
+        """X -> (X_blocks, X_scales): the weights stored as MXFP4 block / scale pairs."""
+        if self._mxfp4_pairs is None:
+            self._mxfp4_pairs = mxfp4_pairs(self._weights_by_file())
+        return self._mxfp4_pairs
+
     def weight_names(self) -> list[str]:
         names = list(self._weights_by_file())
         if self.fp8_block is not None:  # the scales belong to their weights
             names = [name for name in names if not is_scale_name(name)]
+        pairs = self._mxfp4()
+        if pairs:  # X_blocks stands for X (at its place in file order), X_scales goes
+            blocks_of = {b: x for x, (b, _) in pairs.items()}
+            scales = {s for _, s in pairs.values()}
+            names = [blocks_of.get(name, name) for name in names if name not in scales]
         return names
 
     def iter_weights(
         self, owns: WeightFilter = own_all, quantized_types: Collection[int] = ()
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        # safetensors hold no GGUF blocks: `quantized_types` never applies
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        # Safetensors hold no GGUF blocks except MXFP4 pairs, which stay blocks where MXFP4 is
+        # in `quantized_types`.
+        pairs = self._mxfp4()
+        blocks_of = {b: x for x, (b, _) in pairs.items()}
+        scales = {s for _, s in pairs.values()}
         by_file: dict[str, list[str]] = {}
         for name, file_name in self._weights_by_file().items():
             if self.fp8_block is not None and is_scale_name(name):
                 continue  # read with its weight
-            if owns(name):
+            if name in scales:
+                continue  # read with its blocks
+            if owns(blocks_of.get(name, name)):
                 by_file.setdefault(file_name, []).append(name)
+        keep_mxfp4 = int(MXFP4) in {int(t) for t in quantized_types}
         for file_name, names in by_file.items():
-            if self.fp8_block is None:
+            if self.fp8_block is None and not pairs:
                 yield from read_safetensors(os.path.join(self.path, file_name), names)
             else:
-                yield from self._read_fp8_file(file_name, names)
+                yield from self._read_paired_file(file_name, names, keep_mxfp4)
 
-    def _read_fp8_file(
-        self, file_name: str, names: list[str]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """One file's tensors, each fp8 weight dequantized with its scale (which may lie in
-        another shard: those are opened as needed and closed with this file)."""
-        assert self.fp8_block is not None
+    def _read_paired_file(
+        self, file_name: str, names: list[str], keep_mxfp4: bool
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        """One file's tensors, each fp8 weight dequantized with its scale and each MXFP4 pair
+        read as one weight (the scales may lie in another shard: those are opened as needed and
+        closed with this file)."""
         weight_map = self._weights_by_file()
+        pairs = self._mxfp4()
+        blocks_of = {b: x for x, (b, _) in pairs.items()}
         with ExitStack() as stack:
             handles: dict[str, Any] = {}
 
@@ -147,7 +172,18 @@ class HFFolderSource(ModelSource):
 
             for name in names:
                 tensor = _read_tensor(opened(file_name), self.path, file_name, name)
+                if name in blocks_of:
+                    weight = blocks_of[name]
+                    scales_name = pairs[weight][1]
+                    scales_file = weight_map[scales_name]
+                    scales = _read_tensor(opened(scales_file), self.path, scales_file, scales_name)
+                    yield weight, mxfp4_weight(weight, tensor, scales, keep_mxfp4)
+                    del tensor, scales
+                    continue
                 scale_file = weight_map.get(scale_name(name))
+                if self.fp8_block is None:
+                    yield name, tensor
+                    continue
                 if not is_fp8(tensor):
                     if scale_file is not None:
                         raise ModelLoadError(

@@ -302,3 +302,145 @@ def test_native_routing_matches_select_experts(scoring, renormalize, top_k):
     torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-6)
     with pytest.raises(RuntimeError, match="top_k 12 must be in"):
         torch.ops.hybridllm.route_experts(logits, 12, False, True)
+
+
+def gpt_oss_experts(experts, hidden, inter, gate_up, gate_up_bias, down, down_bias):
+    """transformers' GptOssExperts (its float forward) holding the given weights: gate_up
+    [E, 2I, H] and its bias [E, 2I] with gate and up rows interleaved, down [E, H, I]."""
+    from types import SimpleNamespace
+
+    modeling = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    config = SimpleNamespace(
+        intermediate_size=inter,
+        num_local_experts=experts,
+        hidden_size=hidden,
+        swiglu_alpha=1.702,
+        swiglu_limit=7.0,
+        _experts_implementation=None,  # its own (eager) forward
+    )
+    module = modeling.GptOssExperts(config)
+    with torch.no_grad():
+        module.gate_up_proj.copy_(gate_up.transpose(1, 2))  # x @ W layout
+        module.gate_up_proj_bias.copy_(gate_up_bias)
+        module.down_proj.copy_(down.transpose(1, 2))
+        module.down_proj_bias.copy_(down_bias)
+    return module
+
+
+def deinterleaved(t: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, ...] with gate/up rows interleaved -> gate rows, then up rows."""
+    return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1)
+
+
+@pytest.mark.parametrize("qtype", [Q.MXFP4, Q.Q8_0], ids=lambda t: t.name)
+def test_gpt_oss_experts_with_biases_and_swigluoai(qtype):
+    # gpt-oss's experts (MXFP4 as its checkpoints hold them, or re-blocked as Q8_0): the native
+    # op with biases and the clamped activation equals FusedMoE's per-expert loop over the
+    # same blocks, on fp32 and on every int8 path, and transformers' GptOssExperts over the
+    # blocks' decoding. Rows of 288 and 96: not whole 256-weight super-blocks, as 2880 is not.
+    require_cpu_kernels()
+    from hybridllm.layers.mlp import ExpertActivation
+    from hybridllm.loader.mxfp4_blocks import deinterleave_rows, repack_mxfp4
+
+    experts, top_k, hidden, inter = 8, 4, 288, 96
+    g = torch.Generator().manual_seed(11)
+
+    def hf_mxfp4(rows, cols):  # HF blocks [E, rows, cols / 32, 16] + E8M0 scales 2^-5 .. 2^-2
+        blocks = torch.randint(
+            0, 256, (experts, rows, cols // 32, 16), dtype=torch.uint8, generator=g
+        )
+        scales = torch.randint(
+            122, 126, (experts, rows, cols // 32), dtype=torch.uint8, generator=g
+        )
+        return repack_mxfp4("w", blocks.numpy(), scales.numpy())
+
+    gate_up_qt = deinterleave_rows(hf_mxfp4(2 * inter, hidden), experts)  # gate | up
+    down_qt = hf_mxfp4(hidden, inter)
+    if qtype == Q.Q8_0:  # the same weights re-blocked
+        gate_up_qt, down_qt = (
+            QuantizedTensor(gguf.quants.quantize(qt.dequantize().numpy(), qtype), qtype, qt.shape)
+            for qt in (gate_up_qt, down_qt)
+        )
+    w13 = gate_up_qt.dequantize().view(experts, 2 * inter, hidden)  # gate | up
+    w2 = down_qt.dequantize().view(experts, hidden, inter)
+    b13 = torch.randn(experts, 2 * inter, generator=g)  # gate | up
+    b2 = torch.randn(experts, hidden, generator=g)
+    interleave = torch.stack((torch.arange(inter), torch.arange(inter) + inter), 1).flatten()
+    reference = gpt_oss_experts(
+        experts, hidden, inter, w13[:, interleave], b13[:, interleave], w2, b2
+    )
+
+    act = ExpertActivation("swigluoai", alpha=1.702, limit=7.0)
+    moe = FusedMoE(
+        experts, top_k, hidden, inter, True, torch.float32, CPU, hidden_act=act, bias=True
+    )
+    moe.w13.load(gate_up_qt, "gate_up")
+    moe.w2.load(down_qt, "down")
+    moe.finish_loading()
+    assert moe.w13.ggml_type == moe.w2.ggml_type == qtype and not moe.plain
+    with torch.no_grad():
+        moe.w13_bias.copy_(b13)
+        moe.w2_bias.copy_(b2)
+
+    def run(native: bool, activations: int, x, logits):
+        moe.native = native
+        moe.activations = moe.w13.activations = moe.w2.activations = activations
+        return moe(x, logits)
+
+    for num_tokens in (1, 5, 40):
+        x = torch.randn(num_tokens, hidden, generator=g)
+        logits = torch.randn(num_tokens, experts, generator=g)
+        logits[:, 3] += 4.0  # expert 3 takes every token: past the int8 GEMM's 8 rows at 40
+        weights, ids = select_experts(logits, top_k)
+        with torch.no_grad():
+            want = reference(x, router_indices=ids, routing_weights=weights)
+        scale = want.abs().max().item()
+        gate = x @ w13[:, :inter].reshape(-1, hidden).T  # some gates past the limit
+        assert num_tokens == 1 or (gate > 7).any()
+        loop = run(False, 0, x, logits)
+        torch.testing.assert_close(loop, want, atol=1e-5 * scale, rtol=1e-4)
+        native = run(True, 0, x, logits)
+        torch.testing.assert_close(native, loop, atol=1e-5 * scale, rtol=1e-5)
+        for path in torch.ops.hybridllm.gguf_int8_paths():
+            loop = run(False, path, x, logits)
+            native = run(True, path, x, logits)
+            torch.testing.assert_close(native, loop, atol=1e-5 * scale, rtol=1e-5)
+            # int8 activations: within their rounding of the float reference
+            torch.testing.assert_close(native, want, atol=3e-2 * scale, rtol=0)
+
+
+def test_native_op_activations_and_biases_equal_the_loop():
+    # every activation the op computes, with and without biases, from fp32 experts read as
+    # F32 blocks; SiLU without biases stays the compiled silu_and_mul (the decode stack's)
+    require_cpu_kernels()
+    from hybridllm.layers.mlp import ExpertActivation
+
+    g = torch.Generator().manual_seed(5)
+    for name in ("silu", "gelu_pytorch_tanh", "swigluoai"):
+        for bias in (False, True):
+            moe = FusedMoE(
+                6, 2, 64, 32, True, torch.float32, CPU,
+                hidden_act=ExpertActivation(name, alpha=1.5, limit=1.0), bias=bias,
+            )  # fmt: skip
+            moe.w13.load(torch.randn(6, 64, 64, generator=g) / 4, "w13")
+            moe.w2.load(torch.randn(6, 64, 32, generator=g) / 4, "w2")
+            if bias:
+                with torch.no_grad():
+                    moe.w13_bias.copy_(torch.randn(6, 64, generator=g))
+                    moe.w2_bias.copy_(torch.randn(6, 64, generator=g))
+            x, logits = torch.randn(9, 64, generator=g), torch.randn(9, 6, generator=g)
+            loop = moe(x, logits)
+            moe.use_native_op()
+            moe.use_f32_kernel()
+            assert moe.plain == (name == "silu" and not bias)
+            torch.testing.assert_close(moe(x, logits), loop, atol=1e-5, rtol=1e-5)
+    w13 = torch.zeros(4, 64, 32 * 4, dtype=torch.uint8)
+    w2 = torch.zeros(4, 32, 32 * 4, dtype=torch.uint8)
+    x, weights, ids = torch.randn(2, 32), torch.ones(2, 2), torch.tensor([[0, 1], [1, 2]])
+    op = torch.ops.hybridllm.fused_moe
+    with pytest.raises(RuntimeError, match="act must be"):
+        op(x, weights, ids, w13, 0, w2, 0, 0, None, None, 3)
+    with pytest.raises(RuntimeError, match="w13_bias must be a float32"):
+        op(x, weights, ids, w13, 0, w2, 0, 0, torch.zeros(4, 32), None, 2)
+    with pytest.raises(RuntimeError, match="w2_bias must be a float32"):
+        op(x, weights, ids, w13, 0, w2, 0, 0, None, torch.zeros(4, 32).double(), 2)

@@ -1,5 +1,6 @@
-"""Q5_0, Q5_1 and IQ4_NL computed from their 32-weight blocks: the fallback types K-quant files
-carry where a row is not a whole number of 256-weight super-blocks (SmolLM2's 576). Decoding
+"""Q5_0, Q5_1, IQ4_NL and MXFP4 computed from their 32-weight blocks: the fallback types K-quant
+files carry where a row is not a whole number of 256-weight super-blocks (SmolLM2's 576), and
+gpt-oss's experts (MXFP4, rows of 2880). Decoding
 against gguf's reference bit for bit, fp32 and int8 activations on every path against fp64, the
 int8 GEMM against the few-rows kernels, and fused_moe over experts of two of these types."""
 
@@ -19,8 +20,8 @@ from tests.unit.test_gguf_int8_kernel import PATH_NAMES, built_paths, check_int8
 from tests.unit.test_gguf_linear_kernel import ROW_COUNTS, check
 
 Q = GGMLQuantizationType
-TYPES = [Q.Q5_0, Q.Q5_1, Q.IQ4_NL]
-QUANTIZABLE = [Q.Q5_0, Q.Q5_1]  # gguf has no IQ4_NL quantizer
+TYPES = [Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.MXFP4]
+QUANTIZABLE = [Q.Q5_0, Q.Q5_1, Q.MXFP4]  # gguf has no IQ4_NL quantizer
 # weight rows x inputs: 1, 3 (a partial quad of blocks), 18 (SmolLM2's 576) and 80 blocks a row
 SHAPES = [(37, 32), (13, 96), (67, 576), (29, 2560)]
 INT8_ROW_COUNTS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 33, 70]
@@ -39,13 +40,17 @@ def _seed():
 
 def random_blocks(fmt, n, k, seed=0):
     """Uniformly random block bytes (every nibble and fifth-bit pattern) with small normal fp16
-    scales of either sign (and Q5_1 mins): raw [n, bytes a row] and gguf's fp32 decoding."""
+    scales of either sign (and Q5_1 mins), MXFP4's E8M0 exponents 2^-12 .. 2^-3 (its own
+    decoding test adds every exponent): raw [n, bytes a row] and gguf's fp32 decoding."""
     rng = np.random.default_rng(seed)
     block_size, block_bytes = GGML_QUANT_SIZES[fmt]
     raw = rng.integers(0, 256, size=(n * k // block_size, block_bytes), dtype=np.uint8)
-    scale_count = 2 if fmt == Q.Q5_1 else 1
-    scales = (rng.standard_normal((len(raw), scale_count)) * 0.02).astype(np.float16)
-    raw[:, : 2 * scale_count] = scales.view(np.uint8)
+    if fmt == Q.MXFP4:
+        raw[:, 0] = rng.integers(116, 126, size=len(raw), dtype=np.uint8)
+    else:
+        scale_count = 2 if fmt == Q.Q5_1 else 1
+        scales = (rng.standard_normal((len(raw), scale_count)) * 0.02).astype(np.float16)
+        raw[:, : 2 * scale_count] = scales.view(np.uint8)
     raw = raw.reshape(n, -1)
     return torch.from_numpy(raw), torch.from_numpy(dequantize(raw, fmt).reshape(n, k))
 
@@ -71,6 +76,16 @@ def test_dequantize_equals_gguf_bit_for_bit(ops, fmt):
             assert torch.equal(got.view(torch.int32), weight.view(torch.int32))
 
 
+def test_mxfp4_every_exponent_decodes_as_gguf(ops):
+    # E8M0 bytes 0 .. 255: the subnormal halves (0, 1), 2^127 / 2 (254) and 255, whose largest
+    # codes overflow to inf in fp32 as in gguf's decoding
+    raw, _ = random_blocks(Q.MXFP4, 256, 64, seed=5)
+    raw.view(-1, 17)[:, 0] = torch.arange(256, dtype=torch.uint8).repeat_interleave(2)
+    want = torch.from_numpy(dequantize(raw.numpy(), Q.MXFP4).reshape(256, 64))
+    got = ops.gguf_dequantize(raw, int(Q.MXFP4), 64)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
 @pytest.mark.parametrize("fmt", TYPES, ids=lambda f: f.name)
 @pytest.mark.parametrize("n,k", SHAPES, ids=lambda s: str(s))
 def test_fp32_activations_match_fp64(ops, fmt, n, k):
@@ -87,7 +102,7 @@ def test_int8_activations_on_every_path(ops, fmt, path):
         pytest.skip(f"this build has no {PATH_NAMES[path]} path")
     # without the GEMM (no AVX512-VNNI), the best path computes more than 24 rows in fp32
     rows = [m for m in INT8_ROW_COUNTS if path != 1 or m <= 24 or 2 in built_paths()]
-    for n, k in SHAPES + [(100, 2560)]:
+    for n, k in SHAPES + [(100, 2560), (24, 2880)]:
         for raw, weight in weights_of(fmt, n, k, seed=n):
             for m in rows:
                 check_int8(ops.gguf_linear, torch.randn(m, k), raw, weight, fmt, path)
@@ -137,7 +152,11 @@ def per_expert_fp32(x, weights, ids, w13, t13, w2, t2):
     return out
 
 
-@pytest.mark.parametrize("t13,t2", [(Q.Q5_0, Q.IQ4_NL), (Q.IQ4_NL, Q.Q5_1)], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "t13,t2",
+    [(Q.Q5_0, Q.IQ4_NL), (Q.IQ4_NL, Q.Q5_1), (Q.MXFP4, Q.MXFP4)],
+    ids=lambda t: t.name,
+)
 def test_fused_moe_of_two_types_equals_a_loop_of_gguf_linear(ops, t13, t2):
     experts, top_k, inter, hidden = 6, 2, 96, 576
     w13 = random_blocks(t13, experts * 2 * inter, hidden, 8)[0].view(experts, 2 * inter, -1)

@@ -18,17 +18,17 @@ _F16_FIELDS = {
     Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2),
     Q.IQ4_NL: (0,), Q.IQ4_XS: (0,), Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2),
     Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ2_XXS: (0,), Q.IQ2_XS: (0,), Q.IQ2_S: (0,),
-    Q.IQ3_XXS: (0,), Q.IQ3_S: (0,), Q.IQ1_S: (0,), Q.IQ1_M: (),
+    Q.IQ3_XXS: (0,), Q.IQ3_S: (0,), Q.IQ1_S: (0,), Q.IQ1_M: (), Q.MXFP4: (),
 }  # fmt: skip
 NEW_TYPES = {
     Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS, Q.Q2_K, Q.Q3_K, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S,
-    Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M,
+    Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M, Q.MXFP4,
 }  # fmt: skip
 
 
 def _random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """Random blocks of `qtype` [rows, bytes_per_row]: random bytes, each float16 scale field
-    replaced by a small normal half of either sign."""
+    replaced by a small normal half of either sign (MXFP4: E8M0 exponents 2^-20 .. 2^20)."""
     block, type_size = GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(rows * cols // block, type_size), dtype=np.uint8)
@@ -44,6 +44,8 @@ def _random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
             nibble = (bits >> np.uint16(4 * i)) & np.uint16(15)
             scales[:, i] = (scales[:, i] & np.uint16(0x0FFF)) | (nibble << np.uint16(12))
         raw[:, 48:56] = scales.view(np.uint8)
+    if qtype == Q.MXFP4:
+        raw[:, 0] = rng.integers(107, 148, len(raw), dtype=np.uint8)
     return raw.reshape(rows, -1)
 
 
@@ -114,6 +116,24 @@ def test_cuda_decode_equals_gguf(qtype):
     _check(raw, qtype, rows, cols, torch.from_numpy(raw.copy()).cuda())
 
 
+def test_mxfp4_every_exponent_equals_gguf():
+    """E8M0 bytes 0 .. 252, the subnormal halves (0, 1) included: as gguf decodes them, and as
+    the native kernels do (tests/unit/test_gguf_block32_kernels.py checks those against gguf).
+    From 253 the largest codes overflow to inf in both; those are left to the kernels' test."""
+    raw = _random_blocks(Q.MXFP4, 253, 32, seed=4)
+    raw[:, 0] = np.arange(253, dtype=np.uint8)
+    _check(raw, Q.MXFP4, 253, 32, torch.from_numpy(raw.copy()))
+
+
+@pytest.mark.parametrize("qtype", [Q.IQ4_NL, Q.MXFP4], ids=str)
+def test_blocks_of_an_odd_size_at_an_odd_offset(qtype):
+    rows, cols = 3, 96
+    raw = _random_blocks(qtype, rows, cols, seed=6)
+    run = torch.zeros(raw.size + 16, dtype=torch.uint8)
+    run[5 : 5 + raw.size] = torch.from_numpy(raw.copy()).flatten()
+    _check(raw, qtype, rows, cols, run[5 : 5 + raw.size].view(rows, -1))
+
+
 def test_unknown_types_are_refused():
-    with pytest.raises(ValueError, match="MXFP4"):
-        dequantize_torch(torch.zeros(1, 17, dtype=torch.uint8), Q.MXFP4, 1, 32)
+    with pytest.raises(ValueError, match="TQ2_0"):
+        dequantize_torch(torch.zeros(1, 66, dtype=torch.uint8), Q.TQ2_0, 1, 256)

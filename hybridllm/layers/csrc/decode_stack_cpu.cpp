@@ -70,8 +70,9 @@ std::tuple<at::Tensor, at::Tensor> DecodeStack::forward(
       const at::Tensor&, int64_t, bool, bool)>("hybridllm::route_experts");
   static const auto experts =
       find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                         const at::Tensor&, int64_t, const at::Tensor&, int64_t, int64_t)>(
-          "hybridllm::fused_moe");
+                         const at::Tensor&, int64_t, const at::Tensor&, int64_t, int64_t,
+                         const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                         int64_t, double, double)>("hybridllm::fused_moe");
   TORCH_CHECK(kv_caches.size() == layers.size(), "DecodeStack: ", layers.size(),
               " layers but ", kv_caches.size(), " KV caches");
   for (size_t i = 0; i < layers.size(); ++i) {
@@ -87,8 +88,9 @@ std::tuple<at::Tensor, at::Tensor> DecodeStack::forward(
       const at::Tensor logits = hybridllm_ops::gguf_linear(hidden, m.router, m.router_type,
                                                            l.activations);  // [n, E]
       const auto [weights, ids] = route.call(logits, m.top_k, m.sigmoid, m.renormalize);
+      // SiLU without biases: the stack takes only such layers (models/native_decode.py)
       hidden = experts.call(hidden, weights, ids, m.w13, m.w13_type, m.w2, m.w2_type,
-                            l.activations);
+                            l.activations, std::nullopt, std::nullopt, 0, 1.702, 7.0);
     }
   }
   TORCH_CHECK(residual.has_value(), "DecodeStack: no layers");

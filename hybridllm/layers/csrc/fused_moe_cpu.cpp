@@ -1,8 +1,9 @@
 // The routed experts of an MoE layer in one native call, from GGUF blocks or fp32 weights read
 // as F32 blocks (and the routing before it, route_experts): tokens grouped by expert (a counting
 // sort), each selected expert's gate/up and down computed once for all its tokens by
-// hybridllm::gguf_linear, the SiLU gate fused, and the results added into each token's output
-// with its routing weight, in fp32. The Python loop it replaces cost ~50 us an expert in
+// hybridllm::gguf_linear, the gate fused (SiLU, GELU-tanh, or gpt-oss's clamped swigluoai, with
+// optional per-expert biases), and the results added into each token's output with its routing
+// weight, in fp32. The Python loop it replaces cost ~50 us an expert in
 // dispatch and slicing, a third of a Qwen3-30B-A3B layer's decode step on 2 cores. Registered as
 // hybridllm::fused_moe; built on first use by hybridllm/layers/cpu_kernels.py.
 #include <ATen/Parallel.h>
@@ -23,6 +24,7 @@
 #include "gguf_q8_linear.h"
 #include "gguf_x8.h"
 #include "library_ops.h"
+#include "vec_math.h"
 
 namespace {
 
@@ -50,6 +52,46 @@ void check_int8_experts(const at::Tensor& w, int64_t type, int64_t K, const char
   TORCH_CHECK(!is_x8_type(type) || w.size(1) % kX8GroupRows == 0, "fused_moe: ", name,
               " holds x8 groups (ggml_type ", type, "): its ", w.size(1),
               " rows an expert are not a multiple of ", kX8GroupRows);
+}
+
+// The gated activation, fused_moe's `act` (layers/fused_moe.py's NATIVE_ACTIVATIONS).
+enum ExpertAct : int64_t { kSiluAct = 0, kGeluTanhAct = 1, kSwigluOaiAct = 2 };
+
+// One expert's rows of gate_up [count, 2 * width] (gate | up) -> out [count, width]: the
+// expert's gate/up bias (bias13 [2 * width], or null) added first, then
+//   silu:      silu(g) * u
+//   gelu_tanh: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) * u
+//   swigluoai: g = min(g, limit), u = clamp(u, -limit, limit): g sigmoid(alpha g) (u + 1).
+void gated_rows(const float* gate_up, int64_t count, int64_t width, const float* bias13,
+                int64_t act, float alpha, float limit, float* out) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1));
+  at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = gate_up + r * 2 * width;
+      const float* up = gate + width;
+      float* o = out + r * width;
+      for (int64_t j = 0; j < width; ++j) {
+        float g = gate[j], u = up[j];
+        if (bias13 != nullptr) {
+          g += bias13[j];
+          u += bias13[width + j];
+        }
+        if (act == kSwigluOaiAct) {
+          g = std::min(g, limit);
+          u = std::min(std::max(u, -limit), limit);
+          const float z = alpha * g;
+          const float e = hybridllm_math::exp_nonpositive(-std::fabs(z));
+          const float sigmoid = (z >= 0.f ? 1.f : e) / (1.f + e);
+          o[j] = g * sigmoid * (u + 1.f);
+        } else if (act == kGeluTanhAct) {
+          const float inner = 0.7978845608f * (g + 0.044715f * g * g * g);
+          o[j] = 0.5f * g * (1.f + std::tanh(inner)) * u;
+        } else {
+          o[j] = hybridllm_math::silu(g) * u;
+        }
+      }
+    }
+  });
 }
 
 // Each token's top_k experts from its router logits [n, E]: softmax (or each logit's sigmoid)
@@ -101,7 +143,10 @@ std::tuple<at::Tensor, at::Tensor> route_experts(const at::Tensor& router_logits
 
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights,
                      const at::Tensor& topk_ids, const at::Tensor& w13, int64_t w13_type,
-                     const at::Tensor& w2, int64_t w2_type, int64_t activations) {
+                     const at::Tensor& w2, int64_t w2_type, int64_t activations,
+                     const std::optional<at::Tensor>& w13_bias,
+                     const std::optional<at::Tensor>& w2_bias, int64_t act, double alpha,
+                     double limit) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
               "fused_moe: x must be a 2-D float32 CPU tensor [tokens, hidden], got ",
               x.scalar_type(), " ", x.sizes(), " on ", x.device());
@@ -120,6 +165,32 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights,
               "fused_moe: w13 must be [E, 2 * I, bytes] and w2 [E, ", hidden,
               ", bytes], got ", w13.sizes(), " and ", w2.sizes());
   const int64_t experts = w13.size(0), width2 = w13.size(1);
+  TORCH_CHECK(act == kSiluAct || act == kGeluTanhAct || act == kSwigluOaiAct,
+              "fused_moe: act must be 0 (silu), 1 (gelu_tanh) or 2 (swigluoai), got ", act);
+  // the biases: float32 [E, 2I] (gate | up, as w13's rows) and [E, H], or none
+  const auto bias_of = [&](const std::optional<at::Tensor>& bias, int64_t width,
+                           const char* name) -> at::Tensor {
+    if (!bias.has_value()) return at::Tensor();
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat &&
+                    bias->dim() == 2 && bias->size(0) == experts && bias->size(1) == width,
+                "fused_moe: ", name, " must be a float32 CPU tensor [", experts, ", ", width,
+                "], got ", bias->scalar_type(), " ", bias->sizes(), " on ", bias->device());
+    return bias->contiguous();
+  };
+  const at::Tensor b13 = bias_of(w13_bias, width2, "w13_bias");
+  const at::Tensor b2 = bias_of(w2_bias, hidden, "w2_bias");
+  const float* b13p = b13.defined() ? b13.data_ptr<float>() : nullptr;
+  const float* b2p = b2.defined() ? b2.data_ptr<float>() : nullptr;
+  // SiLU without a bias: the compiled silu_and_mul, bit for bit what the op computed before
+  const bool plain_silu = act == kSiluAct && b13p == nullptr;
+  const auto activate = [&](const at::Tensor& gate_up, int64_t e) -> at::Tensor {
+    if (plain_silu) return silu_and_mul(gate_up);
+    at::Tensor out = at::empty({gate_up.size(0), width2 / 2}, gate_up.options());
+    gated_rows(gate_up.data_ptr<float>(), gate_up.size(0), width2 / 2,
+               b13p != nullptr ? b13p + e * width2 : nullptr, act, static_cast<float>(alpha),
+               static_cast<float>(limit), out.data_ptr<float>());
+    return out;
+  };
   const at::Tensor ids = topk_ids.contiguous(), weights = topk_weights.contiguous();
   const at::Tensor xc = x.contiguous();
   const int64_t* id = ids.data_ptr<int64_t>();
@@ -153,6 +224,7 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights,
   };
   std::vector<int64_t> small_starts{0};  // rows of the experts computed together, in order
   std::vector<const uint8_t*> small_w13, small_w2;
+  std::vector<int64_t> small_ids;  // their expert ids
   int64_t most_large = 0;  // the largest group of the experts computed one at a time
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t count = offsets[e + 1] - offsets[e];
@@ -164,6 +236,7 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights,
     small_starts.push_back(small_starts.back() + count);
     small_w13.push_back(w13[e].data_ptr<uint8_t>());
     small_w2.push_back(w2[e].data_ptr<uint8_t>());
+    small_ids.push_back(e);
   }
   const int64_t small_rows = small_starts.back(), small_experts = small_w13.size();
   // The gather buffer is the calling thread's, kept from call to call: buffers of all n * k
@@ -197,9 +270,21 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights,
     at::Tensor gate_up = at::empty({small_rows, width2}, xc.options());
     q8_linear_grouped(w13_type, activations, rows, small_starts.data(), small_experts, hidden,
                       small_w13.data(), width2, gate_up.data_ptr<float>());
-    const at::Tensor act = silu_and_mul(gate_up);
+    at::Tensor gated;
+    if (plain_silu) {
+      gated = silu_and_mul(gate_up);
+    } else {
+      gated = at::empty({small_rows, width2 / 2}, xc.options());
+      for (int64_t g = 0; g < small_experts; ++g) {
+        const int64_t first = small_starts[g], e = small_ids[g];
+        gated_rows(gate_up.data_ptr<float>() + first * width2, small_starts[g + 1] - first,
+                   width2 / 2, b13p != nullptr ? b13p + e * width2 : nullptr, act,
+                   static_cast<float>(alpha), static_cast<float>(limit),
+                   gated.data_ptr<float>() + first * (width2 / 2));
+      }
+    }
     small_down = at::empty({small_rows, hidden}, xc.options());
-    q8_linear_grouped(w2_type, activations, act.data_ptr<float>(), small_starts.data(),
+    q8_linear_grouped(w2_type, activations, gated.data_ptr<float>(), small_starts.data(),
                       small_experts, width2 / 2, small_w2.data(), hidden,
                       small_down.data_ptr<float>());
   }
@@ -215,18 +300,24 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights,
       gather(start, count, rows);
       const at::Tensor gate_up = gguf_linear(at::from_blob(rows, {count, hidden}, xc.options()),
                                              w13[e], w13_type, activations);
-      down = gguf_linear(silu_and_mul(gate_up), w2[e], w2_type, activations).contiguous();
+      down = gguf_linear(activate(gate_up, e), w2[e], w2_type, activations).contiguous();
       dp = down.data_ptr<float>();
     }
     // a token meets an expert at most once: the rows of one group are distinct tokens
+    const float* bias2 = b2p != nullptr ? b2p + e * hidden : nullptr;
     at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
       for (int64_t q = begin; q < end; ++q) {
         const int64_t pair = grouped[start + q];
         float* o = op + (pair / top_k) * hidden;
         const float* src = dp + q * hidden;
         const float w = wt[pair];
+        if (bias2 != nullptr) {
 #pragma omp simd
-        for (int64_t h = 0; h < hidden; ++h) o[h] += w * src[h];
+          for (int64_t h = 0; h < hidden; ++h) o[h] += w * (src[h] + bias2[h]);
+        } else {
+#pragma omp simd
+          for (int64_t h = 0; h < hidden; ++h) o[h] += w * src[h];
+        }
       }
     });
   }

@@ -1,4 +1,4 @@
-// GGUF block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K; their table:
+// GGUF block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4, Q4_K, Q5_K, Q6_K; their table:
 // gguf_types.h) and their
 // decoding to fp32, shared by the linear kernels in gguf_linear_cpu.cpp and gguf_panel_gemm.h.
 #pragma once
@@ -27,7 +27,7 @@ constexpr int64_t kQ6SuperBytes = gguf_type_info(kQ6_K).unit_bytes;  // 210
 // The 32 nibbles of 4-bit block b of a row (`row`: its first byte), as two 16-byte runs: weights
 // 0-15 are the nibbles at bits `shift` of lo[0..15], weights 16-31 those of hi[0..15]. Q4_0/Q4_1
 // hold them in one run (low nibbles, then high); Q4_K's sub-block pairs share 32 bytes, the
-// even sub-block in the low nibbles, the odd one in the high. Q5_0, Q5_1, IQ4_NL: as Q4_0.
+// even sub-block in the low nibbles, the odd one in the high. Q5_0, Q5_1, IQ4_NL, MXFP4: as Q4_0.
 template <int64_t kType>
 inline void nibble_runs(const uint8_t* row, int64_t b, const uint8_t** lo, const uint8_t** hi,
                         int* lo_shift, int* hi_shift) {
@@ -82,12 +82,17 @@ constexpr bool scales_have_mins(int64_t type) {
 }
 
 // The fp32 scales of `count` consecutive blocks (a run of whole weight rows: the blocks of
-// consecutive rows are evenly spaced too): d[i] = the fp16 at byte 0 of block i and, for Q4_1
-// and Q5_1, m[i] = the fp16 at byte 2. d and m have room for count rounded up to 16.
+// consecutive rows are evenly spaced too): d[i] = the fp16 at byte 0 of block i (MXFP4: its
+// E8M0 byte, as e8m0_half_to_float) and, for Q4_1 and Q5_1, m[i] = the fp16 at byte 2. d and m
+// have room for count rounded up to 16.
 template <int64_t kType>
 inline void block_scales(const uint8_t* blocks, int64_t count, float* d, float* m) {
   constexpr int64_t bb = block_bytes(kType);
   if constexpr (kType == kF32) return;
+  if constexpr (has_e8m0_scale(kType)) {
+    for (int64_t i = 0; i < count; ++i) d[i] = e8m0_half_to_float(blocks[i * bb]);
+    return;
+  }
   if constexpr (kType == kQ6_K) {
     // count is a whole number of super-blocks; d holds the scale of each 32-weight block's first
     // 16 weights and m (no minimum in this format) that of its last 16
@@ -213,8 +218,8 @@ inline void q6_k_values(const Q6Bits& bits, __m512* lo, __m512* hi) {
 
 #if defined(__AVX512F__)
 // The fp32 weights a 4-bit block's nibble values 0-15 stand for, a table for vpermps (which
-// reads each index's low 4 bits): d (q - 8) for Q4_0, d (q - 16) for Q5_0, d kIq4NlValues[q] for
-// IQ4_NL, else d q + m (a K-quant's m the negative min). Q5_0 / Q5_1 also set *upper (if
+// reads each index's low 4 bits): d (q - 8) for Q4_0, d (q - 16) for Q5_0, d values[q] for
+// IQ4_NL and MXFP4 (nibble_values), else d q + m (a K-quant's m the negative min). Q5_0 / Q5_1 also set *upper (if
 // given) to the weights of 5-bit values 16-31, for vpermt2ps with the fifth bit as bit 4 of the
 // index. Every product d q is exact in fp32 (an fp16 d times at most 8 bits), so d q + m in one
 // rounding is gguf's (d * q) + m.
@@ -224,9 +229,9 @@ inline __m512 nibble_table(float d, float m, __m512* upper = nullptr) {
   const __m512 scale = _mm512_set1_ps(d);
   if constexpr (kType == kQ4_0)
     return _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.f)), scale);
-  if constexpr (kType == kIQ4_NL) {
+  if constexpr (is_table_nibble_type(kType)) {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                             reinterpret_cast<const __m128i*>(kIq4NlValues)))),
+                             reinterpret_cast<const __m128i*>(nibble_values(kType))))),
                          scale);
   }
   if constexpr (kType == kQ5_0) {
@@ -394,9 +399,9 @@ void dequantize_row(const uint8_t* row, int64_t nb, float* out, float* d, float*
           const int offset = kType == kQ4_0 ? 8 : 16;
           o[j] = d[b] * static_cast<float>(q0 - offset);
           o[j + 16] = d[b] * static_cast<float>(q1 - offset);
-        } else if constexpr (kType == kIQ4_NL) {
-          o[j] = d[b] * static_cast<float>(kIq4NlValues[q0]);
-          o[j + 16] = d[b] * static_cast<float>(kIq4NlValues[q1]);
+        } else if constexpr (is_table_nibble_type(kType)) {
+          o[j] = d[b] * static_cast<float>(nibble_values(kType)[q0]);
+          o[j + 16] = d[b] * static_cast<float>(nibble_values(kType)[q1]);
         } else {
           o[j] = d[b] * static_cast<float>(q0) + m[b];
           o[j + 16] = d[b] * static_cast<float>(q1) + m[b];

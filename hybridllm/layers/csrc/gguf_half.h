@@ -38,4 +38,13 @@ inline float half_to_float(uint16_t h) {
 #endif
 }
 
+// An E8M0 exponent byte e (MXFP4's block scale) as half its power of two, 2^(e - 128) (exact:
+// e < 2 are fp32 subnormals), which scales E2M1's values doubled. gguf's e8m0_to_fp32_half.
+inline float e8m0_half_to_float(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 }  // namespace hybridllm_gguf

@@ -239,9 +239,9 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
             q0 |= ((fifth >> j) & 1) << 4;
             q1 |= ((fifth >> (j + 16)) & 1) << 4;
           }
-          if constexpr (kType == kIQ4_NL) {
-            wf[j] = scale * static_cast<float>(kIq4NlValues[q0]);
-            wf[j + 16] = scale * static_cast<float>(kIq4NlValues[q1]);
+          if constexpr (is_table_nibble_type(kType)) {
+            wf[j] = scale * static_cast<float>(nibble_values(kType)[q0]);
+            wf[j + 16] = scale * static_cast<float>(nibble_values(kType)[q1]);
           } else {
             wf[j] = scale * (static_cast<float>(q0) - shift) + low;
             wf[j + 16] = scale * (static_cast<float>(q1) - shift) + low;

@@ -257,11 +257,16 @@ void q8_dot_blocks(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t
   constexpr int64_t kCodes = nibble_offset(kType);  // where a block's nibbles / int8s start
   // what a weight block adds per unit of its x's sum: w = d (code - offset) (+ m for Q4_1,
   // Q5_1). Q8_0 and IQ4_NL codes are signed, S::kQ8Offset what S adds to make them unsigned.
+  // MXFP4's offset (kIntOffset) comes off the integer sums instead, exactly: its codes
+  // (|code| <= 12, some 0) are small beside an offset of 128, whose fp32 product with x's sum
+  // would cancel most of the result's bits. x's share, offset times its sums, is found once a
+  // chunk of 16 blocks for every weight row.
   constexpr float kOffset = kType == kQ4_0                       ? 8.f
                             : kType == kQ5_0                     ? 16.f
                             : kType == kQ8_0 || kType == kIQ4_NL ? S::kQ8Offset
                                                                  : 0.f;
-  constexpr bool kSigned = kType == kIQ4_NL;  // codes for S::dot_q8, as Q8_0's
+  constexpr bool kSigned = is_table_nibble_type(kType);  // codes for S::dot_q8, as Q8_0's
+  constexpr bool kIntOffset = kType == kMXFP4 && S::kQ8Offset != 0;
   F acc[kRows][kCols];
   for (int r = 0; r < kRows; ++r)
     for (int c = 0; c < kCols; ++c) acc[r][c] = S::fzero();
@@ -270,11 +275,25 @@ void q8_dot_blocks(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t
   for (int64_t b0 = 0; b0 < nb; b0 += 16) {
     const int64_t n = std::min<int64_t>(16, nb - b0);
     prefetch_ahead(prefetch, w, kCols, b0 * bb, 16 * bb);
+    // kIntOffset: offset * x of each quad's blocks, summed as dot_q8 sums the codes' products
+    V x_offset[kIntOffset ? kRows : 1][4];
+    if constexpr (kIntOffset) {
+      const V offset = S::add8(S::zero(), S::kQ8Offset);
+      for (int q = 0; q < 4 && 4 * q < n; ++q)
+        for (int r = 0; r < kRows; ++r) {
+          const int8_t* xq = x.row(r).q + (b0 + 4 * q) * 32;
+          x_offset[r][q] =
+              S::dot_q8(S::dot_q8(S::zero(), offset, S::load64(xq)), offset, S::load64(xq + 64));
+        }
+    }
 #pragma GCC unroll 4
     for (int c = 0; c < kCols; ++c) {
       const uint8_t* row = w + c * row_bytes;
       F dw, mw, scale[kRows];  // scale: d_b * dx_b of the 16 blocks
-      S::template block_scales16<bb, has_block_min(kType)>(row + b0 * bb, n, &dw, &mw);
+      if constexpr (has_e8m0_scale(kType))
+        S::template e8m0_scales16<bb>(row + b0 * bb, n, &dw);
+      else
+        S::template block_scales16<bb, has_block_min(kType)>(row + b0 * bb, n, &dw, &mw);
       for (int r = 0; r < kRows; ++r) {
         const Q8Rows xr = x.row(r);
         scale[r] = S::mul(dw, S::load16(xr.d + b0));
@@ -312,8 +331,8 @@ void q8_dot_blocks(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t
             }
           }
           if constexpr (kSigned) {
-            low = S::iq4_nl_codes(low);
-            high = S::iq4_nl_codes(high);
+            low = S::table_codes(low, nibble_values(kType));
+            high = S::table_codes(high, nibble_values(kType));
           }
           for (int r = 0; r < kRows; ++r) {
             const int8_t* xq = x.row(r).q + b * 32;
@@ -322,6 +341,7 @@ void q8_dot_blocks(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t
               sums = S::dot_q8(S::dot_q8(S::zero(), low, S::load64(xq)), high, S::load64(xq + 64));
             else
               sums = S::dot_u8(S::dot_u8(S::zero(), low, S::load64(xq)), high, S::load64(xq + 64));
+            if constexpr (kIntOffset) sums = S::sub32(sums, x_offset[r][q]);
             acc[r][c] = S::fma_cvt(acc[r][c], sums, S::quad_scale(scale[r], q));
           }
         }
@@ -425,12 +445,14 @@ float q8_dot_scalar(const Q8Rows& x, const uint8_t* row, int64_t K) {
       const uint32_t fifth = has_fifth_bit(kType) ? fifth_bits<kType>(row + b * bb) : 0;
       for (int l = 0; l < 32; ++l) {
         const int nibble = (nibbles[l % 16] >> (l / 16 * 4)) & 15;
-        const int code = kType == kIQ4_NL ? kIq4NlValues[nibble]
-                                          : nibble | static_cast<int>((fifth >> l) & 1) << 4;
+        const int code = is_table_nibble_type(kType)
+                             ? nibble_values(kType)[nibble]
+                             : nibble | static_cast<int>((fifth >> l) & 1) << 4;
         dot += code * q[l];
       }
     }
-    const float d = half_to_float(load_u16(row + b * bb));
+    const float d = has_e8m0_scale(kType) ? e8m0_half_to_float(row[b * bb])
+                                          : half_to_float(load_u16(row + b * bb));
     y += d * x.d[b] * static_cast<float>(dot);
     if constexpr (kType == kQ4_0 || kType == kQ5_0)
       y -= (kType == kQ4_0 ? 8.f : 16.f) * d * x.s[b];

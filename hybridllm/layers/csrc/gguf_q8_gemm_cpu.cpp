@@ -58,11 +58,11 @@ struct GemmType {
   static constexpr int64_t kGroup = q8_group(kType);
   static constexpr bool kCodeMins = kType == kQ4_K || kType == kQ5_K || code_block_mins<kType>();
   static constexpr bool kFloatMins = has_block_min(kType);
-  // Q8_0's, IQ4_NL's and the code blocks' signed weights as unsigned codes w + 128
+  // Q8_0's, IQ4_NL's, MXFP4's and the code blocks' signed weights as unsigned codes w + 128
   static constexpr int32_t kOffset =
-      kType == kQ4_0                                       ? 8
-      : kType == kQ5_0                                     ? 16
-      : kType == kQ8_0 || kType == kIQ4_NL || kCodeBlocks ? 128
+      kType == kQ4_0                                                  ? 8
+      : kType == kQ5_0                                                ? 16
+      : kType == kQ8_0 || is_table_nibble_type(kType) || kCodeBlocks ? 128
       : kType == kQ6_K                                     ? 32
                                                            : 0;
   // both an offset and integer mins: the unit sums' pairs for the mins in a region of their own
@@ -266,7 +266,8 @@ void unpack_row(const uint8_t* row, int64_t K, uint8_t* codes, float* scales, fl
         __m512i c = _mm512_castsi256_si512(both);
         if constexpr (has_fifth_bit(kType))  // byte i + 16 where weight i's fifth bit is set
           c = S::add_fifth_bits(c, fifth_bits<kType>(row + b * bb));
-        if constexpr (kType == kIQ4_NL) c = S::iq4_nl_codes(c);  // table values + 128
+        if constexpr (is_table_nibble_type(kType))
+          c = S::table_codes(c, nibble_values(kType));  // table values + 128
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + b * 32), _mm512_castsi512_si256(c));
       }
     }

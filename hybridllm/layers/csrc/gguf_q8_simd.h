@@ -86,10 +86,10 @@ struct Avx512Vnni {
   static V add_fifth_bits(V w, uint64_t bits) {
     return _mm512_mask_add_epi8(w, bits, w, _mm512_set1_epi8(16));
   }
-  // IQ4_NL: nibbles (bytes 0-15) as their table values + 128, unsigned like Q8_0's codes
-  static V iq4_nl_codes(V nibbles) {
-    const __m128i values = _mm_xor_si128(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4NlValues)), _mm_set1_epi8(-128));
+  // IQ4_NL, MXFP4: nibbles (bytes 0-15) as their table values + 128, unsigned like Q8_0's codes
+  static V table_codes(V nibbles, const int8_t* table) {
+    const __m128i values = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table)),
+                                         _mm_set1_epi8(-128));
     return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(values), nibbles);
   }
   // Q6_K: 64 weights' 6-bit codes from a half's 64 ql bytes and its 32 qh bytes (broadcast):
@@ -159,6 +159,23 @@ struct Avx512Vnni {
     const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, index, p, 1);
     *d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
     if constexpr (kMins) *m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)));
+  }
+  // MXFP4: the E8M0 byte at byte 0 of n <= 16 blocks kBytes apart as e8m0_half_to_float gives
+  // it, 2^(e - 128): (e - 1) << 23, or the subnormal 0x200000 << e for e < 2; lanes past n 0.
+  template <int64_t kBytes>
+  static void e8m0_scales16(const uint8_t* p, int64_t n, F* d) {
+    const __m512i index =
+        _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                           _mm512_set1_epi32(kBytes));
+    const __mmask16 live = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+    const __m512i e = _mm512_and_si512(
+        _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, index, p, 1),
+        _mm512_set1_epi32(255));
+    const __mmask16 small = _mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(2));
+    const __m512i bits = _mm512_mask_sllv_epi32(
+        _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23), small,
+        _mm512_set1_epi32(0x00200000), e);
+    *d = _mm512_castsi512_ps(_mm512_maskz_mov_epi32(live, bits));
   }
 #if defined(__AVX512VBMI__)
   static constexpr bool kQuadPermute = true;
@@ -230,6 +247,7 @@ struct Avx512Vnni {
         s16);
   }
   static V add32(V a, V b) { return _mm512_add_epi32(a, b); }
+  static V sub32(V a, V b) { return _mm512_sub_epi32(a, b); }
   // the two units' int32 sums added lane by lane
   static __m256i fold(V v) {
     return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
@@ -335,10 +353,10 @@ struct Avx2Q8 {
     high->lo = _mm256_add_epi8(high->lo, bits(2));
     high->hi = _mm256_add_epi8(high->hi, bits(10));
   }
-  // IQ4_NL: nibbles (bytes 0-15) as their signed table values, for dot_q8 (kQ8Offset 0)
-  static V iq4_nl_codes(V nibbles) {
-    const __m256i values = _mm256_broadcastsi128_si256(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4NlValues)));
+  // IQ4_NL, MXFP4: nibbles (bytes 0-15) as their signed table values, for dot_q8 (kQ8Offset 0)
+  static V table_codes(V nibbles, const int8_t* table) {
+    const __m256i values =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table)));
     return {_mm256_shuffle_epi8(values, nibbles.lo), _mm256_shuffle_epi8(values, nibbles.hi)};
   }
   static V add_fifth_bit(V w, V hb, int bit) {
@@ -437,6 +455,27 @@ struct Avx2Q8 {
       if constexpr (kMins) (h == 0 ? m->lo : m->hi) = halves(_mm256_srli_epi32(words, 16));
     }
   }
+  // MXFP4: as Avx512Vnni's e8m0_scales16
+  template <int64_t kBytes>
+  static void e8m0_scales16(const uint8_t* p, int64_t n, F* d) {
+    const __m256i index =
+        _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(kBytes));
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i live =
+          _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - 8 * h)), lanes);
+      const __m256i e = _mm256_and_si256(
+          _mm256_mask_i32gather_epi32(_mm256_setzero_si256(),
+                                      reinterpret_cast<const int*>(p + 8 * h * kBytes), index,
+                                      live, 1),
+          _mm256_set1_epi32(255));
+      const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+      const __m256i bits =
+          _mm256_blendv_epi8(_mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23),
+                             _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e), small);
+      (h == 0 ? d->lo : d->hi) = _mm256_castsi256_ps(_mm256_and_si256(bits, live));
+    }
+  }
   static F fzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   static F load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
   static F mul(F a, F b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
@@ -457,6 +496,7 @@ struct Avx2Q8 {
         _mm256_permutevar8x32_ps(half, _mm256_add_epi32(pairs, _mm256_set1_epi32(4 * q % 8 + 2)))};
   }
   static V add32(V a, V b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
+  static V sub32(V a, V b) { return {_mm256_sub_epi32(a.lo, b.lo), _mm256_sub_epi32(a.hi, b.hi)}; }
   static __m256i fold(V v) { return _mm256_add_epi32(v.lo, v.hi); }
   static F fma_cvt(F acc, V sums, F scale) {
     return {_mm256_fmadd_ps(_mm256_cvtepi32_ps(sums.lo), scale.lo, acc.lo),

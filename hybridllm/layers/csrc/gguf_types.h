@@ -35,6 +35,9 @@ constexpr unsigned kCodeBlocks = 8;
 //         Q4_0's 16 bytes of nibbles: w = d * (q - 16) for the 5-bit q
 //   Q5_1  fp16 d, fp16 m, qh, 16 bytes of nibbles: w = d * q + m for the 5-bit q
 //   IQ4_NL  fp16 d, 16 bytes of nibbles: w = d * kIq4NlValues[q], a fixed 16-entry table
+//   MXFP4  one E8M0 byte e, 16 bytes of nibbles (IQ4_NL's order): w = d * kMxfp4Values[q], the
+//         E2M1 values doubled (exact int8s) and d = 2^(e - 128) their scale halved
+//         (e8m0_half_to_float); gpt-oss's experts.
 //   Q4_K  super-blocks of 256 weights: fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc_j and mins
 //         m_j of its eight 32-weight sub-blocks, 128 bytes of nibbles; sub-block j: w = d sc_j q -
 //         dmin m_j, a Q4_1 block with its own layout.
@@ -57,6 +60,7 @@ constexpr unsigned kCodeBlocks = 8;
   X(Q5_1, 7, 32, 24, kFp32Kernels | kInt8Kernels, Q5_1)                       \
   X(Q8_0, 8, 32, 34, kFp32Kernels | kInt8Kernels, Q8_0)                       \
   X(IQ4_NL, 20, 32, 18, kFp32Kernels | kInt8Kernels, IQ4_NL)                  \
+  X(MXFP4, 39, 32, 17, kFp32Kernels | kInt8Kernels, MXFP4)                    \
   X(Q4_K, 12, 256, 144, kFp32Kernels | kInt8Kernels, Q4_K)                    \
   X(Q5_K, 13, 256, 176, kFp32Kernels | kInt8Kernels, Q5_K)                    \
   X(Q6_K, 14, 256, 210, kFp32Kernels | kInt8Kernels, Q6_K)                    \
@@ -105,14 +109,19 @@ constexpr GgufTypeInfo gguf_type_info(int64_t type) {
 constexpr bool supported_type(int64_t type) { return gguf_type_info(type).id >= 0; }
 
 // The 32-weight blocks of 4-bit codes in one run of 16 nibble bytes (weights 0-15 in the low
-// nibbles, 16-31 in the high ones): Q4_0, Q4_1, and Q5_0 / Q5_1 (plus a fifth bit each) and
-// IQ4_NL (codes looked up in a table).
+// nibbles, 16-31 in the high ones): Q4_0, Q4_1, and Q5_0 / Q5_1 (plus a fifth bit each), IQ4_NL
+// and MXFP4 (codes looked up in a table).
 constexpr bool is_nibble_block_type(int64_t type) {
-  return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kIQ4_NL;
+  return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kIQ4_NL ||
+         type == kMXFP4;
 }
 // Where such a block's nibbles start; its fifth bits (Q5_0, Q5_1) are the 4 bytes before them.
 constexpr int64_t nibble_offset(int64_t type) {
-  return type == kQ4_1 ? 4 : type == kQ5_0 ? 6 : type == kQ5_1 ? 8 : 2;
+  return type == kQ4_1   ? 4
+         : type == kQ5_0 ? 6
+         : type == kQ5_1 ? 8
+         : type == kMXFP4 ? 1
+                          : 2;
 }
 constexpr bool has_fifth_bit(int64_t type) { return type == kQ5_0 || type == kQ5_1; }
 // Types with an fp16 min m at byte 2 of each 32-weight block: w = d * q + m.
@@ -121,6 +130,18 @@ constexpr bool has_block_min(int64_t type) { return type == kQ4_1 || type == kQ5
 // IQ4_NL's 16 weights (times d) a nibble stands for.
 constexpr int8_t kIq4NlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                      1,    13,   25,  38,  53,  69,  89,  113};
+
+// MXFP4's 16 weights (times d): E2M1's 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives, doubled.
+constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// The 32-weight types whose nibbles index a table of signed values (IQ4_NL, MXFP4), the table;
+// their codes are signed, as Q8_0's. Only MXFP4's scale is not an fp16 at byte 0 but an E8M0
+// byte (has_e8m0_scale).
+constexpr bool is_table_nibble_type(int64_t type) { return type == kIQ4_NL || type == kMXFP4; }
+constexpr const int8_t* nibble_values(int64_t type) {
+  return type == kMXFP4 ? kMxfp4Values : kIq4NlValues;
+}
+constexpr bool has_e8m0_scale(int64_t type) { return type == kMXFP4; }
 
 // Whether a type is computed through its CodeBlockDecoder (gguf_code_blocks.h).
 constexpr bool is_code_block_type(int64_t type) {

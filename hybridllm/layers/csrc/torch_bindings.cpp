@@ -72,7 +72,8 @@ TORCH_LIBRARY(hybridllm, m) {
   // --- fused_moe_cpu.cpp
   m.def(
       "fused_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, int w13_type, "
-      "Tensor w2, int w2_type, int activations=0) -> Tensor");
+      "Tensor w2, int w2_type, int activations=0, Tensor? w13_bias=None, Tensor? w2_bias=None, "
+      "int act=0, float alpha=1.702, float limit=7.0) -> Tensor");
   m.def(
       "route_experts(Tensor router_logits, int top_k, bool sigmoid, bool renormalize) "
       "-> (Tensor, Tensor)");

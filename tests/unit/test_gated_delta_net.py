@@ -199,3 +199,34 @@ def test_state_size_does_not_depend_on_length(path):
         ((2, 4, 16, 24), torch.float32),
     ]
     assert state.nbytes_per_slot() == (160 * 3 + 4 * 16 * 24) * 4
+
+
+def test_native_ops_reject_bad_batches():
+    require_cpu_kernels()
+    qkv, gb = torch.randn(3, 2 * 16 + 2 * 8), torch.randn(3, 2)
+    state, loc = torch.zeros(2, 2, 16, 8), torch.tensor([0, 3])
+    op = torch.ops.hybridllm.gdn_recurrent
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        op(qkv, gb, gb, state, loc, torch.tensor([2]), 1)
+    with pytest.raises(RuntimeError, match="must span"):
+        op(qkv, gb, gb, state, torch.tensor([0, 2]), torch.tensor([0]), 1)
+    with pytest.raises(RuntimeError, match="qkv width"):
+        op(qkv, gb, gb, state, loc, torch.tensor([0]), 2)
+    conv, weight = torch.zeros(2, 48, 3), torch.randn(48, 4)
+    with pytest.raises(RuntimeError, match="fresh"):
+        torch.ops.hybridllm.gdn_conv1d(qkv, conv, weight, loc, torch.tensor([1]), loc[:1])
+
+
+def test_bfloat16_weights_track_float32():
+    """A bf16 model: projections in bf16, the conv, the rule and the state in fp32."""
+    config, _, ours = build()
+    half = GatedDeltaNet(config, torch.bfloat16, use_cpu_kernels=False)
+    half.load_state_dict(ours.state_dict())
+    x = torch.randn(20, SIZES["hidden_size"])
+    outs = []
+    for layer, dtype in ((ours, torch.float32), (half, torch.bfloat16)):
+        state = DeltaNetState(layer.shape, num_slots=1)
+        out = run(layer, x.to(dtype), [20], [True], [0], state)
+        assert out.dtype == dtype and state.recurrent.dtype == torch.float32
+        outs.append(out.float())
+    torch.testing.assert_close(outs[1], outs[0], rtol=0.05, atol=0.02)

@@ -245,9 +245,10 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """qkv [T, conv_dim] (conv output), g, beta [T, Hv] -> [T, Hv, Dv] fp32.
 
-        Natively every sequence takes the recurrent form, token by token in one call: on a CPU
-        it beat the torch chunked form ~10x for a 512-token prefill at Qwen3-Next's sizes (the
-        per-head state, 64 KiB, stays in cache; the flops per token are about the same). In
+        Natively every sequence takes the recurrent form, token by token in one call: on one
+        core it beat the torch chunked form 1.8x for a 512-token prefill at Qwen3-Next's sizes
+        (125 vs 228 ms; the per-head state, 64 KiB, stays in cache, and the flops per token are
+        about the same), and 7.7x for a decode step of 8 rows (1.9 vs 14.7 ms). In
         torch, sequences of one token take the recurrent step together, longer ones the
         chunked form (matrix products instead of a Python loop over tokens)."""
         s = self.shape

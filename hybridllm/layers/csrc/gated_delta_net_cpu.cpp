@@ -66,13 +66,15 @@ at::Tensor gdn_conv1d(const at::Tensor& x, at::Tensor& conv_state, const at::Ten
   const float* w = weight.data_ptr<float>();
   float* state = conv_state.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  // items: (sequence, block of 64 channels); a row of x is read 64 channels at a time
+  // items: (block of 64 channels, sequence), sequences fastest: each thread's contiguous range
+  // of items then holds every sequence's share of some channels, so a long prefill beside
+  // decode rows is spread over all threads
   constexpr int64_t kBlock = 64;
   const int64_t blocks = (channels + kBlock - 1) / kBlock;
   at::parallel_for(0, seqs * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> window(kernel);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / blocks, c0 = item % blocks * kBlock;
+      const int64_t s = item % seqs, c0 = item / seqs * kBlock;
       const int64_t c1 = std::min(channels, c0 + kBlock);
       const int64_t t0 = loc[s], len = loc[s + 1] - loc[s];
       for (int64_t c = c0; c < c1; ++c) {
@@ -151,7 +153,8 @@ void delta_rule_head(const float* qkv, int64_t row_stride, int64_t q_off, int64_
 
 // qkv [T, 2 Hk Dk + Hv Dv] fp32 (conv output: q heads | k heads | v heads), g (log decay) and
 // beta [T, Hv] fp32, state [slots, Hv, Dk, Dv] fp32 updated in place -> out [T, Hv, Dv] fp32.
-// Value head h reads q/k head h / (Hv / Hk). Threaded over (sequence, value head).
+// Value head h reads q/k head h / (Hv / Hk). Threaded over (value head, sequence), sequences
+// fastest, for the balance gdn_conv1d's order gives.
 at::Tensor gdn_recurrent(const at::Tensor& qkv, const at::Tensor& g, const at::Tensor& beta,
                          at::Tensor& state, const at::Tensor& query_start_loc,
                          const at::Tensor& slots, int64_t num_k_heads) {
@@ -178,7 +181,7 @@ at::Tensor gdn_recurrent(const at::Tensor& qkv, const at::Tensor& g, const at::T
   at::parallel_for(0, seqs * hv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(2 * dk + 2 * dv);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / hv, h = item % hv, kh = h / group, t0 = loc[s];
+      const int64_t s = item % seqs, h = item / seqs, kh = h / group, t0 = loc[s];
       delta_rule_head(x + t0 * width, width, kh * dk, (num_k_heads + kh) * dk,
                       2 * num_k_heads * dk + h * dv, gp + t0 * hv + h, bp + t0 * hv + h, hv,
                       sp + (slot[s] * hv + h) * dk * dv, op + (t0 * hv + h) * dv, hv * dv,

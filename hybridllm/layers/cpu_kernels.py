@@ -1,5 +1,6 @@
 """Optional native CPU kernels (decode attention, MLA decode attention, KV cache writes, GGUF
-linear, RMSNorm, SiLU-and-mul, rotary embedding, argmax, fused MoE, whole decoder layer),
+linear, RMSNorm, SiLU-and-mul, rotary embedding, argmax, fused MoE, whole decoder layer,
+Gated DeltaNet),
 compiled on first use.
 
 The kernels are a speed-up, never a requirement: when there is no C++ compiler, the build
@@ -50,6 +51,7 @@ SOURCES = [
         "decode_stack_cpu.cpp",
         "prefill_attention_cpu.cpp",
         "gguf_head_linear_cpu.cpp",
+        "gated_delta_net_cpu.cpp",
     )
 ]
 # Headers the sources include: part of the build's identity, like the sources.

@@ -110,4 +110,17 @@ TORCH_LIBRARY(hybridllm, m) {
   m.def(
       "gguf_head_linear(Tensor x, Tensor qweight, int ggml_type, int out_features, "
       "int activations=0) -> Tensor");
+
+  // --- gated_delta_net_cpu.cpp
+  // Gated DeltaNet over a flattened batch: sequence s owns rows [query_start_loc[s],
+  // query_start_loc[s+1]) and state slot slots[s] (int64). gdn_conv1d: x [T, C] fp32 ->
+  // silu(causal depthwise conv) [T, C], conv_state [slots, C, K-1] fp32 updated in place (fresh:
+  // bool [num_seqs], start from zeros); weight [C, K]. gdn_recurrent: qkv [T, 2 Hk Dk + Hv Dv],
+  // g, beta [T, Hv] fp32 -> [T, Hv, Dv] fp32, state [slots, Hv, Dk, Dv] fp32 updated in place.
+  m.def(
+      "gdn_conv1d(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor query_start_loc, "
+      "Tensor fresh, Tensor slots) -> Tensor");
+  m.def(
+      "gdn_recurrent(Tensor qkv, Tensor g, Tensor beta, Tensor(a!) state, "
+      "Tensor query_start_loc, Tensor slots, int num_k_heads) -> Tensor");
 }

@@ -1,0 +1,200 @@
+// Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention) for CPU: the causal depthwise conv1d
+// over a flattened batch of sequences with its per-slot state, and the gated delta rule's
+// recurrent form, one token at a time per sequence (decode rows; also a reference prefill).
+// Registered as hybridllm::gdn_conv1d and hybridllm::gdn_recurrent; built on first use by
+// hybridllm/layers/cpu_kernels.py. The torch forms are in hybridllm/layers/gated_delta_rule.py.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+void check_f32(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), what,
+              " must be a contiguous float32 CPU tensor");
+}
+
+void check_batch(const at::Tensor& query_start_loc, const at::Tensor& slots, int64_t tokens,
+                 int64_t num_slots) {
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kLong && query_start_loc.is_contiguous() &&
+                  query_start_loc.dim() == 1 && query_start_loc.size(0) >= 1,
+              "query_start_loc must be a contiguous int64 [num_seqs + 1]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  slots.size(0) == query_start_loc.size(0) - 1,
+              "slots must be a contiguous int64 [num_seqs]");
+  const int64_t* loc = query_start_loc.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  TORCH_CHECK(loc[0] == 0 && loc[slots.size(0)] == tokens, "query_start_loc must span x's rows");
+  for (int64_t s = 0; s < slots.size(0); ++s) {
+    TORCH_CHECK(loc[s] <= loc[s + 1], "query_start_loc must not decrease");
+    TORCH_CHECK(slot[s] >= 0 && slot[s] < num_slots, "state slot out of range");
+  }
+}
+
+// x [T, C] fp32 (the in-projection's q|k|v channels of every sequence, flattened), conv_state
+// [slots, C, K-1] fp32 (each slot: the sequence's last K-1 inputs, oldest first), weight [C, K]
+// fp32. Sequence s owns rows [loc[s], loc[s+1]) and slot slots[s]; fresh[s] starts it from
+// zeros. out [T, C] = silu(causal conv); conv_state[slot] <- the last K-1 inputs, in place.
+at::Tensor gdn_conv1d(const at::Tensor& x, at::Tensor& conv_state, const at::Tensor& weight,
+                      const at::Tensor& query_start_loc, const at::Tensor& fresh,
+                      const at::Tensor& slots) {
+  check_f32(x, "gdn_conv1d: x");
+  check_f32(conv_state, "gdn_conv1d: conv_state");
+  check_f32(weight, "gdn_conv1d: weight");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && conv_state.dim() == 3, "gdn_conv1d: ranks");
+  const int64_t tokens = x.size(0), channels = x.size(1), kernel = weight.size(1);
+  const int64_t hist = kernel - 1;
+  TORCH_CHECK(weight.size(0) == channels && conv_state.size(1) == channels &&
+                  conv_state.size(2) == hist,
+              "gdn_conv1d: weight must be [C, K] and conv_state [slots, C, K-1]");
+  check_batch(query_start_loc, slots, tokens, conv_state.size(0));
+  TORCH_CHECK(fresh.scalar_type() == at::kBool && fresh.is_contiguous() &&
+                  fresh.size(0) == slots.size(0),
+              "gdn_conv1d: fresh must be a contiguous bool [num_seqs]");
+  at::Tensor out = at::empty({tokens, channels}, x.options());
+  const int64_t seqs = slots.size(0);
+  const int64_t* loc = query_start_loc.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const bool* is_fresh = fresh.data_ptr<bool>();
+  const float* xp = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* state = conv_state.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  // items: (block of 64 channels, sequence), sequences fastest: each thread's contiguous range
+  // of items then holds every sequence's share of some channels, so a long prefill beside
+  // decode rows is spread over all threads
+  constexpr int64_t kBlock = 64;
+  const int64_t blocks = (channels + kBlock - 1) / kBlock;
+  at::parallel_for(0, seqs * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> window(kernel);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item % seqs, c0 = item / seqs * kBlock;
+      const int64_t c1 = std::min(channels, c0 + kBlock);
+      const int64_t t0 = loc[s], len = loc[s + 1] - loc[s];
+      for (int64_t c = c0; c < c1; ++c) {
+        float* st = state + (slot[s] * channels + c) * hist;
+        const float* wc = w + c * kernel;
+        // window = [history (K-1), current]: oldest first, as the weight's taps
+        for (int64_t j = 0; j < hist; ++j) window[j] = is_fresh[s] ? 0.f : st[j];
+        for (int64_t t = 0; t < len; ++t) {
+          window[hist] = xp[(t0 + t) * channels + c];
+          float acc = 0.f;
+          for (int64_t j = 0; j < kernel; ++j) acc += wc[j] * window[j];
+          o[(t0 + t) * channels + c] = acc / (1.f + std::exp(-acc));  // silu
+          for (int64_t j = 0; j < hist; ++j) window[j] = window[j + 1];
+        }
+        for (int64_t j = 0; j < hist; ++j) st[j] = window[j];
+      }
+    }
+  });
+  return out;
+}
+
+// One (sequence, value head): its tokens in order through the gated delta rule, on the state
+// S [Dk, Dv] in place. q, k: the head's raw (conv output) vectors, l2-normalized here.
+void delta_rule_head(const float* qkv, int64_t row_stride, int64_t q_off, int64_t k_off,
+                     int64_t v_off, const float* g, const float* beta, int64_t gb_stride,
+                     float* S, float* out, int64_t out_stride, int64_t len, int64_t dk,
+                     int64_t dv, float* q, float* k, float* mem) {
+  const float scale = 1.f / std::sqrt(static_cast<float>(dk));
+  for (int64_t t = 0; t < len; ++t) {
+    const float* row = qkv + t * row_stride;
+    float qq = 0.f, kk = 0.f;
+    for (int64_t i = 0; i < dk; ++i) {
+      q[i] = row[q_off + i];
+      k[i] = row[k_off + i];
+      qq += q[i] * q[i];
+      kk += k[i] * k[i];
+    }
+    // the FLA l2norm: x * rsqrt(sum x^2 + 1e-6); queries also scaled by dk^-0.5
+    const float qn = scale / std::sqrt(qq + 1e-6f), kn = 1.f / std::sqrt(kk + 1e-6f);
+    for (int64_t i = 0; i < dk; ++i) {
+      q[i] *= qn;
+      k[i] *= kn;
+    }
+    const float decay = std::exp(g[t * gb_stride]), b = beta[t * gb_stride];
+    const float* v = row + v_off;
+    float qk = 0.f;
+    for (int64_t i = 0; i < dk; ++i) qk += q[i] * k[i];
+    // One read of S for both products, one read-write for the update (memory bound: S is
+    // Dk x Dv fp32 per head). With S' = decay S + k delta^T:
+    //   delta = beta (v - decay S^T k), out = S'^T q = decay S^T q + (q . k) delta.
+    float* mem_k = mem;
+    float* mem_q = mem + dv;
+    for (int64_t j = 0; j < dv; ++j) mem_k[j] = mem_q[j] = 0.f;
+    for (int64_t i = 0; i < dk; ++i) {
+      const float* Si = S + i * dv;
+      const float ki = k[i], qi = q[i];
+#pragma omp simd
+      for (int64_t j = 0; j < dv; ++j) {
+        mem_k[j] += ki * Si[j];
+        mem_q[j] += qi * Si[j];
+      }
+    }
+    float* o = out + t * out_stride;
+    for (int64_t j = 0; j < dv; ++j) {
+      mem_k[j] = b * (v[j] - decay * mem_k[j]);  // delta
+      o[j] = decay * mem_q[j] + qk * mem_k[j];
+    }
+    for (int64_t i = 0; i < dk; ++i) {
+      float* Si = S + i * dv;
+      const float ki = k[i];
+#pragma omp simd
+      for (int64_t j = 0; j < dv; ++j) Si[j] = decay * Si[j] + ki * mem_k[j];
+    }
+  }
+}
+
+// qkv [T, 2 Hk Dk + Hv Dv] fp32 (conv output: q heads | k heads | v heads), g (log decay) and
+// beta [T, Hv] fp32, state [slots, Hv, Dk, Dv] fp32 updated in place -> out [T, Hv, Dv] fp32.
+// Value head h reads q/k head h / (Hv / Hk). Threaded over (value head, sequence), sequences
+// fastest, for the balance gdn_conv1d's order gives.
+at::Tensor gdn_recurrent(const at::Tensor& qkv, const at::Tensor& g, const at::Tensor& beta,
+                         at::Tensor& state, const at::Tensor& query_start_loc,
+                         const at::Tensor& slots, int64_t num_k_heads) {
+  check_f32(qkv, "gdn_recurrent: qkv");
+  check_f32(g, "gdn_recurrent: g");
+  check_f32(beta, "gdn_recurrent: beta");
+  check_f32(state, "gdn_recurrent: state");
+  TORCH_CHECK(state.dim() == 4 && qkv.dim() == 2, "gdn_recurrent: state [slots, Hv, Dk, Dv]");
+  const int64_t tokens = qkv.size(0), hv = state.size(1), dk = state.size(2), dv = state.size(3);
+  TORCH_CHECK(num_k_heads > 0 && hv % num_k_heads == 0, "gdn_recurrent: Hv % Hk != 0");
+  TORCH_CHECK(qkv.size(1) == 2 * num_k_heads * dk + hv * dv, "gdn_recurrent: qkv width");
+  TORCH_CHECK(g.dim() == 2 && g.size(0) == tokens && g.size(1) == hv && g.sizes() == beta.sizes(),
+              "gdn_recurrent: g and beta must be [T, Hv]");
+  check_batch(query_start_loc, slots, tokens, state.size(0));
+  at::Tensor out = at::empty({tokens, hv, dv}, qkv.options());
+  const int64_t seqs = slots.size(0), width = qkv.size(1), group = hv / num_k_heads;
+  const int64_t* loc = query_start_loc.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const float* x = qkv.data_ptr<float>();
+  const float* gp = g.data_ptr<float>();
+  const float* bp = beta.data_ptr<float>();
+  float* sp = state.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, seqs * hv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(2 * dk + 2 * dv);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item % seqs, h = item / seqs, kh = h / group, t0 = loc[s];
+      delta_rule_head(x + t0 * width, width, kh * dk, (num_k_heads + kh) * dk,
+                      2 * num_k_heads * dk + h * dv, gp + t0 * hv + h, bp + t0 * hv + h, hv,
+                      sp + (slot[s] * hv + h) * dk * dv, op + (t0 * hv + h) * dv, hv * dv,
+                      loc[s + 1] - t0, dk, dv, scratch.data(), scratch.data() + dk,
+                      scratch.data() + 2 * dk);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(hybridllm, CPU, m) {
+  m.impl("gdn_conv1d", &gdn_conv1d);
+  m.impl("gdn_recurrent", &gdn_recurrent);
+}

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from hybridllm.layers.mlp import ExpertActivation
+from hybridllm.loader.mxfp4_blocks import deinterleave_rows
 from hybridllm.loader.quantized_tensor import QuantizedTensor
 from hybridllm.models.base import WeightLoader, copy_loader
 from hybridllm.models.llama import LlamaAttention
@@ -34,15 +34,6 @@ def deinterleave(stack: torch.Tensor, dim: int) -> torch.Tensor:
     index = torch.arange(stack.shape[dim], device=stack.device)
     order = torch.cat((index[0::2], index[1::2]))
     return stack.index_select(dim, order)
-
-
-def deinterleave_block_rows(blocks: QuantizedTensor, num_experts: int) -> QuantizedTensor:
-    """Blocks [E * 2I, bytes] with each expert's gate/up rows interleaved -> gate rows, then up
-    rows, per expert (rows are independent runs of blocks: a reordering, no decoding)."""
-    rows, nbytes = blocks.raw.shape
-    raw = blocks.raw.reshape(num_experts, rows // num_experts // 2, 2, nbytes)
-    raw = np.ascontiguousarray(raw.transpose(0, 2, 1, 3)).reshape(rows, nbytes)
-    return QuantizedTensor(raw, blocks.ggml_type, blocks.shape)
 
 
 class GptOssAttention(LlamaAttention):
@@ -91,7 +82,7 @@ class GptOssDecoderLayer(MoeDecoderLayer):
 
         def load_gate_up(loaded: torch.Tensor | QuantizedTensor) -> None:
             if isinstance(loaded, QuantizedTensor):
-                experts.w13.load(deinterleave_block_rows(loaded, num), gate_up)
+                experts.w13.load(deinterleave_rows(loaded, num), gate_up)
             else:  # [E, H, 2I] -> [E, 2I, H], gate rows then up rows
                 experts.w13.load(deinterleave(loaded.transpose(1, 2), 1), gate_up)
 

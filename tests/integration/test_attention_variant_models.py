@@ -9,8 +9,10 @@ import json
 import pytest
 import torch
 import transformers
+from gguf import GGMLQuantizationType
 
 from hybridllm import LLM, SamplingParams
+from hybridllm.layers.fused_moe import FusedMoE
 from hybridllm.loader.hf_config import HFConfig
 from tests.model_helpers import random_eager_model, tiny_config
 from tests.moe_helpers import hf_greedy
@@ -126,3 +128,61 @@ def test_gemma3_config_defaults_derive_the_layer_kinds():
         "rope_type": "default",
         "rope_theta": 10000.0,
     }
+
+
+def test_gpt_oss_mxfp4_folder_runs_its_experts_from_the_blocks(tmp_path):
+    """A folder as gpt-oss ships: experts as `*_blocks` + `*_scales` (quant_method mxfp4). The
+    engine keeps them as MXFP4 blocks and matches transformers holding the decoded floats."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    config = tiny_config("gpt_oss")
+    config.intermediate_size = 64  # MXFP4 rows are whole 32-weight blocks: hidden 64, inter 64
+    torch.manual_seed(2)
+    hf = random_eager_model(config)
+    experts, hidden, inter = config.num_local_experts, config.hidden_size, 64
+    g = torch.Generator().manual_seed(3)
+
+    def packed(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks = torch.randint(
+            0, 256, (experts, rows, cols // 32, 16), dtype=torch.uint8, generator=g
+        )
+        scales = torch.randint(
+            122, 126, (experts, rows, cols // 32), dtype=torch.uint8, generator=g
+        )
+        return blocks, scales
+
+    shipped = {}
+    for layer_idx, layer in enumerate(hf.model.layers):
+        prefix = f"model.layers.{layer_idx}.mlp.experts."
+        for name, (rows, cols) in (
+            ("gate_up_proj", (2 * inter, hidden)),
+            ("down_proj", (hidden, inter)),
+        ):
+            blocks, scales = packed(rows, cols)
+            shipped[prefix + name + "_blocks"], shipped[prefix + name + "_scales"] = blocks, scales
+            with torch.no_grad():  # [E, cols, rows]: transformers' x @ W layout
+                getattr(layer.mlp.experts, name).copy_(
+                    convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+                )
+    hf.save_pretrained(tmp_path)
+    tensors = {
+        k: v
+        for k, v in load_file(tmp_path / "model.safetensors").items()
+        if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))
+    }
+    save_file({**tensors, **shipped}, str(tmp_path / "model.safetensors"))
+    values = json.loads((tmp_path / "config.json").read_text())
+    values["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(values))
+    want = [hf_greedy(hf, p, MAX_TOKENS) for p in make_prompts()]
+    llm = LLM(str(tmp_path), **ENGINE_KWARGS)
+    try:
+        model = llm.llm_engine.executor.workers[0].model_runner.model
+        kept = {m.w13.ggml_type for m in model.modules() if isinstance(m, FusedMoE)}
+        kept |= {m.w2.ggml_type for m in model.modules() if isinstance(m, FusedMoE)}
+        assert kept == {int(GGMLQuantizationType.MXFP4)}  # never inflated to floats
+        outs = llm.generate([{"prompt_token_ids": p} for p in make_prompts()], PARAMS)
+        assert [list(o.outputs[0].token_ids) for o in outs] == want
+    finally:
+        llm.shutdown()

@@ -11,8 +11,11 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
 from hybridllm.loader.gguf_kernel_types import GGUF_KERNEL_TYPES
 from hybridllm.loader.model_source import ModelSource
+from hybridllm.loader.mxfp4_blocks import is_mxfp4_quant
 from hybridllm.loader.onload_quant import HEAD_TYPE, ONLOAD_TYPES, bytes_per_param
 from hybridllm.plan.model_size import GGUFBlockSizes, model_size
 
@@ -88,7 +91,7 @@ def cpu_block_sizes(
         return None
     sizes = gguf_block_sizes(source, hf_config.num_hidden_layers)
     if sizes is None and quantization not in ONLOAD_TYPES:
-        return None
+        return mxfp4_expert_sizes(hf_config) if kernels() else None
     if not kernels():
         return None
     if sizes is not None:
@@ -104,4 +107,23 @@ def cpu_block_sizes(
         total_params=total,
         lm_head_bytes=head,
         embedding_bytes=head if size.tied_embeddings else None,  # a tied table is the head's
+    )
+
+
+def mxfp4_expert_sizes(hf_config: Any) -> GGUFBlockSizes | None:
+    """An MXFP4 folder's (gpt-oss's) routed experts, kept as their 17-byte blocks of 32 weights;
+    every other linear loads as floats. None for other checkpoints."""
+    if not is_mxfp4_quant(hf_config):
+        return None
+    size = model_size(hf_config, "float32")
+    layers = range(size.num_layers)
+    experts = sum(
+        size.layer_matmul_params(i) - size.layer_matmul_params(i, routed=False) for i in layers
+    )
+    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType.MXFP4]
+    return GGUFBlockSizes(
+        kept_params=experts,
+        kept_bytes=experts * type_size // block,
+        total_params=sum(size.layer_matmul_params(i) for i in layers),
+        lm_head_bytes=None,
     )

@@ -16,3 +16,17 @@ def test_parameter_bytes_equal_the_hf_models(arch):
     assert size.total_bytes == 4 * sum(p.numel() for p in hf.parameters())
     for i, layer in enumerate(hf.model.layers):
         assert size.layer_weight_bytes(i) == 4 * sum(p.numel() for p in layer.parameters())
+
+
+def test_an_mxfp4_folder_keeps_its_experts_as_17_byte_blocks():
+    from hybridllm.loader.block_sizes import mxfp4_expert_sizes
+    from hybridllm.loader.hf_config import HFConfig
+
+    config = build_tiny_hf_model("gpt_oss").config.to_dict()
+    assert mxfp4_expert_sizes(HFConfig(config)) is None  # a bf16 folder: floats
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    sizes = mxfp4_expert_sizes(HFConfig(config))
+    layers, experts = config["num_hidden_layers"], config["num_local_experts"]
+    routed = layers * experts * 3 * config["hidden_size"] * config["intermediate_size"]
+    assert (sizes.kept_params, sizes.kept_bytes) == (routed, routed * 17 // 32)
+    assert sizes.total_params > routed and sizes.lm_head_bytes is None

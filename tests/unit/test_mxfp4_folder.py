@@ -46,6 +46,11 @@ def folder(tmp_path):
         "model_type": "gpt_oss",
         "architectures": ["GptOssForCausalLM"],
         "quantization_config": {"quant_method": "mxfp4"},
+        # what HFConfig requires of every gpt_oss config (the test reads no layer)
+        "hidden_size": HIDDEN,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 1,
+        "vocab_size": 32,
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
     # two shards, each pair's scales in the other shard than its blocks

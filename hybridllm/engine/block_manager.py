@@ -33,6 +33,9 @@ class BlockManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are registered in (or came from) the cache.
         self._num_cached_blocks: dict[str, int] = {}
+        # A block that stands in a block table for one the request no longer holds (a sliding
+        # window's, see sliding_block_manager.py): never freed, cached or touched. None: none.
+        self.null_block: KVCacheBlock | None = None
 
     # ----- stats -----
     @property
@@ -96,7 +99,8 @@ class BlockManager:
             return
         hashes = request.update_block_hashes(self.block_size)
         for i in range(start, num_full):
-            self.block_pool.cache_block(blocks[i], hashes[i])
+            if blocks[i] is not self.null_block:
+                self.block_pool.cache_block(blocks[i], hashes[i])
         self._num_cached_blocks[request.request_id] = num_full
 
     def reset_prefix_cache(self) -> bool:
@@ -156,10 +160,14 @@ class BlockManager:
         return [b.block_id for b in new_blocks]
 
     def _touch(self, hits: Sequence[KVCacheBlock]) -> None:
-        self.block_pool.touch(hits)
+        null = self.null_block
+        self.block_pool.touch(hits if null is None else [b for b in hits if b is not null])
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first, so its tail is evicted before its prefix."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
+        null = self.null_block
+        self.block_pool.free_blocks(
+            reversed(blocks) if null is None else (b for b in reversed(blocks) if b is not null)
+        )

@@ -70,30 +70,6 @@ class SlidingWindowBlockManager(BlockManager):
         self.remove_skipped_blocks(request, num_computed)
         return super().allocate_slots(request, num_new_tokens, new_computed_blocks)
 
-    def _touch(self, hits: Sequence[KVCacheBlock]) -> None:
-        self.block_pool.touch(b for b in hits if b is not self.null_block)
-
-    def free(self, request: Request) -> None:
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self._num_cached_blocks.pop(request.request_id, None)
-        self.block_pool.free_blocks(b for b in reversed(blocks) if b is not self.null_block)
-
-    def cache_computed_blocks(self, request: Request) -> None:
-        if not self.enable_prefix_caching:
-            return
-        blocks = self.req_to_blocks.get(request.request_id)
-        if blocks is None:
-            return
-        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
-        start = self._num_cached_blocks.get(request.request_id, 0)
-        if num_full <= start:
-            return
-        hashes = request.update_block_hashes(self.block_size)
-        for i in range(start, num_full):
-            if blocks[i] is not self.null_block:
-                self.block_pool.cache_block(blocks[i], hashes[i])
-        self._num_cached_blocks[request.request_id] = num_full
-
     # ----- prefix cache -----
     def hit_lengths(self, hashes: Sequence[BlockHash]) -> list[bool]:
         """[len(hashes) + 1] flags: entry m says a hit of the first m blocks is usable here,

@@ -11,23 +11,13 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType
 
-from hybridllm import LLM, SamplingParams
+from hybridllm import LLM
 from hybridllm.layers.fused_moe import FusedMoE
 from hybridllm.loader.hf_config import HFConfig
+from tests.integration.test_moe_models_vs_hf import ENGINE_KWARGS, MAX_TOKENS, PARAMS
 from tests.model_helpers import random_eager_model, tiny_config
 from tests.moe_helpers import hf_greedy
 
-MAX_TOKENS = 12
-PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-ENGINE_KWARGS = dict(
-    dtype="float32",
-    max_model_len=128,
-    block_size=4,
-    max_num_batched_tokens=16,  # prompts of 17+ tokens are prefilled in chunks
-    kv_cache_memory="16MiB",
-    skip_tokenizer_init=True,
-    use_tqdm=False,
-)
 # windows of 8 tokens but MiniMax-M2's (tests/model_helpers.py), which saves its checkpoint
 # names (block_sparse_moe, experts.N.w1)
 ARCHS = ("gemma2", "gemma3", "gpt_oss", "minimax_m2")

@@ -157,12 +157,41 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
 
 ARCHITECTURES: tuple[str, ...] = tuple(TINY_CONFIGS)
 
+# hybrid linear-attention models (Gated DeltaNet layers beside full attention): a state cache
+# group besides the paged KV, so they are kept out of ARCHITECTURES' paged-cache-only tests
+_LINEAR_SIZES = dict(
+    _COMMON,
+    num_hidden_layers=4,  # linear, linear, linear, full
+    head_dim=16,
+    partial_rotary_factor=0.5,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    tie_word_embeddings=False,
+)
+LINEAR_ATTENTION_CONFIGS: dict[str, tuple[str, dict]] = {
+    # Qwen3-Next: fused in_proj_qkvz / in_proj_ba; layer 1 a dense MLP (mlp_only_layers)
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        dict(_LINEAR_SIZES, mlp_only_layers=[1], decoder_sparse_step=1, norm_topk_prob=True),
+    ),
+    # Qwen3.5-MoE text: split in_proj_qkv / z / b / a, every layer MoE
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(_LINEAR_SIZES)),
+}
+
 
 def tiny_config(arch: str) -> transformers.PretrainedConfig:
     """The HF config of the tiny `arch` model (see TINY_CONFIGS)."""
-    if arch not in TINY_CONFIGS:
-        raise ValueError(f"unknown tiny arch {arch!r}; known: {', '.join(ARCHITECTURES)}")
-    class_name, kwargs = TINY_CONFIGS[arch]
+    configs = {**TINY_CONFIGS, **LINEAR_ATTENTION_CONFIGS}
+    if arch not in configs:
+        raise ValueError(f"unknown tiny arch {arch!r}; known: {', '.join(configs)}")
+    class_name, kwargs = configs[arch]
     return getattr(transformers, class_name)(**kwargs)
 
 

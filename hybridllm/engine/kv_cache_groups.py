@@ -1,4 +1,9 @@
-"""KV cache groups: a model's layers partitioned by attention kind, each with its own blocks."""
+"""KV cache groups: a model's layers partitioned by attention kind, each with its own blocks.
+
+Full-attention and sliding-window layers page their keys and values in blocks of tokens. Linear
+attention layers (Gated DeltaNet) keep a fixed-size state per sequence instead: their group's
+"block" is one state slot, and a request holds exactly one from its first step to its end.
+"""
 
 from __future__ import annotations
 
@@ -12,20 +17,27 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class KVCacheGroupSpec:
-    """One group of layers that share block tables: full attention (`sliding_window` None) or
-    a sliding window of `sliding_window` tokens."""
+    """One group of layers that share block tables: full attention (`sliding_window` None),
+    a sliding window of `sliding_window` tokens, or linear attention's state slots (`is_state`)."""
 
     sliding_window: int | None
     layers: tuple[int, ...]  # global decoder layer indices, ascending
+    is_state: bool = False
 
     @property
     def is_sliding(self) -> bool:
         return self.sliding_window is not None
 
+    @property
+    def is_full(self) -> bool:
+        return self.sliding_window is None and not self.is_state
+
     def blocks_per_request(self, block_size: int, chunk: int, num_tokens: int) -> int:
         """Most blocks one request of `num_tokens` tokens holds while computing chunks of at
         most `chunk` tokens: all of them under full attention; under a window W the blocks of
         positions [p - W + 1, p + chunk) for a chunk starting at p, plus one where they straddle."""
+        if self.is_state:
+            return 1
         full = cdiv(num_tokens, block_size)
         if self.sliding_window is None:
             return full
@@ -48,14 +60,28 @@ def sliding_window_for_layer(hf_config: Any, layer_idx: int) -> int | None:
     return int(window)
 
 
+def is_linear_attention_layer(hf_config: Any, layer_idx: int) -> bool:
+    """Whether the layer is linear attention (Qwen3-Next's Gated DeltaNet): a state, no KV."""
+    layer_types = getattr(hf_config, "layer_types", None)
+    return layer_types is not None and layer_types[layer_idx] == "linear_attention"
+
+
 def kv_cache_groups(hf_config: Any) -> list[KVCacheGroupSpec]:
     """The model's groups: full attention first (if any layer has it), then one group per
-    distinct window, smallest first. Every worker and the scheduler derive the same list."""
+    distinct window, smallest first, then linear attention's state group. Every worker and the
+    scheduler derive the same list."""
     by_window: dict[int | None, list[int]] = {}
+    linear = []
     for i in range(hf_config.num_hidden_layers):
-        by_window.setdefault(sliding_window_for_layer(hf_config, i), []).append(i)
+        if is_linear_attention_layer(hf_config, i):
+            linear.append(i)
+        else:
+            by_window.setdefault(sliding_window_for_layer(hf_config, i), []).append(i)
     order = sorted(by_window, key=lambda w: -1 if w is None else w)
-    return [KVCacheGroupSpec(w, tuple(by_window[w])) for w in order]
+    groups = [KVCacheGroupSpec(w, tuple(by_window[w])) for w in order]
+    if linear:
+        groups.append(KVCacheGroupSpec(None, tuple(linear), is_state=True))
+    return groups
 
 
 def kv_cache_group_of_layer(hf_config: Any, layer_idx: int) -> int:

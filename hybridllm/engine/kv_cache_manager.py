@@ -10,6 +10,7 @@ from hybridllm.engine.kv_cache_groups import KVCacheGroupSpec
 from hybridllm.engine.kv_cache_utils import KVCacheBlock
 from hybridllm.engine.request import Request
 from hybridllm.engine.sliding_block_manager import SlidingWindowBlockManager
+from hybridllm.engine.state_slot_manager import StateSlotManager
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +27,8 @@ class KVCacheManager:
     A model without sliding layers has one full-attention group and this is its `BlockManager`
     with block ids wrapped in a 1-tuple. Prefix hits are the longest block-aligned prefix that
     every group can serve: a full group needs all of its blocks, a sliding one the blocks of the
-    last `window` tokens before the hit point.
+    last `window` tokens before the hit point. A model with linear-attention layers (a state
+    group) caches no prefixes: a state slot cannot be shared.
     """
 
     def __init__(
@@ -40,19 +42,32 @@ class KVCacheManager:
             raise ValueError(f"{len(groups)} KV cache groups but {len(num_blocks)} block counts")
         self.groups = tuple(groups)
         self.block_size = block_size
+        if enable_prefix_caching and any(spec.is_state for spec in self.groups):
+            logger.info(
+                "prefix caching is off: the model's linear-attention layers keep one state per "
+                "request, which cannot be shared"
+            )
+            enable_prefix_caching = False
         self.enable_prefix_caching = enable_prefix_caching
         self.managers: list[BlockManager] = [
-            BlockManager(n, block_size, enable_prefix_caching)
-            if spec.sliding_window is None
-            else SlidingWindowBlockManager(
-                n, block_size, spec.sliding_window, enable_prefix_caching
-            )
+            self._manager(spec, n, enable_prefix_caching)
             for spec, n in zip(self.groups, num_blocks)
         ]
         self._sliding = [m for m in self.managers if isinstance(m, SlidingWindowBlockManager)]
-        self._full = [m for m in self.managers if not isinstance(m, SlidingWindowBlockManager)]
+        self._full = [m for m, spec in zip(self.managers, self.groups) if spec.is_full]
         # one group: every call goes straight to its manager (the common, per-step path)
         self._single = self.managers[0] if len(self.managers) == 1 else None
+
+    def _manager(
+        self, spec: KVCacheGroupSpec, num_blocks: int, prefix_caching: bool
+    ) -> BlockManager:
+        if spec.is_state:
+            return StateSlotManager(num_blocks, self.block_size)
+        if spec.sliding_window is not None:
+            return SlidingWindowBlockManager(
+                num_blocks, self.block_size, spec.sliding_window, prefix_caching
+            )
+        return BlockManager(num_blocks, self.block_size, prefix_caching)
 
     # ----- stats -----
     @property
@@ -87,6 +102,8 @@ class KVCacheManager:
             need = spec.blocks_per_request(self.block_size, chunk, num_tokens)
             have = getattr(manager, "num_usable_blocks", manager.num_blocks)
             if need > have:
+                if spec.is_state:
+                    return "the linear-attention state cache has no slot"
                 kind = "" if spec.sliding_window is None else f" (window {spec.sliding_window})"
                 return (
                     f"prompt has {num_tokens} tokens and needs {need} KV cache blocks, but the "

@@ -18,6 +18,7 @@ from hybridllm.layers.gated_delta_rule import (
     recurrent_gated_delta_rule,
 )
 from hybridllm.layers.linear import Linear
+from hybridllm.layers.prepared_attention import PreparedAttention
 
 WeightLoader = Callable[[torch.Tensor], None]
 
@@ -87,6 +88,29 @@ class DeltaNetState:
     def nbytes_per_slot(self) -> int:
         return (self.conv[0].numel() + self.recurrent[0].numel()) * 4
 
+    @staticmethod
+    def floats_per_slot(shape: DeltaNetShape) -> int:
+        """One slot's conv and recurrent state, in fp32 values."""
+        conv = shape.conv_dim * (shape.conv_kernel - 1)
+        return conv + shape.num_v_heads * shape.head_k_dim * shape.head_v_dim
+
+    @classmethod
+    def in_buffer(cls, shape: DeltaNetShape, buffer: torch.Tensor) -> DeltaNetState:
+        """The state of `buffer` [num_slots * floats_per_slot] fp32 (a worker's cache tensor for
+        this layer): every slot's conv state first, then every slot's recurrent state, so each
+        part is one contiguous tensor. Views, no copy."""
+        per_slot = cls.floats_per_slot(shape)
+        num_slots = buffer.numel() // per_slot
+        conv = shape.conv_dim * (shape.conv_kernel - 1)
+        state = cls.__new__(cls)
+        state.conv = buffer[: num_slots * conv].view(
+            num_slots, shape.conv_dim, shape.conv_kernel - 1
+        )
+        state.recurrent = buffer[num_slots * conv : num_slots * per_slot].view(
+            num_slots, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim
+        )
+        return state
+
 
 @dataclass(frozen=True)
 class DeltaNetBatch:
@@ -115,6 +139,22 @@ class DeltaNetBatch:
     @property
     def num_seqs(self) -> int:
         return self.slots.shape[0]
+
+    @classmethod
+    def of_step(cls, prep: PreparedAttention) -> DeltaNetBatch:
+        """The step's sequences as the state group's prepared view sees them: each reads and
+        writes the slot in column 0 of its block table, and is fresh when this step starts its
+        first token. Built once per step, shared by every linear layer."""
+        batch = prep.cache.get("delta_net")
+        if batch is None:
+            lengths = [1] * prep.num_decodes + [s.query_len for s in prep.prefills]
+            # a decode row of context 1 is a one-token prompt's first step
+            fresh = [n == 1 for n in prep.decode_seq_lens_cpu] + [
+                s.context_len == s.query_len for s in prep.prefills
+            ]
+            slots = prep.block_tables[:, 0].tolist()
+            batch = prep.cache["delta_net"] = cls.build(lengths, fresh, slots)
+        return batch
 
 
 class GatedDeltaNet(nn.Module):
@@ -148,6 +188,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(s.num_v_heads, **f32), False)
         self.norm_weight = nn.Parameter(torch.empty(s.head_v_dim, **f32), False)
         self.use_cpu_kernels = use_cpu_kernels
+        self.kv_group = 0  # the state group's index among the KV cache groups (the model sets it)
 
     def weight_loaders(self, prefix: str) -> dict[str, WeightLoader]:
         """HF name -> loader: Qwen3-Next's fused in_proj_qkvz / in_proj_ba, or Qwen3.5's

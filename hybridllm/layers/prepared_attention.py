@@ -46,8 +46,8 @@ class VarlenPrefill:
 class PreparedAttention:
     """What every attention layer of one step needs, computed once per model forward.
 
-    Masks and varlen offsets are built lazily per sliding window and cached here (this object
-    lives one step).
+    Masks and varlen offsets are built lazily per sliding window and cached here, and other
+    layers' per-step inputs (linear attention's batch) in `cache` (this object lives one step).
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64
@@ -65,6 +65,7 @@ class PreparedAttention:
     # KV cache groups 1.. (sliding-window layers): the same step over their own block tables
     other_groups: tuple[PreparedAttention, ...] = ()
     _masks: dict = field(default_factory=dict)
+    cache: dict = field(default_factory=dict)
 
     def for_group(self, group: int) -> PreparedAttention:
         """What the layers of KV cache group `group` read (0: this one)."""

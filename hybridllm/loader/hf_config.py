@@ -23,6 +23,22 @@ _LLAMA_DEFAULTS: dict[str, Any] = {
     "mlp_bias": False,
     "rope_theta": 10000.0,
 }
+_LINEAR_ATTENTION_DEFAULTS: dict[str, Any] = {
+    **_LLAMA_DEFAULTS,
+    "max_position_embeddings": 32768,
+    "head_dim": 256,
+    "num_key_value_heads": 2,
+    "partial_rotary_factor": 0.25,
+    "full_attention_interval": 4,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+}
+_LINEAR_ATTENTION = ("qwen3_next", "qwen3_5_moe_text")
 # What transformers' config classes assume when config.json omits a field the engine reads.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": _LLAMA_DEFAULTS,
@@ -121,6 +137,22 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 4,
         "rope_theta": 150000.0,
     },
+    # Qwen3-Next and Qwen3.5-MoE: Gated DeltaNet layers with a full-attention one every
+    # `full_attention_interval`, rotating a quarter of each head, sigmoid-gated shared expert
+    "qwen3_next": {
+        **_LINEAR_ATTENTION_DEFAULTS,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+    "qwen3_5_moe_text": {
+        **_LINEAR_ATTENTION_DEFAULTS,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,  # its router always renormalises
+    },
     "opt": {
         "max_position_embeddings": 2048,
         "do_layer_norm_before": True,
@@ -133,7 +165,17 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 _ALTERNATING = ("gemma2", "gemma3_text", "gpt_oss")
 _REQUIRED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
 _REQUIRED_BY_TYPE = {"opt": ("ffn_dim",)}
-_ROPE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+_ROPE_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    *_LINEAR_ATTENTION,
+)
 
 
 class HFConfig:
@@ -154,6 +196,8 @@ class HFConfig:
                     raise ModelLoadError(f"{origin}: model_type {model_type!r} needs {key!r}")
         if model_type in _ROPE_TYPES and not merged.get("rope_parameters"):
             merged["rope_parameters"] = _rope_parameters(merged)
+        if model_type in _LINEAR_ATTENTION:
+            _linear_attention_fields(merged)
         if model_type in ("qwen2", "qwen3") and merged.get("layer_types") is None:
             # transformers derives each layer's kind the same way when the file does not say
             sliding_from = merged["max_window_layers"] if merged["use_sliding_window"] else None
@@ -223,13 +267,47 @@ def _rope_parameters(values: dict[str, Any]) -> dict[str, Any]:
     return {**scaling, "rope_type": rope_type, "rope_theta": values["rope_theta"]}
 
 
+# multimodal model_type -> its language model's, whose config is the folder's `text_config`
+_TEXT_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
+
 def _text_part(values: dict[str, Any]) -> dict[str, Any]:
-    """A multimodal folder's language model config (Gemma 3's `text_config`), keeping the
-    folder's `architectures`; any other config as it is."""
+    """A multimodal folder's language model config (Gemma 3's or Qwen3.5's `text_config`),
+    keeping the folder's `architectures`; any other config as it is."""
     text = values.get("text_config")
-    if values.get("model_type") != "gemma3" or not isinstance(text, dict):
+    text_type = _TEXT_MODEL_TYPES.get(values.get("model_type"))
+    if text_type is None or not isinstance(text, dict):
         return values
-    return {"model_type": "gemma3_text", **text, "architectures": values.get("architectures")}
+    return {"model_type": text_type, **text, "architectures": values.get("architectures")}
+
+
+def _linear_attention_fields(merged: dict[str, Any]) -> None:
+    """Qwen3-Next / Qwen3.5: each layer's kind from `full_attention_interval` where the file
+    lists none (transformers derives it so), and the rotated fraction of each head inside
+    `rope_parameters` (older files keep `partial_rotary_factor` beside `rope_theta`)."""
+    if merged.get("layer_types") is None:
+        interval = merged["full_attention_interval"]
+        if not isinstance(interval, int) or interval < 1:
+            raise ModelLoadError(
+                f"full_attention_interval must be a positive integer, got {interval!r}"
+            )
+        merged["layer_types"] = [
+            "linear_attention" if (i + 1) % interval else "full_attention"
+            for i in range(merged["num_hidden_layers"])
+        ]
+    kinds = merged["layer_types"]
+    if (
+        not isinstance(kinds, list)
+        or len(kinds) != merged["num_hidden_layers"]
+        or not set(kinds) <= {"linear_attention", "full_attention"}
+    ):
+        raise ModelLoadError(
+            "layer_types must list 'linear_attention' or 'full_attention' for each of the "
+            f"{merged['num_hidden_layers']} layers"
+        )
+    rope = dict(merged["rope_parameters"])
+    rope.setdefault("partial_rotary_factor", merged["partial_rotary_factor"])
+    merged["rope_parameters"] = rope
 
 
 def _sliding_pattern(values: dict[str, Any]) -> int:

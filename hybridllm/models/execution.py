@@ -13,7 +13,7 @@ paths, chosen per step:
 
 Layers take and return (hidden_states, residual), whose sum is the hidden state. Each layer
 reads the block tables of its KV cache group (its attention's `kv_group`; one group unless the
-model has sliding-window layers).
+model has sliding-window or linear-attention layers).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from torch import nn
 
 from hybridllm.layers.attention import PagedAttention
 from hybridllm.layers.attention_metadata import AttentionMetadata
+from hybridllm.layers.gated_delta_net import GatedDeltaNet
 from hybridllm.layers.prepared_attention import PreparedAttention
 from hybridllm.layers.rotary_embedding import RotaryAngles
 from hybridllm.models.native_decode import NativeLayer
@@ -149,9 +150,10 @@ class LayerExecution:
 
 
 def kv_group_of(layer: nn.Module) -> int:
-    """The KV cache group whose block tables `layer`'s attention reads."""
+    """The KV cache group whose block tables `layer`'s attention (or linear attention's state
+    slots) reads."""
     for module in layer.modules():
-        if isinstance(module, PagedAttention):
+        if isinstance(module, (PagedAttention, GatedDeltaNet)):
             return module.kv_group
     return 0
 

@@ -24,6 +24,12 @@ _MODELS = (
     ("Gemma2ForCausalLM", ("hybridllm.models.gemma", "Gemma2ForCausalLM")),
     ("Gemma3ForCausalLM", ("hybridllm.models.gemma", "Gemma3ForCausalLM")),
     ("Gemma3ForConditionalGeneration", ("hybridllm.models.gemma", "Gemma3ForCausalLM")),
+    ("Qwen3NextForCausalLM", ("hybridllm.models.qwen3_next", "Qwen3NextForCausalLM")),
+    ("Qwen3_5MoeForCausalLM", ("hybridllm.models.qwen3_next", "Qwen3NextForCausalLM")),
+    (
+        "Qwen3_5MoeForConditionalGeneration",
+        ("hybridllm.models.qwen3_next", "Qwen3NextForCausalLM"),
+    ),
 )
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(name for name, _ in _MODELS)

@@ -92,10 +92,13 @@ def group_block_needs(
     sliding group with window W what max_num_seqs sequences hold once their blocks out of the
     window are freed (ceil((W - 1) / block_size) + 2 each: the window's and the straddling
     ones) plus one step's chunks (max_num_batched_tokens) and its null block, and never more
-    than the full-attention count."""
+    than the full-attention count; a state group one slot per request."""
     full = max_num_seqs * cdiv(max_model_len, block_size)
     needs = []
     for spec in groups:
+        if spec.is_state:  # a state slot per running request
+            needs.append(max_num_seqs)
+            continue
         if spec.sliding_window is None:
             needs.append(full)
             continue
@@ -106,6 +109,39 @@ def group_block_needs(
 
 
 def split_kv_budget(
+    budget: int,
+    bytes_per_block: Sequence[int],
+    needs: Sequence[int],
+    groups: Sequence[KVCacheGroupSpec],
+) -> list[int]:
+    """Blocks of each KV cache group from one worker's `budget` bytes.
+
+    A state group (linear attention) first: a slot for each of the requests it may run (its
+    need), from at most half the budget, since each slot can be large (Qwen3-Next-80B: 79 MB
+    over its 36 linear layers) and every running request needs paged KV beside it; then the
+    paged groups share the rest (`split_paged_kv_budget`).
+    """
+    state = [i for i, spec in enumerate(groups) if spec.is_state]
+    paged = [i for i, spec in enumerate(groups) if not spec.is_state]
+    blocks = [0] * len(groups)
+    for i in state:
+        per_slot = bytes_per_block[i]
+        share = budget if not paged else budget // 2
+        blocks[i] = needs[i] if per_slot == 0 else min(needs[i], share // per_slot)
+        budget -= blocks[i] * per_slot
+    if paged:
+        rest = split_paged_kv_budget(
+            budget,
+            [bytes_per_block[i] for i in paged],
+            [needs[i] for i in paged],
+            groups[paged[0]].is_full,
+        )
+        for i, n in zip(paged, rest):
+            blocks[i] = n
+    return blocks
+
+
+def split_paged_kv_budget(
     budget: int, bytes_per_block: Sequence[int], needs: Sequence[int], first_is_full: bool
 ) -> list[int]:
     """Blocks of each KV cache group from one worker's `budget` bytes.

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from hybridllm.config import EngineConfig
-from hybridllm.engine.kv_cache_groups import kv_cache_groups
+from hybridllm.engine.kv_cache_groups import KVCacheGroupSpec, kv_cache_groups
 from hybridllm.plan.memory_budget import host_expert_bytes, worker_weight_bytes
 from hybridllm.plan.model_size import ModelSize, model_size
 from hybridllm.plan.plan import StagePlan, WorkerPlacement
@@ -44,16 +44,37 @@ def kv_cache_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: tor
     return elements * dtype.itemsize * model.num_layers_in_stage
 
 
+def layer_cache_layout(
+    model: torch.nn.Module,
+    spec: KVCacheGroupSpec,
+    num_blocks: int,
+    block_size: int,
+    kv_dtype: torch.dtype,
+) -> tuple[tuple[int, ...], torch.dtype]:
+    """(shape, dtype) of one layer's cache in group `spec` with `num_blocks` blocks: paged
+    keys and values in `kv_dtype`, or `num_blocks` linear-attention state slots in fp32 (the
+    recurrence accumulates over the whole sequence)."""
+    if spec.is_state:
+        return (num_blocks * model.state_floats_per_slot(),), torch.float32
+    return tuple(model.kv_cache_shape(num_blocks, block_size)), kv_dtype
+
+
 def group_bytes_per_block(
-    model: torch.nn.Module, block_size: int, dtype: torch.dtype, num_groups: int
+    model: torch.nn.Module,
+    block_size: int,
+    dtype: torch.dtype,
+    groups: list[KVCacheGroupSpec],
 ) -> list[int]:
-    """[num_groups] bytes of one block of each KV cache group over the stage's layers in it
-    (0 for a group with none here)."""
-    per_layer = math.prod(model.kv_cache_shape(1, block_size)) * dtype.itemsize
-    counts = [0] * num_groups
+    """Bytes of one block (a state group: one slot) of each KV cache group over the stage's
+    layers in it (0 for a group with none here)."""
+    counts = [0] * len(groups)
     for group in model.execution.layer_groups:
         counts[group] += 1
-    return [per_layer * count for count in counts]
+    sizes = []
+    for spec, count in zip(groups, counts):
+        shape, layer_dtype = layer_cache_layout(model, spec, 1, block_size, dtype)
+        sizes.append(math.prod(shape) * layer_dtype.itemsize * count)
+    return sizes
 
 
 def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -138,7 +159,7 @@ def determine_num_blocks(
         scheduler_config.max_model_len,
         scheduler_config.max_num_batched_tokens,
     )
-    num_blocks = split_kv_budget(budget, bytes_per_block, needs, not groups[0].is_sliding)
+    num_blocks = split_kv_budget(budget, bytes_per_block, needs, groups)
     for spec, n in zip(groups, num_blocks):
         if n < (2 if spec.is_sliding else 1):
             raise ValueError(

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from hybridllm.config import EngineConfig
-from hybridllm.engine.kv_cache_groups import kv_cache_groups
+from hybridllm.engine.kv_cache_groups import KVCacheGroupSpec, kv_cache_groups
 from hybridllm.engine.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from hybridllm.layers.cpu_kernels import cpu_kernels_enabled
 from hybridllm.plan.plan import StagePlan
@@ -141,12 +141,12 @@ class ModelRunner:
     def kv_cache_group_bytes_per_block(self) -> list[int]:
         """Bytes of one block of each KV cache group over this stage's layers of the group."""
         return kv_cache_sizing.group_bytes_per_block(
-            self.model, self.block_size, self.kv_cache_dtype, self.num_kv_cache_groups
+            self.model, self.block_size, self.kv_cache_dtype, self.kv_cache_groups
         )
 
     @property
-    def num_kv_cache_groups(self) -> int:
-        return len(kv_cache_groups(self.config.model_config.hf_config))
+    def kv_cache_groups(self) -> list[KVCacheGroupSpec]:
+        return kv_cache_groups(self.config.model_config.hf_config)
 
     def determine_num_blocks(self) -> tuple[int, ...]:
         """Blocks of each KV cache group that fit this worker's KV budget (never more than the
@@ -164,18 +164,33 @@ class ModelRunner:
 
     def _new_kv_cache(self, num_blocks: int | tuple[int, ...]) -> list[torch.Tensor]:
         """One cache tensor per layer of the stage, of its KV cache group's block count (an
-        int: every group has that many)."""
-        groups = self.model.execution.layer_groups
+        int: every group has that many): paged KV, or a linear-attention layer's state slots."""
+        specs = self.kv_cache_groups
         if isinstance(num_blocks, int):
-            num_blocks = (num_blocks,) * (max(groups, default=0) + 1)
-        return [
-            kv_zeros(
-                self.model.kv_cache_shape(num_blocks[g], self.block_size),
-                self.kv_cache_dtype,
-                self.device,
+            num_blocks = (num_blocks,) * len(specs)
+        caches = []
+        for g in self.model.execution.layer_groups:
+            shape, dtype = kv_cache_sizing.layer_cache_layout(
+                self.model, specs[g], num_blocks[g], self.block_size, self.kv_cache_dtype
             )
-            for g in groups
-        ]
+            caches.append(kv_zeros(shape, dtype, self.device))
+        return caches
+
+    def _group_tables(
+        self, tables: list[list[int]], num_blocks: int
+    ) -> tuple[list[list[list[int]]], tuple[int, ...]]:
+        """Every KV cache group's block tables for a scratch step whose paged groups all use
+        `tables` (over `num_blocks` blocks), and each group's block count: a state group gives
+        sequence i slot i."""
+        per_group, counts = [], []
+        for spec in self.kv_cache_groups:
+            if spec.is_state:
+                per_group.append([[i] for i in range(len(tables))])
+                counts.append(len(tables))
+            else:
+                per_group.append(tables)
+                counts.append(num_blocks)
+        return per_group, tuple(counts)
 
     def profile_forward(self, on_cache_ready: Callable[[], None] | None = None) -> int:
         """One step of the largest batch the scheduler may send, for its memory peak: the spans
@@ -191,12 +206,12 @@ class ModelRunner:
             scheduler_config.max_num_seqs,
         )
         block_tables, num_blocks = profile_block_tables(spans, self.block_size)
+        tables, num_blocks = self._group_tables(block_tables, num_blocks)
         self.initialize_kv_cache(num_blocks)
         if on_cache_ready is not None:
             on_cache_ready()  # the step's inputs below count towards the peak
         num_tokens = sum(length for _, length, _ in spans)
         ids = np.zeros(num_tokens, dtype=np.int64)  # every stage gets ids here
-        tables = [block_tables] * self.num_kv_cache_groups  # every group on the same blocks
         inputs = step_inputs(spans, tables, 0, self.block_size, self.device, ids)
         stage_inputs = {}
         if not self.is_first_stage:
@@ -312,10 +327,11 @@ class ModelRunner:
         results = []
         for i, token_ids in enumerate(prompts):
             n = len(token_ids)
-            num_blocks = -(-n // self.block_size)
+            tables, num_blocks = self._group_tables(
+                [list(range(-(-n // self.block_size)))], -(-n // self.block_size)
+            )
             scratch = self._new_kv_cache(num_blocks)
             ids = np.asarray(token_ids, dtype=np.int64)  # every stage gets ids here
-            tables = [[list(range(num_blocks))]] * self.num_kv_cache_groups
             inputs = step_inputs([(0, n, n)], tables, 0, self.block_size, self.device, ids)
             stage_inputs = self._stage_inputs(intermediate[i] if intermediate else None, n)
             hidden = self._forward(inputs, scratch, stage_inputs)

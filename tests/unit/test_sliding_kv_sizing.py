@@ -12,7 +12,7 @@ from hybridllm.plan.memory_budget import (
 )
 from hybridllm.plan.model_size import model_size
 from hybridllm.plan.plan import StagePlan, WorkerPlacement
-from hybridllm.worker.kv_cache_budget import group_block_needs, split_kv_budget
+from hybridllm.worker.kv_cache_budget import group_block_needs, split_paged_kv_budget
 
 FULL = KVCacheGroupSpec(None, (1,))
 SLIDING = KVCacheGroupSpec(128, (0, 2, 3))
@@ -30,31 +30,31 @@ def test_sliding_need_is_bounded_by_the_window_not_the_context():
 def test_sliding_groups_get_their_need_and_the_full_group_the_rest():
     per_block = [100, 300]  # one full layer, three sliding ones
     needs = [10_000, 113]
-    blocks = split_kv_budget(500_000, per_block, needs, first_is_full=True)
+    blocks = split_paged_kv_budget(500_000, per_block, needs, first_is_full=True)
     assert blocks[1] == 113
     assert blocks[0] == (500_000 - 113 * 300) // 100
-    assert split_kv_budget(10**9, per_block, needs, True) == needs  # never more than needed
+    assert split_paged_kv_budget(10**9, per_block, needs, True) == needs  # never more than needed
 
 
 def test_a_short_budget_keeps_no_more_sliding_blocks_than_full_ones():
     # 50 full blocks cost 5,000 bytes; the sliding group then holds at most 51 (its null block)
-    blocks = split_kv_budget(20_300, [100, 300], [10_000, 113], first_is_full=True)
+    blocks = split_paged_kv_budget(20_300, [100, 300], [10_000, 113], first_is_full=True)
     assert blocks == [50, 51]
     assert 100 * blocks[0] + 300 * blocks[1] <= 20_300
 
 
 def test_without_a_full_group_the_budget_is_shared_in_proportion():
-    blocks = split_kv_budget(30_000, [100, 300], [100, 200], first_is_full=False)
+    blocks = split_paged_kv_budget(30_000, [100, 300], [100, 200], first_is_full=False)
     assert blocks == [int(100 * 30_000 / 70_000), int(200 * 30_000 / 70_000)]
 
 
 def test_one_group_takes_what_fits():
-    assert split_kv_budget(1000, [100], [50], True) == [10]
-    assert split_kv_budget(10**6, [100], [50], False) == [50]
+    assert split_paged_kv_budget(1000, [100], [50], True) == [10]
+    assert split_paged_kv_budget(10**6, [100], [50], False) == [50]
 
 
 def test_a_worker_without_a_group_does_not_limit_it():
-    assert split_kv_budget(10**6, [0, 300], [100, 20], True) == [100, 20]
+    assert split_paged_kv_budget(10**6, [0, 300], [100, 20], True) == [100, 20]
 
 
 def hybrid_config(**extra):

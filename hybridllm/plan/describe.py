@@ -108,6 +108,8 @@ def describe_plan(
     capacity = min((m.kv_capacity_tokens for m in usage if m.kv_bytes_per_token), default=0)
     if size.layer_windows:
         lines.append(_sliding_text(size, usage, budgets))
+    if size.linear_layers:
+        lines.append(_linear_text(size, usage, budgets))
     lines.append(
         f"  KV cache: {capacity:,} tokens (the smallest device decides; "
         f"{budgets.kv_reserve_tokens:,} reserved), "
@@ -222,6 +224,20 @@ def _sliding_text(size: ModelSize, usage: tuple[DeviceMemory, ...], budgets: Mem
         f"{'/'.join(str(w) for w in windows)}) keep {budgets.max_num_seqs} sequences' windows "
         f"and one step's tokens, whatever the context: {fixed}; KV/token counts the "
         f"{size.num_layers - num_sliding} full-attention layers"
+    )
+
+
+def _linear_text(size: ModelSize, usage: tuple[DeviceMemory, ...], budgets: MemoryBudgets) -> str:
+    """The linear-attention layers' states: per sequence, not per token."""
+    num_linear = sum(size.linear_layers)
+    fixed = ", ".join(
+        f"{m.device} {format_bytes(m.kv_fixed_bytes)}" for m in usage if m.kv_fixed_bytes
+    )
+    return (
+        f"  linear-attention layers: {num_linear} of {size.num_layers} keep a "
+        f"{format_bytes(size.state_bytes_per_layer)} state per sequence each, whatever the "
+        f"context ({budgets.max_num_seqs} sequences: {fixed}); KV/token counts the "
+        f"{size.num_layers - num_linear} full-attention layers"
     )
 
 

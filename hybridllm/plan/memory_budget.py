@@ -144,9 +144,11 @@ def worker_sliding_kv_bytes(
     size: ModelSize, stage: StagePlan, tp_rank: int, budgets: MemoryBudgets
 ) -> int:
     """KV bytes this worker's sliding-window layers hold at most: max_num_seqs windows and one
-    step's tokens each, whatever the context (0 without such layers)."""
+    step's tokens each, whatever the context; and its linear-attention layers' states, one per
+    sequence (0 without such layers)."""
+    states = size.state_bytes(stage.layer_start, stage.layer_end, budgets.max_num_seqs)
     if not size.layer_windows:
-        return 0
+        return states
     per_head = size.for_worker(stage, tp_rank).kv_bytes_per_token_per_layer // size.num_kv_heads
     rows = size.sliding_kv_tokens(
         stage.layer_start,
@@ -155,7 +157,7 @@ def worker_sliding_kv_bytes(
         budgets.max_num_seqs,
         budgets.max_num_batched_tokens,
     )
-    return rows * worker_shard(size, stage, tp_rank).kv_heads * per_head
+    return states + rows * worker_shard(size, stage, tp_rank).kv_heads * per_head
 
 
 @dataclass(frozen=True)

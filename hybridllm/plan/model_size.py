@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hybridllm.engine.kv_cache_groups import sliding_window_for_layer
+from hybridllm.engine.kv_cache_groups import is_linear_attention_layer, sliding_window_for_layer
 from hybridllm.plan.moe_size import MoeSize, moe_size
 
 if TYPE_CHECKING:
@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
 _MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gpt_oss", "minimax_m2")
+# Gated DeltaNet layers beside gated full attention: a fixed state per sequence, no KV
+_LINEAR_ATTENTION = ("qwen3_next", "qwen3_5_moe_text")
 # multi-head latent attention: the cache holds one latent row a token a layer
 _MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe_lite")
 
@@ -60,6 +62,14 @@ class ModelSize:
     # each layer's sliding window (None: full attention); empty when no layer has one. A
     # sliding layer's KV cache is bounded per sequence (engine/kv_cache_groups.py)
     layer_windows: tuple[int | None, ...] = ()
+    # each layer's kind, True for linear attention (empty when none is): such a layer holds
+    # `state_bytes_per_layer` per running sequence (fp32) instead of KV per token, and its
+    # projections are `linear_attention_params`
+    linear_layers: tuple[bool, ...] = ()
+    gated_query: bool = False  # q_proj also gives each head's output gate (Qwen3-Next)
+    linear_attention_params: int = 0
+    linear_other_bytes: int = 0  # a linear layer's norms, conv taps and decay parameters
+    state_bytes_per_layer: int = 0
 
     @property
     def dtype_bytes(self) -> int:
@@ -121,7 +131,9 @@ class ModelSize:
         (MLA's attention is not sharded: such models run without tensor parallelism)."""
         q, kv = q_heads * self.head_dim, kv_heads * self.head_dim
         attention = (
-            self.mla_attention_params or self.hidden_size * (q + 2 * kv) + q * self.hidden_size
+            self.mla_attention_params
+            or self.hidden_size * ((2 if self.gated_query else 1) * q + 2 * kv)
+            + q * self.hidden_size
         )
         return attention + self.mlp_matrices * self.hidden_size * intermediate
 
@@ -130,12 +142,20 @@ class ModelSize:
         per_param = self.matmul_bytes_per_param or self.dtype_bytes
         return round(matmul * per_param) + self.layer_other_bytes
 
+    def is_linear(self, layer: int) -> bool:
+        return bool(self.linear_layers) and self.linear_layers[layer]
+
+    def attention_params(self, layer: int) -> int:
+        """Matmul weights of `layer`'s token mixer (unsharded)."""
+        if self.is_linear(layer):
+            return self.linear_attention_params
+        return self.shard_matmul_params(self.num_heads, self.num_kv_heads, 0)
+
     def layer_matmul_params(self, layer: int, routed: bool = True) -> int:
         """Matmul weights of decoder layer `layer`, its routed experts left out unless `routed`."""
         if self.moe is None:
             return self.matmul_params_per_layer
-        attention = self.shard_matmul_params(self.num_heads, self.num_kv_heads, 0)
-        return attention + self.moe.mlp_params(layer, routed)
+        return self.attention_params(layer) + self.moe.mlp_params(layer, routed)
 
     def layer_weight_bytes(self, layer: int, routed: bool = True) -> int:
         """Parameter bytes of decoder layer `layer` (unsharded), without its routed experts
@@ -143,7 +163,8 @@ class ModelSize:
         if self.moe is None:
             return self.layer_bytes
         per_param = self.matmul_bytes_per_param or self.dtype_bytes
-        return round(self.layer_matmul_params(layer, routed) * per_param) + self.layer_other_bytes
+        other = self.linear_other_bytes if self.is_linear(layer) else self.layer_other_bytes
+        return round(self.layer_matmul_params(layer, routed) * per_param) + other
 
     def routed_expert_bytes(self, layer: int) -> int:
         """Bytes of every routed expert of `layer` (0 for dense layers and dense models)."""
@@ -166,7 +187,7 @@ class ModelSize:
         """Weights one token multiplies by in `layer` (top_k experts of a sparse layer)."""
         if self.moe is None:
             return self.matmul_params_per_layer
-        attention = self.shard_matmul_params(self.num_heads, self.num_kv_heads, 0)
+        attention = self.attention_params(layer)
         if not routed:
             return attention + self.moe.mlp_params(layer, routed=False)
         return attention + self.moe.active_mlp_params(layer)
@@ -175,16 +196,25 @@ class ModelSize:
         return num_layers * self.kv_bytes_per_token_per_layer
 
     def full_attention_layers(self, start: int, end: int) -> int:
-        """How many of layers [start, end) keep every token's KV (no sliding window)."""
+        """How many of layers [start, end) keep every token's KV (no sliding window, not linear
+        attention)."""
+        layers = [i for i in range(start, end) if not self.is_linear(i)]
         if not self.layer_windows:
-            return end - start
-        return sum(w is None for w in self.layer_windows[start:end])
+            return len(layers)
+        return sum(self.layer_windows[i] is None for i in layers)
 
     def attended_context(self, start: int, end: int, context_len: int) -> int:
-        """Keys a query at `context_len` reads, summed over layers [start, end)."""
+        """Keys a query at `context_len` reads, summed over layers [start, end) (linear
+        attention reads its state: none)."""
+        layers = [i for i in range(start, end) if not self.is_linear(i)]
         if not self.layer_windows:
-            return (end - start) * context_len
-        return sum(min(context_len, w or context_len) for w in self.layer_windows[start:end])
+            return len(layers) * context_len
+        return sum(min(context_len, self.layer_windows[i] or context_len) for i in layers)
+
+    def state_bytes(self, start: int, end: int, max_num_seqs: int) -> int:
+        """Linear-attention state layers [start, end) hold for `max_num_seqs` sequences."""
+        layers = sum(self.is_linear(i) for i in range(start, end))
+        return layers * max_num_seqs * self.state_bytes_per_layer
 
     def sliding_kv_tokens(
         self, start: int, end: int, max_tokens: int, max_num_seqs: int, chunk: int
@@ -248,11 +278,13 @@ def model_size(
     if cpu_kv_dtype not in (None, dtype):
         kv = size.kv_bytes_per_token_per_layer * DTYPE_BYTES[cpu_kv_dtype] // DTYPE_BYTES[dtype]
     windows = tuple(sliding_window_for_layer(hf_config, i) for i in range(size.num_layers))
+    linear = tuple(is_linear_attention_layer(hf_config, i) for i in range(size.num_layers))
     return dataclasses.replace(
         size,
         cpu_blocks=cpu_blocks,
         cpu_kv_bytes_per_token_per_layer=kv,
         layer_windows=windows if any(w is not None for w in windows) else (),
+        linear_layers=linear if any(linear) else (),
     )
 
 
@@ -285,6 +317,13 @@ def _llama_size(c: Any, dtype: str, model_type: str) -> ModelSize:
     if model_type in ("gemma2", "gemma3_text"):
         extra += 2 * hidden  # the norms before and after the MLP
         extra += 2 * head_dim if model_type == "gemma3_text" else 0
+    linear_params = linear_extra = state_floats = 0
+    if model_type in _LINEAR_ATTENTION:
+        # gated attention: q_proj also gives each head's output gate; q/k norms
+        matmul += hidden * q
+        extra += 2 * head_dim
+        linear_params, linear_extra, state_floats = _gated_deltanet_sizes(c)
+        linear_extra += 2 * hidden  # input and post-attention RMSNorm
     if model_type == "gpt_oss" and moe is not None:
         # sinks, router bias, the experts' gate/up and down biases
         extra += heads + moe.num_experts * (1 + 2 * moe.expert_intermediate + hidden)
@@ -308,7 +347,24 @@ def _llama_size(c: Any, dtype: str, model_type: str) -> ModelSize:
         mlp_matrices=3,
         layer_other_bytes=extra * b,
         moe=moe,
+        gated_query=model_type in _LINEAR_ATTENTION,
+        linear_attention_params=linear_params,
+        linear_other_bytes=linear_extra * b,
+        state_bytes_per_layer=4 * state_floats,
     )
+
+
+def _gated_deltanet_sizes(c: Any) -> tuple[int, int, int]:
+    """(matmul parameters, other parameters, fp32 state values per sequence) of one Gated
+    DeltaNet layer (layers/gated_delta_net.py)."""
+    k_heads, v_heads = c.linear_num_key_heads, c.linear_num_value_heads
+    key, value = k_heads * c.linear_key_head_dim, v_heads * c.linear_value_head_dim
+    conv_dim, kernel = 2 * key + value, c.linear_conv_kernel_dim
+    hidden = c.hidden_size
+    matmul = hidden * (conv_dim + value + 2 * v_heads) + value * hidden
+    other = conv_dim * kernel + 2 * v_heads + c.linear_value_head_dim
+    state = conv_dim * (kernel - 1) + v_heads * c.linear_key_head_dim * c.linear_value_head_dim
+    return matmul, other, state
 
 
 def _mla_size(c: Any, dtype: str, model_type: str) -> ModelSize:

@@ -18,7 +18,11 @@ _MOE_TYPES = {
     "glm4_moe": (128, "moe_intermediate_size"),
     "gpt_oss": (128, "intermediate_size"),
     "minimax_m2": (256, "intermediate_size"),
+    "qwen3_next": (512, "moe_intermediate_size"),
+    "qwen3_5_moe_text": (256, "moe_intermediate_size"),
 }
+# Qwen-style blocks: a sigmoid-gated shared expert of `shared_expert_intermediate_size`
+_QWEN_SHARED = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
 # DeepSeek-style blocks: `n_shared_experts` ungated shared experts, leading dense layers
 DEEPSEEK_STYLE = ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe_lite", "glm4_moe")
 
@@ -126,17 +130,17 @@ class MoeSize:
 
 def moe_size(hf_config: Any) -> MoeSize | None:
     """The MoE sizes of a Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4.5,
-    gpt-oss or MiniMax-M2 config; None for dense models."""
+    gpt-oss, MiniMax-M2, Qwen3-Next or Qwen3.5-MoE config; None for dense models."""
     model_type = getattr(hf_config, "model_type", "") or ""
     if model_type not in _MOE_TYPES:
         return None
     default, width = _MOE_TYPES[model_type]
     num_layers = hf_config.num_hidden_layers
     dense: frozenset[int] = frozenset()
-    if model_type in ("qwen2_moe", "qwen3_moe"):
+    if model_type in ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text"):
         dense = qwen_dense_layers(hf_config)
     shared = 0
-    if model_type == "qwen2_moe":
+    if model_type in _QWEN_SHARED:
         shared = int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
     deepseek = model_type in DEEPSEEK_STYLE
     if deepseek:

@@ -126,7 +126,8 @@ def split_kv_budget(
     blocks = [0] * len(groups)
     for i in state:
         per_slot = bytes_per_block[i]
-        share = budget if not paged else budget // 2
+        # half, unless this worker holds no paged layer
+        share = budget // 2 if any(bytes_per_block[j] for j in paged) else budget
         blocks[i] = needs[i] if per_slot == 0 else min(needs[i], share // per_slot)
         budget -= blocks[i] * per_slot
     if paged:

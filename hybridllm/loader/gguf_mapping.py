@@ -1,6 +1,6 @@
 """GGUF metadata and tensor names mapped to their Hugging Face equivalents (Llama/Qwen families,
 MoEs, DeepSeek-V2/V3 and GLM-4.5 / GLM-4.7-Flash; Gemma 2/3, gpt-oss and MiniMax-M2 in
-gguf_mapping_variants)."""
+gguf_mapping_variants; Qwen3-Next and Qwen3.5-MoE in gguf_mapping_linear)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridllm.loader.gguf_mapping_linear import (
+    LINEAR_BLOCK_NAMES,
+    UNSHIFTED_NORMS,
+    is_linear,
+    linear_kwargs,
+)
 from hybridllm.loader.gguf_mapping_variants import VARIANT_BLOCK_NAMES, is_variant, variant_kwargs
 from hybridllm.loader.model_source import ModelLoadError
 
@@ -23,6 +29,7 @@ class GGUFArch:
     hf_architecture: str  # config.architectures[0]
     rope_permuted: bool  # llama.cpp's converter interleaved q/k rows for its rope layout
     norm_shift: float = 0.0  # what the converter added to every norm weight (Gemma's 1 + w)
+    unshifted_norms: tuple[str, ...] = ()  # HF name suffixes of norms it did not add it to
 
 
 GGUF_ARCHS = {
@@ -41,6 +48,18 @@ GGUF_ARCHS = {
     "gemma3": GGUFArch("gemma3_text", "Gemma3ForCausalLM", rope_permuted=False, norm_shift=1.0),
     "gpt-oss": GGUFArch("gpt_oss", "GptOssForCausalLM", rope_permuted=False),
     "minimax-m2": GGUFArch("minimax_m2", "MiniMaxM2ForCausalLM", rope_permuted=False),
+    # hybrids of Gated DeltaNet and full attention (gguf_mapping_linear); 1 + w norms but the
+    # DeltaNet's gated one
+    "qwen3next": GGUFArch(
+        "qwen3_next", "Qwen3NextForCausalLM", False, norm_shift=1.0, unshifted_norms=UNSHIFTED_NORMS
+    ),
+    "qwen35moe": GGUFArch(
+        "qwen3_5_moe_text",
+        "Qwen3_5MoeForCausalLM",
+        False,
+        norm_shift=1.0,
+        unshifted_norms=UNSHIFTED_NORMS,
+    ),
 }
 # llama.cpp writes Mixtral as a `llama` file with experts (`llama.expert_count` > 0)
 MIXTRAL_ARCH = GGUFArch("mixtral", "MixtralForCausalLM", rope_permuted=True)
@@ -115,7 +134,8 @@ KV_B_PARTS = ("attn_k_b", "attn_v_b")
 # Present in some files but not model parameters (llama 3.1 stores its rope factors as a tensor).
 ROPE_FREQS_TENSOR = "rope_freqs.weight"  # per-frequency divisors (Llama 3.1+ rope scaling)
 _IGNORED_TENSORS = {ROPE_FREQS_TENSOR}  # read into the config, not a weight
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# `blk.N.<kind>.<weight|bias>`, or `blk.N.<kind>` (qwen3next's ssm_a)
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)(?:\.(weight|bias))?$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 _NEXTN_RE = re.compile(r"^blk\.\d+\.nextn\.")
 
@@ -178,9 +198,15 @@ def hf_tensor_name(
         block, kind, suffix = m.groups()
         if (num_layers is not None and int(block) >= num_layers) or kind == KV_B_PARTS[1]:
             return None
-        variant = VARIANT_BLOCK_NAMES.get(arch.model_type, {}) if arch is not None else {}
-        if f"{kind}.{suffix}" in variant:
-            return f"model.layers.{block}.{variant[f'{kind}.{suffix}']}"
+        names = {**VARIANT_BLOCK_NAMES, **LINEAR_BLOCK_NAMES}
+        variant = names.get(arch.model_type, {}) if arch is not None else {}
+        key = kind if suffix is None else f"{kind}.{suffix}"
+        if key in variant:
+            return f"model.layers.{block}.{variant[key]}"
+        if suffix is None:
+            raise ModelLoadError(
+                f"{path}: GGUF tensor {gguf_name!r} has no Hugging Face equivalent"
+            )
         if kind in _SHARED_EXPERTS and arch is not None and arch.model_type in _DEEPSEEK_STYLE:
             return f"model.layers.{block}.{_SHARED_EXPERTS[kind]}.{suffix}"
         if kind in _BLOCK_NAMES:
@@ -261,6 +287,9 @@ def hf_config_kwargs(
         "tie_word_embeddings": "output.weight" not in tensor_names,
         **generation_config_from_metadata(metadata),
     }
+    if is_linear(arch.model_type):
+        kwargs = linear_kwargs(arch.model_type, get, tensor_names, kwargs, _rope_parameters, path)
+        return arch, kwargs
     if is_variant(arch.model_type):
         kwargs = variant_kwargs(arch.model_type, get, tensor_names, kwargs, _rope_parameters, path)
         return arch, kwargs

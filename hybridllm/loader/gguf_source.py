@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES
 
 from hybridllm.loader.gguf_cache import GGUFConversionCache
 from hybridllm.loader.gguf_dequant import decoded_dtype, dequantize
@@ -26,6 +27,12 @@ from hybridllm.loader.gguf_mapping import (
     kv_b_from_parts,
     kv_b_shape,
     rope_row_order,
+)
+from hybridllm.loader.gguf_mapping_linear import (
+    is_a_log,
+    linear_hf_shape,
+    linear_row_order,
+    out_proj_column_order,
 )
 from hybridllm.loader.hf_config import HFConfig
 from hybridllm.loader.hf_folder import GENERATION_CONFIG_FILE, SAFETENSORS_FILE, HFFolderSource
@@ -147,7 +154,9 @@ class GGUFSource(ModelSource):
         if self._is_k_b(info):
             v_b = self._v_b_info(gguf, info)
             return kv_b_shape(info.shape, v_b.shape), torch.float32
-        return info.shape, decoded_dtype(info.ggml_type)
+        name = self._hf_name(info.name)
+        shape = info.shape if name is None else linear_hf_shape(name, info.shape)
+        return shape, decoded_dtype(info.ggml_type)
 
     @staticmethod
     def _is_k_b(info: GGUFTensorInfo) -> bool:
@@ -233,7 +242,8 @@ class GGUFSource(ModelSource):
         raw = gguf.raw_rows(info)
         if order is not None and len(info.shape) == 2:
             raw = raw[order]  # [rows, bytes_per_row]: permute whole quantized rows
-        if info.ggml_type in quantized_types and len(info.shape) >= 2:
+        raw, columns = self._column_blocks(raw, info, name)
+        if info.ggml_type in quantized_types and len(info.shape) >= 2 and columns is None:
             # a stack of experts [E, rows, cols] as blocks of its E * rows rows
             return QuantizedTensor(
                 raw, info.ggml_type, (math.prod(info.shape[:-1]), info.shape[-1])
@@ -244,19 +254,47 @@ class GGUFSource(ModelSource):
             raise ModelLoadError(
                 f"{self.path}: cannot decode tensor {info.name!r} ({info.ggml_type.name}): {e}"
             ) from None
-        if order is not None and len(info.shape) == 1:  # q/k bias: [rows]
+        if columns is not None:  # a value-head order within quantized blocks: decoded for it
+            tensor = tensor[:, torch.from_numpy(columns)]
+        if order is not None and len(info.shape) == 1:  # q/k bias, value-head entries: [rows]
             tensor = tensor[torch.from_numpy(order)]
         assert self.arch is not None
-        if self.arch.norm_shift and info.name.endswith("norm.weight"):
-            # Gemma's converter stored 1 + w: the checkpoint's w, as the model loads a folder's
+        if (
+            self.arch.norm_shift
+            and info.name.endswith("norm.weight")
+            and not name.endswith(self.arch.unshifted_norms)
+        ):
+            # Gemma's and Qwen3-Next's converters stored 1 + w: the checkpoint's w, as the
+            # model loads a folder's
             tensor = (tensor.float() - self.arch.norm_shift).to(tensor.dtype)
-        return tensor
+        if is_a_log(name):  # stored as A = -exp(A_log) (gguf_mapping_linear)
+            tensor = torch.log(-tensor.double()).to(tensor.dtype)
+        return tensor.reshape(linear_hf_shape(name, tuple(tensor.shape)))
+
+    def _column_blocks(
+        self, raw: np.ndarray, info: GGUFTensorInfo, name: str
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Qwen3.5's out_proj with its value heads' columns put back in order: in the raw rows
+        when a head spans whole blocks (quantized blocks kept), else (raw, the column order to
+        apply once decoded)."""
+        assert self.arch is not None
+        columns = out_proj_column_order(self.arch.model_type, name, self.hf_config)
+        if columns is None:
+            return raw, None
+        block_size, type_size = GGML_QUANT_SIZES[info.ggml_type]
+        head_dim = self.hf_config.linear_value_head_dim
+        if head_dim % block_size:
+            return raw, columns
+        blocks = columns.reshape(-1, block_size)[:, 0] // block_size  # whole blocks move
+        rows = raw.reshape(raw.shape[0], -1, type_size)[:, blocks.ravel()]
+        return np.ascontiguousarray(rows.reshape(raw.shape[0], -1)), None
 
     def _rope_row_order(self, hf_name: str, num_rows: int) -> np.ndarray | None:
-        """For llama-arch q/k projections, the row order undoing llama.cpp's permutation."""
+        """For llama-arch q/k projections, the row order undoing llama.cpp's permutation; for
+        Qwen3.5's value-head rows, the one undoing its value-head reorder."""
         assert self.arch is not None
         if not self.arch.rope_permuted:
-            return None
+            return linear_row_order(self.arch.model_type, hf_name, self.hf_config)
         if ".self_attn.q_proj." in hf_name:
             return rope_row_order(num_rows, self.hf_config.num_attention_heads)
         if ".self_attn.k_proj." in hf_name:

@@ -150,22 +150,36 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     prefix = f"deepseek-v3-{args.layers}l-{args.experts}e"
     folder = make_folder(args.out / f"{prefix}-hf", args.layers, args.experts)
-    bf16 = args.out / f"{prefix}.BF16.gguf"
+    convert_and_quantize(folder, args.out, prefix, args.types, bin_dir, args.threads)
+
+
+def convert_and_quantize(
+    folder: Path,
+    out: Path,
+    prefix: str,
+    types: list[str],
+    bin_dir: Path,
+    threads: int,
+    convert_args: tuple[str, ...] = (),
+) -> None:
+    """`folder` -> `out/prefix.BF16.gguf` (convert_hf_to_gguf.py) -> `out/prefix.TYPE.gguf`
+    for each of `types` (llama-quantize); a step whose output exists is skipped."""
+    bf16 = out / f"{prefix}.BF16.gguf"
     if not bf16.is_file():
         log(f"convert_hf_to_gguf.py -> {bf16}")
         tmp = bf16.with_suffix(".tmp")
         script = llamacpp_source(bin_dir) / "convert_hf_to_gguf.py"
-        cmd = [sys.executable, script, folder, "--outtype", "bf16", "--outfile", tmp]
-        run_tool(cmd, bin_dir, args.out / "convert.log")
+        cmd = [sys.executable, script, folder, "--outtype", "bf16", "--outfile", tmp, *convert_args]
+        run_tool(cmd, bin_dir, out / "convert.log")
         tmp.rename(bf16)
-    for type_name in args.types:
-        path = args.out / f"{prefix}.{type_name}.gguf"
+    for type_name in types:
+        path = out / f"{prefix}.{type_name}.gguf"
         if path.is_file():
             continue
         log(f"llama-quantize {type_name} -> {path}")
         tmp = path.with_name(path.name + ".tmp")
-        cmd = [bin_dir / "llama-quantize", bf16, tmp, type_name, args.threads]
-        run_tool(cmd, bin_dir, args.out / f"quantize-{type_name}.log")
+        cmd = [bin_dir / "llama-quantize", bf16, tmp, type_name, threads]
+        run_tool(cmd, bin_dir, out / f"quantize-{type_name}.log")
         tmp.rename(path)
         log(f"{path}: {path.stat().st_size / 2**30:.2f} GiB")
 

@@ -191,18 +191,17 @@ class GatedDeltaNet(nn.Module):
         self.kv_group = 0  # the state group's index among the KV cache groups (the model sets it)
 
     def weight_loaders(self, prefix: str) -> dict[str, WeightLoader]:
-        """HF name -> loader: Qwen3-Next's fused in_proj_qkvz / in_proj_ba, or Qwen3.5's
-        in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; conv1d.weight [C, 1, K]."""
+        """HF name -> loader: Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; Qwen3-Next
+        also its checkpoint's fused in_proj_qkvz (or a GGUF file's in_proj_qkv and in_proj_z:
+        `fused_names`) and fused in_proj_ba; conv1d.weight [C, 1, K]."""
         # here, not at the top: the model files that import this module import models.base
         from hybridllm.models.base import copy_loader, linear_loaders
 
+        loaders = linear_loaders(prefix, self.in_proj_qkvz, ("in_proj_qkv", "in_proj_z"))
         if self.fused_checkpoint:
-            loaders = {
-                f"{prefix}in_proj_qkvz.weight": self._fused_loader(self.in_proj_qkvz, "qkvz"),
-                f"{prefix}in_proj_ba.weight": self._fused_loader(self.in_proj_ba, "ba"),
-            }
+            loaders[f"{prefix}in_proj_qkvz.weight"] = self._fused_loader(self.in_proj_qkvz, "qkvz")
+            loaders[f"{prefix}in_proj_ba.weight"] = self._fused_loader(self.in_proj_ba, "ba")
         else:
-            loaders = linear_loaders(prefix, self.in_proj_qkvz, ("in_proj_qkv", "in_proj_z"))
             loaders.update(linear_loaders(prefix, self.in_proj_ba, ("in_proj_b", "in_proj_a")))
         loaders.update(linear_loaders(prefix, self.out_proj, "out_proj"))
         conv = self.conv_weight
@@ -211,6 +210,14 @@ class GatedDeltaNet(nn.Module):
             loaders[f"{prefix}{name}"] = copy_loader(param, name)
         loaders[f"{prefix}norm.weight"] = copy_loader(self.norm_weight, "norm.weight")
         return loaders
+
+    def fused_names(self, prefix: str) -> dict[str, set[str]]:
+        """A fused checkpoint tensor -> the split names it stands for (one way or the other
+        loads the rows; the model counts either as complete)."""
+        if not self.fused_checkpoint:
+            return {}
+        split = {f"{prefix}in_proj_qkv.weight", f"{prefix}in_proj_z.weight"}
+        return {f"{prefix}in_proj_qkvz.weight": split}
 
     def _fused_loader(self, linear: Linear, kind: str) -> WeightLoader:
         """Qwen3-Next stores, per key head, [q | k | its value heads' v | their z] (qkvz) or

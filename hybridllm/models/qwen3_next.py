@@ -227,6 +227,12 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
         loaders, optional = super()._build_weight_loaders(tied)
         for name in [n for n in loaders if _PLUS_ONE_NORM.search(n)]:
             loaders[name] = plus_one(loaders[name])
+        # Qwen3-Next folders fuse in_proj_qkvz, its GGUF files split it: either is complete
+        for layer_idx, layer in zip(range(self.start_layer, self.end_layer), self.layers):
+            if layer.linear_attn is not None:
+                prefix = f"model.layers.{layer_idx}.linear_attn."
+                self._covers.update(layer.linear_attn.fused_names(prefix))
+        optional |= set(self._covers)
         return loaders, optional
 
     def normalize_weight_name(self, name: str) -> str:

@@ -227,3 +227,38 @@ def test_v_head_order_undoes_the_converters_tiling():
     order = torch.from_numpy(v_head_order(k, k * r, d))
     assert torch.equal(gguf[order], hf)
     assert v_head_order(4, 4, 8) is None
+
+
+@needs_converter
+def test_greedy_tokens_equal_transformers(files):
+    """The F32 file through the engine (prompts longer than a delta-rule chunk, prefilled in
+    chunks, a one-token prompt) against transformers on the folder the file came from; the Q8_0
+    file runs the same prompts from its blocks."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridllm import LLM
+    from tests.integration.test_moe_models_vs_hf import ENGINE_KWARGS, MAX_TOKENS, PARAMS
+    from tests.moe_helpers import hf_greedy
+
+    kind, paths = files
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (70, 1, 9)]
+    hf = AutoModelForCausalLM.from_pretrained(
+        paths["hf"], dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    want = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    with torch.no_grad():  # each prompt's margin between its two likeliest first tokens
+        gaps = [hf(torch.tensor([p])).logits[0, -1].topk(2).values for p in prompts]
+    clear = [i for i, top in enumerate(gaps) if top[0] - top[1] > 0.2]
+    assert clear  # the Q8_0 check below compares these prompts' first tokens
+    for path in (paths["F32"], paths[QUANT]):
+        llm = LLM(str(path), **{**ENGINE_KWARGS, "kv_cache_dtype": "float32"})
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
+        finally:
+            llm.shutdown()
+        got = [list(o.outputs[0].token_ids) for o in outs]
+        if path == paths["F32"]:
+            assert got == want
+        else:  # 8-bit blocks: first tokens agree where no near-tie can flip them
+            assert [got[i][0] for i in clear] == [want[i][0] for i in clear]

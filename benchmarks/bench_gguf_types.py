@@ -5,7 +5,8 @@ every type into /work/gguf-files/): hybridllm's batch-1 decode of 64 tokens (`--
 after a 1-token prompt against `llama-bench -p 0 -n 64`, and the time to first token of a
 512-token prompt (`--prompt-len`) against `llama-bench -p 512 -n 0`, same threads, in alternating
 rounds (hybridllm, then llama.cpp, `--rounds` times; the best of each is reported, every round
-in the JSON), and hybridllm's peak resident memory against the file's size.
+in the JSON), and hybridllm's peak resident memory against the file's size. `--depths 0 8192`
+also decodes after a context that long (`llama-bench -d 8192`).
 
 hybridllm runs in a child process of this script (one per file, loaded once, kept across the
 rounds; `benchmarks/bench_offline.py`'s HybridRunner: the engine as `bench_cpu_gguf.py` runs it,
@@ -87,7 +88,7 @@ def child(args: argparse.Namespace) -> None:
         "auto",
         args.child,
         cpu_threads=args.threads,
-        max_model_len=args.prompt_len + args.new_tokens + 16,
+        max_model_len=max(args.prompt_len, *args.depths) + args.new_tokens + 16,
         kv_cache_memory=args.kv_cache_memory,
     )
     engine = runner.llm.llm_engine
@@ -110,11 +111,16 @@ def child(args: argparse.Namespace) -> None:
         if not cmd or cmd[0] == "quit":
             break
         rng = random.Random(int(cmd[1]))
-        # decode: 64 tokens after the first, from an empty context as llama-bench -p 0 -n 64
-        _, rest = timed([rng.randrange(VOCAB_LOW, vocab)], decode_params)
+        # decode: 64 tokens after the first, from an empty context as llama-bench -p 0 -n 64,
+        # and after a prompt of each further depth as llama-bench -p 0 -n 64 -d DEPTH
+        decode = {}
+        for depth in args.depths:
+            prompt = [rng.randrange(VOCAB_LOW, vocab) for _ in range(max(1, depth))]
+            _, rest = timed(prompt, decode_params)
+            decode[str(depth)] = args.new_tokens / rest
         prompt = [rng.randrange(VOCAB_LOW, vocab) for _ in range(args.prompt_len)]
         ttft, _ = timed(prompt, ttft_params)
-        emit({"decode_tok_s": args.new_tokens / rest, "ttft_s": ttft})
+        emit({"decode_tok_s": decode, "ttft_s": ttft})
     runner.close()
     emit({"peak_rss": peak_rss_bytes()})
 
@@ -130,7 +136,8 @@ class HybridChild:
     def __init__(self, path: Path, args: argparse.Namespace, vocab: int):
         cmd = [sys.executable, __file__, "--child", str(path), "--threads", str(args.threads),
                "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len),
-               "--vocab", str(vocab), "--kv-cache-memory", args.kv_cache_memory]  # fmt: skip
+               "--vocab", str(vocab), "--kv-cache-memory", args.kv_cache_memory,
+               "--depths", *map(str, args.depths)]  # fmt: skip
         self.log = open(args.log_dir / f"hybridllm-{path.stem}.log", "w")
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True
@@ -194,20 +201,25 @@ def vocab_size(path: Path) -> int:
 def bench_file(path: Path, args: argparse.Namespace) -> dict:
     print(f"[bench_gguf_types] {path.name}", file=sys.stderr, flush=True)
     ours = HybridChild(path, args, vocab_size(path))
-    rounds: dict[str, list[float]] = {
-        k: [] for k in ("ours_tok_s", "ours_ttft_s", "theirs_tok_s", "theirs_ttft_s")
-    }
+    first, *deeper = args.depths
+    keys = ["ours_tok_s", "ours_ttft_s", "theirs_tok_s", "theirs_ttft_s"]
+    keys += [f"{who}_tok_s_depth_{d}" for d in deeper for who in ("ours", "theirs")]
+    rounds: dict[str, list[float]] = {k: [] for k in keys}
     try:
         for r in range(args.rounds):
             got = ours.round(1000 + r)
-            rounds["ours_tok_s"].append(got["decode_tok_s"])
+            rounds["ours_tok_s"].append(got["decode_tok_s"][str(first)])
+            for d in deeper:
+                rounds[f"ours_tok_s_depth_{d}"].append(got["decode_tok_s"][str(d)])
             rounds["ours_ttft_s"].append(got["ttft_s"])
             if args.llamacpp_bin:
-                tg = llama_bench(args.llamacpp_bin, path, args.threads,
-                                 "-p", "0", "-n", str(args.new_tokens))  # fmt: skip
+                for d in args.depths:
+                    tg = llama_bench(args.llamacpp_bin, path, args.threads,
+                                     "-p", "0", "-n", str(args.new_tokens), "-d", str(d))  # fmt: skip
+                    key = "theirs_tok_s" if d == first else f"theirs_tok_s_depth_{d}"
+                    rounds[key].append(tg)
                 pp = llama_bench(args.llamacpp_bin, path, args.threads,
                                  "-p", str(args.prompt_len), "-n", "0")  # fmt: skip
-                rounds["theirs_tok_s"].append(tg)
                 rounds["theirs_ttft_s"].append(args.prompt_len / pp)
     finally:
         peak = ours.close() if ours.proc.poll() is None else None
@@ -227,6 +239,9 @@ def bench_file(path: Path, args: argparse.Namespace) -> dict:
         "ours_tok_s": max(rounds["ours_tok_s"]),
         "ours_ttft_s": min(rounds["ours_ttft_s"]),
     }
+    for key in keys[4:]:  # decode after deeper contexts: the best round of each
+        if rounds[key]:
+            result[key] = max(rounds[key])
     if rounds["theirs_tok_s"]:
         result["theirs_tok_s"] = max(rounds["theirs_tok_s"])
         result["theirs_ttft_s"] = min(rounds["theirs_ttft_s"])
@@ -256,6 +271,13 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
             f"{f(r['peak_rss_bytes'] and r['peak_rss_bytes'] / 2**20, '.0f')} | "
             f"{f(r['rss_over_file'], '.2f')} | {f(r['model_rss_over_file'], '.2f')} |"
         )
+    for r in results:
+        for d in args.depths[1:]:
+            ours, theirs = r[f"ours_tok_s_depth_{d}"], r.get(f"theirs_tok_s_depth_{d}")
+            lines.append(
+                f"- {r['type']}: decode after {d} tokens of context: hybridllm {ours:.1f} tok/s "
+                f"({ours / r['ours_tok_s']:.2f}x its first depth's), llama.cpp {f(theirs, '.1f')}"
+            )
     return "\n".join(lines)
 
 
@@ -269,6 +291,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument(
+        "--depths",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="decode after a prompt this long (0: one token), each; llama-bench -d the same",
+    )
     ap.add_argument(
         "--kv-cache-memory",
         default="128MiB",

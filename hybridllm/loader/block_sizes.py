@@ -37,8 +37,11 @@ def gguf_block_sizes(source: ModelSource, num_layers: int) -> GGUFBlockSizes | N
     infos = tensor_infos()
     kept_params = kept_bytes = total_params = 0
     for layer in range(num_layers):
-        stacks = _mla_attention(infos, layer) or list(_ATTENTION)
-        for name in ("attn_k_b", "attn_v_b", "attn_kv_b"):  # MLA's up-projections: floats
+        stacks = (
+            _mla_attention(infos, layer) or _linear_attention(infos, layer) or list(_ATTENTION)
+        )
+        # floats: MLA's up-projections, Qwen3-Next's per-key-head interleaved ssm_ba
+        for name in ("attn_k_b", "attn_v_b", "attn_kv_b", "ssm_ba"):
             info = infos.get(f"blk.{layer}.{name}.weight")
             total_params += math.prod(info.shape) if info is not None else 0
         if f"blk.{layer}.ffn_gate_exps.weight" in infos:
@@ -67,6 +70,17 @@ def gguf_block_sizes(source: ModelSource, num_layers: int) -> GGUFBlockSizes | N
     embedding = kept_nbytes("token_embd.weight")
     head = kept_nbytes("output.weight") if "output.weight" in infos else embedding
     return GGUFBlockSizes(kept_params, kept_bytes, total_params, head, embedding)
+
+
+def _linear_attention(infos: dict, layer: int) -> list[tuple[str, ...]] | None:
+    """A Gated DeltaNet layer's linears kept as blocks (None: not one): q|k|v and z into one
+    Linear, the output; Qwen3.5's separate beta and alpha into another."""
+    if f"blk.{layer}.ssm_out.weight" not in infos:
+        return None
+    stacks = [("attn_qkv", "attn_gate"), ("ssm_out",)]
+    if f"blk.{layer}.ssm_beta.weight" in infos:
+        stacks.append(("ssm_beta", "ssm_alpha"))
+    return stacks
 
 
 def _mla_attention(infos: dict, layer: int) -> list[tuple[str, ...]] | None:

@@ -150,7 +150,7 @@ def test_half_precision(dtype, cpu_backend):
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 @pytest.mark.parametrize("window", [None, 6])
 def test_16_bit_cache_under_fp32(kv_dtype, head_dim, window, cpu_backend):
     # kv_cache_dtype: fp32 queries over a float16/bfloat16 cache, widened as read (head_dim 64
@@ -200,12 +200,13 @@ def test_long_decode_contexts(cpu_backend):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (10, 2), (12, 2), (4, 4)])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (10, 2), (12, 2), (4, 4), (16, 2)])
 @pytest.mark.parametrize("window", [None, 6])
 def test_register_blocked_decode_head_dims(head_dim, num_heads, num_kv_heads, window, cpu_backend):
-    # the native op's AVX-512 path for head_dim 64/128: query groups of 3, 5 and 6 (more rows
-    # than one register pass holds) and 1; ten sequences for whole-sequence items, three for
+    # the native op's AVX-512 path for head_dim 64/128/256 (256: values in slices of 64
+    # columns): query groups of 3, 5, 6 and 8 (more rows than one register pass holds) and 1;
+    # ten sequences for whole-sequence items, three for
     # per-head ones
     specs = [(c, 1) for c in (13, 5, 32, 1, 40, 7, 16, 17, 2, 29)]
     for batch in (specs, specs[:3]):

@@ -114,14 +114,16 @@ inline __m512 sum_lanes16(const __m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
 }
 
-// Pass 2 for kR query rows of one KV head: out[r] = sum_t p[r, t] v_t / sum_r (p: [kR][n]).
-// kR is a compile-time count: with a run-time row count the compiler kept the kR x kDim / 16
-// sums on the stack, a load and a store around every FMA.
-template <typename kv_t, int kDim, int kR>
+// Pass 2 for kR query rows of one KV head, over the kCols value columns from `head_off` (a
+// head's first kCols, or a slice of a wider head): out[r] = sum_t p[r, t] v_t / sum_r
+// (p: [kR][n]; out rows kStride floats apart). kR is a compile-time count: with a run-time row
+// count the compiler kept the kR x kCols / 16 sums on the stack, a load and a store around
+// every FMA.
+template <typename kv_t, int kCols, int kR, int kStride = kCols>
 inline void weighted_values(const kv_t* const* token_rows, int64_t head_off, const float* p,
                             int64_t n, const float* inv_sum, float* ob,
                             SpreadPrefetch<kv_t>& next) {
-  constexpr int kVec = kDim / 16;
+  constexpr int kVec = kCols / 16;
   __m512 acc[kR][kVec];
   for (int r = 0; r < kR; ++r)
     for (int i = 0; i < kVec; ++i) acc[r][i] = _mm512_setzero_ps();
@@ -138,7 +140,7 @@ inline void weighted_values(const kv_t* const* token_rows, int64_t head_off, con
   for (int r = 0; r < kR; ++r) {
     const __m512 inv = _mm512_set1_ps(inv_sum[r]);
     for (int i = 0; i < kVec; ++i)
-      _mm512_storeu_ps(ob + r * kDim + 16 * i, _mm512_mul_ps(acc[r][i], inv));
+      _mm512_storeu_ps(ob + r * kStride + 16 * i, _mm512_mul_ps(acc[r][i], inv));
   }
 }
 
@@ -158,7 +160,12 @@ int64_t decode_item_avx512(const float* qb, const kv_t* const* token_rows, int64
                            float* scores, float* inv_sum, float* ob,
                            const kv_t* const* next_rows, int64_t next_n, int64_t streamed) {
   constexpr int kVec = kDim / 16;                      // zmm per head row
-  constexpr int kRows = kVec <= 4 ? 4 : kVec <= 8 ? 2 : 1;  // pass 2: <= 16 zmm of sums
+  constexpr int kRows = kVec <= 4 ? 4 : 2;  // pass 2: <= 16 zmm of sums
+  // pass 2 over kCols value columns at a time: a head wider than 128 (Qwen3-Next's and
+  // Gemma's 256) goes in slices of 64 columns, 4 rows each, so the sums stay in registers and
+  // each value row is read ceil(G / 4) times instead of G
+  constexpr int kCols = kDim > 128 ? 64 : kDim;
+  constexpr int kSliceRows = kDim > 128 ? 4 : kRows;
   auto row_ptr = [&](int64_t t) { return token_rows[t]; };  // K row (all heads); + value_offset: V
   // the next item's rows over this item's steps: heads * n key rows, heads * ceil(G / kRows) * n
   // value rows. Returns how many of its tokens were asked for.
@@ -169,7 +176,8 @@ int64_t decode_item_avx512(const float* qb, const kv_t* const* token_rows, int64
     next.offset = h0 * head_stride;
     next.value_bytes = value_offset * sizeof(kv_t);
     next.row_bytes = heads * kDim * sizeof(kv_t);
-    const int64_t steps = heads * n * (1 + (group + kRows - 1) / kRows);
+    const int64_t steps =
+        heads * n * (1 + (kDim / kCols) * ((group + kSliceRows - 1) / kSliceRows));
     next.steps_per_token = next.countdown = std::max<int64_t>(1, steps / next_n);
   }
   // pass 1: scores[r, t] = q_r . k_t, a tile of 16 keys at a time: every query row of the
@@ -207,20 +215,23 @@ int64_t decode_item_avx512(const float* qb, const kv_t* const* token_rows, int64
     }
   }
   softmax_numerators(scores, heads * group, n, inv_sum, softcap, sinks);
-  // pass 2: out[r] = sum_t p[r, t] v_t / sum_r, kRows query rows at a time
+  // pass 2: out[r] = sum_t p[r, t] v_t / sum_r, kSliceRows query rows over kCols columns at
+  // a time
   for (int64_t hh = 0; hh < heads; ++hh) {
-    const int64_t head_off = value_offset + (h0 + hh) * head_stride;
-    for (int64_t g0 = 0; g0 < group; g0 += kRows) {
-      const int64_t r0 = hh * group + g0;
-      const auto run = [&](auto rows_tag) {
-        weighted_values<kv_t, kDim, decltype(rows_tag)::value>(
-            token_rows, head_off, scores + r0 * n, n, inv_sum + r0, ob + r0 * kDim, next);
-      };
-      switch (std::min<int64_t>(kRows, group - g0)) {
-        case 1: run(std::integral_constant<int, 1>{}); break;
-        case 2: run(std::integral_constant<int, 2>{}); break;
-        case 3: run(std::integral_constant<int, 3>{}); break;
-        default: run(std::integral_constant<int, kRows>{});
+    for (int64_t c0 = 0; c0 < kDim; c0 += kCols) {
+      const int64_t head_off = value_offset + (h0 + hh) * head_stride + c0;
+      for (int64_t g0 = 0; g0 < group; g0 += kSliceRows) {
+        const int64_t r0 = hh * group + g0;
+        const auto run = [&](auto rows_tag) {
+          weighted_values<kv_t, kCols, decltype(rows_tag)::value, kDim>(
+              token_rows, head_off, scores + r0 * n, n, inv_sum + r0, ob + r0 * kDim + c0, next);
+        };
+        switch (std::min<int64_t>(kSliceRows, group - g0)) {
+          case 1: run(std::integral_constant<int, 1>{}); break;
+          case 2: run(std::integral_constant<int, 2>{}); break;
+          case 3: run(std::integral_constant<int, 3>{}); break;
+          default: run(std::integral_constant<int, kSliceRows>{});
+        }
       }
     }
   }
@@ -397,13 +408,15 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_
   at::Tensor out = at::empty_like(query);
   const float s = static_cast<float>(scale), cap = static_cast<float>(softcap);
   const float* sink_ptr = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
-  // head_dim 64 and 128 compiled in (fully unrolled dot products), others read at run time
+  // head_dim 64, 128 and 256 (Gemma, Qwen3-Next) compiled in (fully unrolled dot products, the
+  // AVX-512 path), others read at run time
   auto run = [&](auto query_tag, auto kv_tag) {
     using scalar_t = decltype(query_tag);
     using kv_t = decltype(kv_tag);
     switch (query.size(2)) {
       case 64: decode_kernel<scalar_t, kv_t, 64>(out, query, kv_cache, block_tables, seq_lens, s, window, cap, sink_ptr); break;
       case 128: decode_kernel<scalar_t, kv_t, 128>(out, query, kv_cache, block_tables, seq_lens, s, window, cap, sink_ptr); break;
+      case 256: decode_kernel<scalar_t, kv_t, 256>(out, query, kv_cache, block_tables, seq_lens, s, window, cap, sink_ptr); break;
       default: decode_kernel<scalar_t, kv_t, 0>(out, query, kv_cache, block_tables, seq_lens, s, window, cap, sink_ptr);
     }
   };

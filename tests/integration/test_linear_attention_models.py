@@ -62,5 +62,6 @@ def test_whole_prompts_preemption_and_two_stages(saved_model):
     got, llm = run(str(path), num_gpu_blocks_override=24)
     assert got == want
     assert llm.llm_engine.scheduler.num_preemptions > 0
-    got, _ = run(str(path), pipeline_parallel_size=2, distributed_executor_backend="mp")
-    assert got == want
+    if path.name.startswith("qwen3_next"):  # the stages' split is the same for both
+        got, _ = run(str(path), pipeline_parallel_size=2, distributed_executor_backend="mp")
+        assert got == want

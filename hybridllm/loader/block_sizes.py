@@ -37,9 +37,7 @@ def gguf_block_sizes(source: ModelSource, num_layers: int) -> GGUFBlockSizes | N
     infos = tensor_infos()
     kept_params = kept_bytes = total_params = 0
     for layer in range(num_layers):
-        stacks = (
-            _mla_attention(infos, layer) or _linear_attention(infos, layer) or list(_ATTENTION)
-        )
+        stacks = _mla_attention(infos, layer) or _linear_attention(infos, layer) or list(_ATTENTION)
         # floats: MLA's up-projections, Qwen3-Next's per-key-head interleaved ssm_ba
         for name in ("attn_k_b", "attn_v_b", "attn_kv_b", "ssm_ba"):
             info = infos.get(f"blk.{layer}.{name}.weight")

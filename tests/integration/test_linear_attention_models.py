@@ -65,3 +65,37 @@ def test_whole_prompts_preemption_and_two_stages(saved_model):
     if path.name.startswith("qwen3_next"):  # the stages' split is the same for both
         got, _ = run(str(path), pipeline_parallel_size=2, distributed_executor_backend="mp")
         assert got == want
+
+
+def test_qwen3_5_multimodal_folder_runs_its_text_part(tmp_path):
+    """Qwen3.5 ships as Qwen3_5MoeForConditionalGeneration: `text_config`, the language model's
+    weights under `model.language_model.`, an image encoder under `model.visual.` (skipped)."""
+    import json
+
+    import transformers
+
+    text = tiny_config("qwen3_5_moe")
+    vision = transformers.Qwen3_5MoeVisionConfig(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=text.hidden_size,
+        num_position_embeddings=16,
+    )
+    config = transformers.Qwen3_5MoeConfig(
+        text_config=text.to_dict(), vision_config=vision.to_dict()
+    )
+    torch.manual_seed(2)
+    hf = transformers.Qwen3_5MoeForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "language_model" in name and "norm" in name:
+                param.add_(0.2 * torch.randn_like(param))
+    hf.generation_config.eos_token_id = None
+    hf.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["architectures"] == ["Qwen3_5MoeForConditionalGeneration"]
+    want = [hf_greedy(hf, p, MAX_TOKENS) for p in make_prompts()]
+    got, _ = run(str(tmp_path))
+    assert got == want

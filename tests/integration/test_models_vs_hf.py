@@ -222,6 +222,9 @@ def test_registry_and_bad_weights():
         "Gemma2ForCausalLM",
         "Gemma3ForCausalLM",
         "Gemma3ForConditionalGeneration",
+        "Qwen3NextForCausalLM",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeForConditionalGeneration",
     }
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"):
         get_model_class("GPT2LMHeadModel")

@@ -140,6 +140,10 @@ class DeltaNetBatch:
     def num_seqs(self) -> int:
         return self.slots.shape[0]
 
+    @property
+    def any_fresh(self) -> bool:
+        return bool(self.fresh.any())
+
     @classmethod
     def of_step(cls, prep: PreparedAttention) -> DeltaNetBatch:
         """The step's sequences as the state group's prepared view sees them: each reads and
@@ -300,7 +304,8 @@ class GatedDeltaNet(nn.Module):
         torch, sequences of one token take the recurrent step together, longer ones the
         chunked form (matrix products instead of a Python loop over tokens)."""
         s = self.shape
-        state.recurrent[batch.slots[batch.fresh]] = 0.0  # the conv has its own fresh flag
+        if batch.any_fresh:  # the conv has its own fresh flag; decode steps have none fresh
+            state.recurrent[batch.slots[batch.fresh]] = 0.0
         if native:
             return torch.ops.hybridllm.gdn_recurrent(
                 qkv, g, beta, state.recurrent, batch.query_start_loc, batch.slots, s.num_k_heads

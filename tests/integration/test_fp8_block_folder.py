@@ -59,8 +59,10 @@ PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=
 
 def is_fp8_linear(name: str, tensor: torch.Tensor) -> bool:
     """What the official checkpoints store as fp8: the decoder layers' 2-D projections (the
-    router `mlp.gate.weight`, norms, embeddings and the head stay bf16)."""
-    return name.startswith("model.layers.") and name.endswith("proj.weight") and tensor.dim() == 2
+    router `mlp.gate.weight`, norms, embeddings and the head stay bf16; Qwen3-Next's fused
+    Gated DeltaNet in-projections are fp8 too)."""
+    projection = name.endswith(("proj.weight", "in_proj_qkvz.weight", "in_proj_ba.weight"))
+    return name.startswith("model.layers.") and projection and tensor.dim() == 2
 
 
 def quantize_fp8_block(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -351,3 +353,37 @@ def test_gpu_worker_gets_the_dequantized_weights_in_bf16(folders):
 
     got, want = run(fp8_folder, "auto"), run(twin, "none")
     assert [t for t, _ in got] == [t for t, _ in want]
+
+
+def test_qwen3_next_fp8_folder_runs_as_its_dequantized_values(tmp_path, monkeypatch):
+    """Qwen3-Next's FP8 layout: the Gated DeltaNet's fused in_proj_qkvz / in_proj_ba and
+    out_proj, the gated attention's projections and the shared expert as fp8 blocks (hidden
+    64: every block partial), re-blocked into Q8_0 as the dequantized twin is quantized."""
+    from tests.model_helpers import build_tiny_hf_model
+
+    require_cpu_kernels()
+    monkeypatch.setenv("HYBRIDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    source, fp8_folder, twin = write_fp8_twins(build_tiny_hf_model("qwen3_next"), tmp_path)
+    fp8_names = {n for n, t in source.items() if is_fp8_linear(n, t)}
+    assert {"model.layers.0.linear_attn.in_proj_qkvz.weight",
+            "model.layers.0.linear_attn.out_proj.weight",
+            "model.layers.3.self_attn.q_proj.weight",
+            "model.layers.2.mlp.shared_expert.down_proj.weight"} <= fp8_names  # fmt: skip
+
+    def run(path: Path, quantization: str):
+        llm = LLM(
+            str(path),
+            device="cpu",
+            quantization=quantization,
+            skip_tokenizer_init=True,
+            max_model_len=128,
+            kv_cache_memory="16MiB",
+            use_tqdm=False,
+        )
+        try:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)
+            return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+        finally:
+            llm.shutdown()
+
+    assert run(fp8_folder, "auto") == run(twin, "q8_0")

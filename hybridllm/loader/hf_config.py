@@ -39,6 +39,14 @@ _LINEAR_ATTENTION_DEFAULTS: dict[str, Any] = {
     "shared_expert_intermediate_size": 512,
 }
 _LINEAR_ATTENTION = ("qwen3_next", "qwen3_5_moe_text")
+_LINEAR_SIZES = (
+    "head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)
 # What transformers' config classes assume when config.json omits a field the engine reads.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": _LLAMA_DEFAULTS,
@@ -305,8 +313,25 @@ def _linear_attention_fields(merged: dict[str, Any]) -> None:
             "layer_types must list 'linear_attention' or 'full_attention' for each of the "
             f"{merged['num_hidden_layers']} layers"
         )
+    for key in _LINEAR_SIZES:
+        value = merged[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ModelLoadError(f"{key} must be a positive integer, got {value!r}")
+    if merged["linear_num_value_heads"] % merged["linear_num_key_heads"]:
+        raise ModelLoadError("linear_num_value_heads must be a multiple of linear_num_key_heads")
     rope = dict(merged["rope_parameters"])
     rope.setdefault("partial_rotary_factor", merged["partial_rotary_factor"])
+    factor = rope["partial_rotary_factor"]
+    if (
+        not isinstance(factor, (int, float))
+        or isinstance(factor, bool)
+        or not 0 < factor <= 1
+        or int(merged["head_dim"] * factor) % 2
+    ):
+        raise ModelLoadError(
+            f"partial_rotary_factor must be in (0, 1] and rotate an even number of each head's "
+            f"{merged['head_dim']} dimensions, got {factor!r}"
+        )
     merged["rope_parameters"] = rope
 
 

@@ -107,7 +107,8 @@ def _config_json(tmp_path, **fields) -> HFConfig:
     base = tiny_config("qwen3_next").to_dict()
     for key in ("layer_types", "rope_parameters"):
         base.pop(key)
-    base.update(rope_theta=10000.0, partial_rotary_factor=0.5, **fields)
+    base.update(rope_theta=10000.0, partial_rotary_factor=0.5)
+    base.update(fields)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(base))
     return HFConfig.from_file(str(path))
@@ -129,10 +130,23 @@ def test_qwen3_next_config_json_derives_layer_kinds_and_the_rotated_part(tmp_pat
         {"layer_types": "linear_attention"},
         {"full_attention_interval": 0},
         {"full_attention_interval": "4"},
+        {"linear_conv_kernel_dim": 0},
+        {"linear_num_key_heads": -2},
+        {"linear_value_head_dim": 16.0},
+        {"linear_num_value_heads": 3},  # not a multiple of the 2 key heads
+        {"head_dim": True},
+        {"partial_rotary_factor": 0},
+        {"partial_rotary_factor": 1.5},
+        {"partial_rotary_factor": 0.0625},  # one of 16 dimensions: odd
+        {"partial_rotary_factor": "half"},
     ],
 )
-def test_hostile_layer_kinds_are_refused_by_name(tmp_path, fields):
-    with pytest.raises(ModelLoadError, match="layer_types|full_attention_interval"):
+def test_hostile_layer_fields_are_refused_by_name(tmp_path, fields):
+    (key,) = fields
+    name = "layer_types" if key == "layer_types" else key
+    if key == "linear_num_value_heads":
+        name = "multiple of linear_num_key_heads"
+    with pytest.raises(ModelLoadError, match=name):
         _config_json(tmp_path, **fields)
 
 

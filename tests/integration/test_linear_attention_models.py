@@ -99,3 +99,30 @@ def test_qwen3_5_multimodal_folder_runs_its_text_part(tmp_path):
     want = [hf_greedy(hf, p, MAX_TOKENS) for p in make_prompts()]
     got, _ = run(str(tmp_path))
     assert got == want
+
+
+def test_an_aborted_request_gives_its_slot_back_and_the_others_go_on(saved_model):
+    """A request aborted mid-prefill frees its state slot at once; the requests beside it (one
+    admitted into the freed slot) still match transformers."""
+    path, want = saved_model
+    prompts = make_prompts()
+    llm = LLM(str(path), **{**ENGINE_KWARGS, "max_num_seqs": 2})
+    try:
+        engine = llm.llm_engine
+        state = engine.scheduler.block_manager.managers[-1]
+        engine.add_request("long", {"prompt_token_ids": prompts[0]}, PARAMS)
+        engine.add_request("short", {"prompt_token_ids": prompts[1]}, PARAMS)
+        engine.step()  # the 70-token prompt part-way through its chunks, in its slot
+        assert state.get_block_ids("long") and state.num_free_blocks < state.num_blocks
+        engine.abort_request("long")
+        engine.add_request("third", {"prompt_token_ids": prompts[3]}, PARAMS)
+        outputs = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = list(out.outputs[0].token_ids)
+        assert outputs["short"] == want[1] and outputs["third"] == want[3]
+        assert "long" not in outputs or len(outputs["long"]) < MAX_TOKENS
+        assert state.num_free_blocks == state.num_blocks
+    finally:
+        llm.shutdown()

@@ -262,3 +262,25 @@ def test_greedy_tokens_equal_transformers(files):
             assert got == want
         else:  # 8-bit blocks: first tokens agree where no near-tie can flip them
             assert [got[i][0] for i in clear] == [want[i][0] for i in clear]
+
+
+@needs_converter
+def test_plan_counts_the_files_kept_blocks(files):
+    """The planner sizes a Gated DeltaNet layer's linears as the blocks the CPU worker keeps
+    (not as fp32: a Q4_K_M Qwen3-Next-shaped file was planned at 6.5x its size before)."""
+    from hybridllm.loader.block_sizes import gguf_block_sizes
+    from hybridllm.plan.model_size import model_size
+
+    kind, paths = files
+    source = GGUFSource(str(paths[QUANT]), use_cache=False)
+    config = source.hf_config
+    sizes = gguf_block_sizes(source, config.num_hidden_layers)
+    assert sizes is not None
+    # the linears in kept block types (not the tiny model's 48-wide shared-expert down, which
+    # llama-quantize leaves float, nor Qwen3-Next's per-key-head interleaved ssm_ba)
+    assert 0.9 * sizes.total_params < sizes.kept_params < sizes.total_params
+    size = model_size(config, "float32", sizes).cpu_view()
+    matmul = sum(size.layer_matmul_params(i) for i in range(size.num_layers))
+    # the planner's linears are the file's (its count adds the routers, which the file's
+    # stacks leave out)
+    assert sizes.total_params <= matmul < 1.01 * sizes.total_params

@@ -22,7 +22,9 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.make_gguf_files import (  # noqa: E402
@@ -102,18 +104,44 @@ def layer_tensors(i: int, layers: int, experts: int, g):
 
 
 def make_folder(folder: Path, layers: int, experts: int, seed: int = 0) -> Path:
+    return write_random_folder(
+        folder,
+        f"DeepSeek-V3-shaped model ({layers} layers, {experts} experts)",
+        lambda vocab, bos, eos: config(layers, experts, vocab, bos, eos),
+        lambda i, g: layer_tensors(i, layers, experts, g),
+        layers,
+        HIDDEN,
+        final_norm_offset=1.0,
+        seed=seed,
+    )
+
+
+def write_random_folder(
+    folder: Path,
+    description: str,
+    make_config: Callable[[int, int, int], Any],
+    make_layer: Callable[[int, Any], dict],
+    layers: int,
+    hidden: int,
+    final_norm_offset: float,
+    seed: int = 0,
+) -> Path:
+    """A Hugging Face folder of random seeded weights written shard by shard (no model in
+    memory): SmolLM2's tokenizer, `make_config(vocab, bos, eos)`'s config, the embedding, head
+    and final norm (`final_norm_offset` + N(0, 0.1): 1 for a norm applied as w, 0 as 1 + w),
+    then `make_layer(i, generator)`'s tensors for each layer. Kept when it exists."""
     if (folder / "config.json").is_file():
         return folder
     import torch
     from safetensors.torch import save_file
 
-    log(f"random DeepSeek-V3-shaped model ({layers} layers, {experts} experts) -> {folder}")
+    log(f"random {description} -> {folder}")
     tmp = folder.with_name(folder.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     tok = smollm2_tokenizer()
     tok.save_pretrained(tmp)
     vocab = len(tok)
-    config(layers, experts, vocab, tok.bos_token_id, tok.eos_token_id).save_pretrained(tmp)
+    make_config(vocab, tok.bos_token_id, tok.eos_token_id).save_pretrained(tmp)
     g = torch.Generator().manual_seed(seed)
     weight_map: dict[str, str] = {}
 
@@ -121,14 +149,16 @@ def make_folder(folder: Path, layers: int, experts: int, seed: int = 0) -> Path:
         save_file(tensors, str(tmp / name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, name))
 
-    std = 2.0 / math.sqrt(HIDDEN)
+    std = 2.0 / math.sqrt(hidden)
     shard("embed.safetensors", {
-        "model.embed_tokens.weight": (torch.randn(vocab, HIDDEN, generator=g) * std).bfloat16(),
-        "lm_head.weight": (torch.randn(vocab, HIDDEN, generator=g) * std).bfloat16(),
-        "model.norm.weight": (1.0 + 0.1 * torch.randn(HIDDEN, generator=g)).bfloat16(),
+        "model.embed_tokens.weight": (torch.randn(vocab, hidden, generator=g) * std).bfloat16(),
+        "lm_head.weight": (torch.randn(vocab, hidden, generator=g) * std).bfloat16(),
+        "model.norm.weight": (
+            final_norm_offset + 0.1 * torch.randn(hidden, generator=g)
+        ).bfloat16(),
     })  # fmt: skip
     for i in range(layers):
-        shard(f"layer-{i:02d}.safetensors", layer_tensors(i, layers, experts, g))
+        shard(f"layer-{i:02d}.safetensors", make_layer(i, g))
     with open(tmp / "model.safetensors.index.json", "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     tmp.rename(folder)

@@ -20,14 +20,16 @@ Idempotent: each step is skipped when its output exists.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.make_deepseek_gguf import convert_and_quantize  # noqa: E402
-from benchmarks.make_gguf_files import find_llamacpp_bin, log, smollm2_tokenizer  # noqa: E402
+from benchmarks.make_deepseek_gguf import (  # noqa: E402
+    convert_and_quantize,
+    write_random_folder,
+)
+from benchmarks.make_gguf_files import find_llamacpp_bin  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2048, 16, 2, 256
 K_HEADS, V_HEADS, K_DIM, V_DIM, CONV = 16, 32, 128, 128, 4
@@ -106,37 +108,16 @@ def layer_tensors(i: int, layers: int, g):
 
 
 def make_folder(folder: Path, layers: int, seed: int = 0) -> Path:
-    if (folder / "config.json").is_file():
-        return folder
-    import torch
-    from safetensors.torch import save_file
-
-    log(f"random Qwen3-Next-80B-A3B-shaped model ({layers} layers) -> {folder}")
-    tmp = folder.with_name(folder.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    tok = smollm2_tokenizer()
-    tok.save_pretrained(tmp)
-    vocab = len(tok)
-    config(layers, vocab, tok.bos_token_id, tok.eos_token_id).save_pretrained(tmp)
-    g = torch.Generator().manual_seed(seed)
-    weight_map: dict[str, str] = {}
-
-    def shard(name: str, tensors: dict) -> None:
-        save_file(tensors, str(tmp / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, name))
-
-    std = 2.0 / math.sqrt(HIDDEN)
-    shard("embed.safetensors", {
-        "model.embed_tokens.weight": (torch.randn(vocab, HIDDEN, generator=g) * std).bfloat16(),
-        "lm_head.weight": (torch.randn(vocab, HIDDEN, generator=g) * std).bfloat16(),
-        "model.norm.weight": (0.1 * torch.randn(HIDDEN, generator=g)).bfloat16(),
-    })  # fmt: skip
-    for i in range(layers):
-        shard(f"layer-{i:02d}.safetensors", layer_tensors(i, layers, g))
-    with open(tmp / "model.safetensors.index.json", "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f)
-    tmp.rename(folder)
-    return folder
+    return write_random_folder(
+        folder,
+        f"Qwen3-Next-80B-A3B-shaped model ({layers} layers)",
+        lambda vocab, bos, eos: config(layers, vocab, bos, eos),
+        lambda i, g: layer_tensors(i, layers, g),
+        layers,
+        HIDDEN,
+        final_norm_offset=0.0,  # applied as 1 + w
+        seed=seed,
+    )
 
 
 def main() -> None:

@@ -234,6 +234,24 @@ def test_cpu_worker_reblocks_into_q8_0_as_the_dequantized_folder_does(
             assert {t: p.logprob for t, p in a.items()} == {t: p.logprob for t, p in b.items()}
 
 
+def greedy_outputs(path: Path, quantization: str):
+    """Greedy tokens and logprobs of PROMPTS from a CPU worker of the folder at `path`."""
+    llm = LLM(
+        str(path),
+        device="cpu",
+        quantization=quantization,
+        skip_tokenizer_init=True,
+        max_model_len=128,
+        kv_cache_memory="16MiB",
+        use_tqdm=False,
+    )
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+    finally:
+        llm.shutdown()
+
+
 def test_deepseek_v3_fp8_folder_runs_as_its_dequantized_values(tmp_path, monkeypatch):
     """The layout's own architecture: MLA's low-rank projections, shared and routed experts,
     a dense first layer (hidden 96: every block partial)."""
@@ -246,23 +264,7 @@ def test_deepseek_v3_fp8_folder_runs_as_its_dequantized_values(tmp_path, monkeyp
             "model.layers.1.mlp.shared_experts.up_proj.weight",
             "model.layers.2.mlp.experts.7.gate_proj.weight"} <= fp8_names  # fmt: skip
 
-    def run(path: Path, quantization: str):
-        llm = LLM(
-            str(path),
-            device="cpu",
-            quantization=quantization,
-            skip_tokenizer_init=True,
-            max_model_len=128,
-            kv_cache_memory="16MiB",
-            use_tqdm=False,
-        )
-        try:
-            outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)
-            return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
-        finally:
-            llm.shutdown()
-
-    got, want = run(fp8_folder, "auto"), run(twin, "q8_0")
+    got, want = greedy_outputs(fp8_folder, "auto"), greedy_outputs(twin, "q8_0")
     assert got == want
     cached = {p.name.split(".weight.")[0] for p in (tmp_path / "cache").rglob("*.Q8_0.npy")}
     assert "model.layers.2.mlp.experts.7.gate_proj" in cached  # the experts became blocks
@@ -370,20 +372,4 @@ def test_qwen3_next_fp8_folder_runs_as_its_dequantized_values(tmp_path, monkeypa
             "model.layers.3.self_attn.q_proj.weight",
             "model.layers.2.mlp.shared_expert.down_proj.weight"} <= fp8_names  # fmt: skip
 
-    def run(path: Path, quantization: str):
-        llm = LLM(
-            str(path),
-            device="cpu",
-            quantization=quantization,
-            skip_tokenizer_init=True,
-            max_model_len=128,
-            kv_cache_memory="16MiB",
-            use_tqdm=False,
-        )
-        try:
-            outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)
-            return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
-        finally:
-            llm.shutdown()
-
-    assert run(fp8_folder, "auto") == run(twin, "q8_0")
+    assert greedy_outputs(fp8_folder, "auto") == greedy_outputs(twin, "q8_0")

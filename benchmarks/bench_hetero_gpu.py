@@ -42,6 +42,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from hybridllm.loader.safetensors_writer import write_safetensors
+from hybridllm.plan.memory_budget import stream_kv_tokens, stream_staging_bytes
 from hybridllm.plan.model_size import ModelSize, model_size
 from hybridllm.plan.placement_args import parse_memory_size
 from hybridllm.platforms.discovery import discover_hardware
@@ -347,7 +348,9 @@ def load_accelerate(model_dir: str, budget: int) -> tuple[Any, int]:
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, device_map="auto", max_memory={0: budget, "cpu": host}, dtype=torch.bfloat16
     ).eval()
-    placed = model.hf_device_map  # a module name, or a prefix of it, -> its device
+    # a module name, or a prefix of it, -> its device; transformers 5 sets no map where the
+    # whole model landed on one device
+    placed = getattr(model, "hf_device_map", None) or {"": next(model.parameters()).device.type}
 
     def device_of(name: str) -> Any:
         return placed[max((k for k in placed if name.startswith(k + ".") or not k), key=len)]
@@ -404,10 +407,12 @@ def load_streaming(model_dir: str, resident: int) -> Any:
 
 
 def default_gpu_budget(size: ModelSize, kv_tokens: int) -> int:
-    """Half the layers and the LM head, their KV for these runs, activations, plus 2%."""
+    """Half the layers and the LM head, their KV for these runs, activations and the CPU stage's
+    weight-streaming staging buffers (the planner keeps room for them on the GPU), plus 2%."""
     half = size.num_layers // 2
     need = size.stage_bytes(0, half, False, True) + kv_tokens * size.kv_bytes_per_token(half)
-    return int((need + size.activation_bytes(BATCHED_TOKENS)) * 1.02)
+    staging = stream_staging_bytes(size, stream_kv_tokens(BATCHED_TOKENS), size.layer_bytes)
+    return int((need + size.activation_bytes(BATCHED_TOKENS) + staging) * 1.02)
 
 
 def streaming_resident_layers(size: ModelSize, budget: int, kv_tokens: int, prompt: int) -> int:
@@ -583,8 +588,13 @@ def main() -> None:
 
     def no_cap() -> None:
         few = [b for b in (1, 8) if b <= max(batches)]
-        het = bench_hybrid(args, few, False, device="heterogeneous", **common)
+        # cuda before and after: whatever the first engine of the process pays once (kernel
+        # compiles, allocator growth) falls on neither side; the better cuda run is the reference
         ref = bench_hybrid(args, few, False, device="cuda", **common)
+        het = bench_hybrid(args, few, False, device="heterogeneous", **common)
+        again = bench_hybrid(args, few, False, device="cuda", **common)
+        for b, rate in again["decode_tok_s"].items():
+            ref["decode_tok_s"][b] = max(rate, ref["decode_tok_s"][b])
         ratio = {b: het["decode_tok_s"][b] / ref["decode_tok_s"][b] for b in ref["decode_tok_s"]}
         gpu_only = het["plan"]["cpu_layers"] == 0
         log(f"no cap: GPU-only plan {gpu_only}; heterogeneous / cuda decode tokens/s {ratio}")

@@ -12,7 +12,9 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 # what hybridllm imports (gguf, the server, the mp queue) and what its tests need (the OpenAI
 # client; pytest-timeout for --timeout; ninja, whose binary torch.utils.cpp_extension runs)
-ROOTS=(gguf fastapi uvicorn pyzmq openai pytest-timeout ninja)
+# jsonschema and anthropic: the structured-output and Messages API tests import them (ray, over
+# 60 MB, stays behind: scripts/gpu_session.sh leaves its tests out)
+ROOTS=(gguf fastapi uvicorn pyzmq openai pytest-timeout ninja jsonschema anthropic)
 # in the image and recent enough: never carried (anyio and typing-extensions are: openai
 # needs anyio >= 4.10 and typing-extensions >= 4.14)
 IMAGE_HAS=(numpy pyyaml requests tqdm click h11 idna certifi urllib3

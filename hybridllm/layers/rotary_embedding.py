@@ -176,6 +176,12 @@ class RotaryEmbedding(nn.Module):
         sin_signed = torch.cat((-sin, sin), dim=-1)
         return torch.stack((cos_full, sin_signed), dim=1).to(self.dtype)  # [P, 2, D]
 
+    def recast_(self, dtype: torch.dtype) -> None:
+        """Compute in `dtype` with the torch rotation: what a copy of the table on another
+        device (the weight streamer's accelerator) does."""
+        self.dtype, self.native = dtype, False
+        self.cos_sin_cache = self._build(self.cos_sin_cache.shape[0])
+
     def use_native_op(self) -> None:
         """Rotate with the compiled CPU op: one pass over q and k where torch's cat + mul_ +
         addcmul_ make three. Call only when `load_cpu_kernels()` is True."""

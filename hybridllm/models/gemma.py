@@ -66,6 +66,10 @@ class PerKindRotary(nn.Module):
         super().__init__()
         self.tables = nn.ModuleDict(tables)
 
+    def recast_(self, dtype: torch.dtype) -> None:
+        for table in self.tables.values():
+            table.recast_(dtype)
+
     def forward(self, positions: torch.Tensor, max_seq_len: int) -> dict[str, RotaryAngles]:
         return {kind: table(positions, max_seq_len) for kind, table in self.tables.items()}
 

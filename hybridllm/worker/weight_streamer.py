@@ -267,8 +267,7 @@ class WeightStreamer:
             for attention in self.cpu_attention
         ]
         self.rotary = copy.deepcopy(model.rotary_emb).to(self.device)
-        self.rotary.dtype, self.rotary.native = dtype, False
-        self.rotary.cos_sin_cache = self.rotary._build(self.rotary.cos_sin_cache.shape[0])
+        self.rotary.recast_(dtype)
         self.copies = _CopyStream(self.device)
         # each layer's KV cache group; a step's compact blocks are built once per group
         self.layer_groups = list(model.execution.layer_groups)
@@ -385,6 +384,10 @@ class WeightStreamer:
                 twin.sliding_window = cpu.sliding_window
                 twin.logit_softcap = cpu.logit_softcap
                 twin.sinks = sinks
+            # Gemma's layer kind (local or global) picks its rotary table
+            kind = getattr(getattr(layers[j], "self_attn", None), "kind", None)
+            if kind is not None:
+                slot.layer.self_attn.kind = kind
             kv_shape = layer_shapes[j]
             kv = slot.kv[: math.prod(kv_shape)].view(kv_shape)
             self.copies.wait_copied(j)

@@ -21,10 +21,10 @@
 // Q6_K (1680 bytes):
 //   [0, 16)      d of rows 0-7, fp16
 //   [16, 144)    scale of chunk q, row r at 16 + 8 q + r (int8)
-//   [144, 1168)  the low 4 bits of the codes, chunk q at 144 + 64 q
-//   [1168, 1680) their top 2 bits: chunk q's at 1168 + 32 q, the low nibbles' in its first 16
-//                bytes and the high nibbles' in its last 16; the nibble of code byte i = 16 G + t
-//                has them at bits 2 G, 2 G + 1 of byte t (one 16-byte run for each 128-bit lane).
+//   [144, 1680)  chunk q at 144 + 96 q: 64 bytes of the codes' low 4 bits, then 32 of their top
+//                2 bits, the low nibbles' in the first 16 bytes and the high nibbles' in the
+//                last 16; the nibble of code byte i = 16 G + t has them at bits 2 G, 2 G + 1 of
+//                byte t (one 16-byte run for each 128-bit lane).
 //   Weight = d * scale * (code - 32), as in Q6_K.
 #pragma once
 

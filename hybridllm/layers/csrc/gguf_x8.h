@@ -14,9 +14,10 @@
 //   [16, 32)     dmin of rows 0-7, fp16
 //   [32, 96)     scale sc of sub-block j, row r at 32 + 8 j + r (6-bit values as bytes)
 //   [96, 160)    min m of sub-block j, row r at 96 + 16 (j / 2) + 2 r + j % 2
-//   [160, 1184)  the low 4 bits of the codes, chunk q at 160 + 64 q
-//   [1184, 1440) Q5_K only, the fifth bits: chunk q's at 1184 + 16 q, bit i of its first 8 bytes
-//                for the low nibble of byte i, of its last 8 for the high nibble.
+//   [160, 1184)  Q4_K: the low 4 bits of the codes, chunk q at 160 + 64 q
+//   [160, 1440)  Q5_K: chunk q at 160 + 80 q, 64 bytes of the codes' low 4 bits, then 16 of
+//                their fifth bits: bit i of the first 8 for the low nibble of code byte i, of the
+//                last 8 for the high nibble.
 //   Weight = d * sc * code - dmin * m, as in Q4_K / Q5_K.
 // Q6_K (1680 bytes):
 //   [0, 16)      d of rows 0-7, fp16

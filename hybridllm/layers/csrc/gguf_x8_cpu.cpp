@@ -62,15 +62,15 @@ template <int64_t kType>
 constexpr int64_t kGroupBytes = kType == kQ4_K ? 1184 : kType == kQ5_K ? 1440 : 1680;
 template <int64_t kType>
 constexpr int64_t kGroupCodes = kType == kQ6_K ? 144 : 160;
-constexpr int64_t kHighBits = 1184;  // Q5_K's fifth bits in a group super-block
-// Where chunk q's 64 code bytes start in a group super-block; Q6_K's 32 bytes of top 2 bits
-// follow them (chunk by chunk, the kernel reads one forward stream: with the top bits apart it
-// read 2.5-3x slower from DRAM than from cache, its two streams 1 KB apart defeating the
-// prefetchers of the 2-core Zen 5).
+// Where chunk q's 64 code bytes start in a group super-block; Q5_K's 16 bytes of fifth bits and
+// Q6_K's 32 of top 2 bits follow them. Chunk by chunk the kernel reads one forward stream: with
+// the extra bits apart (a second stream 1 KB on), Q6_K read 2.5-3x slower from DRAM than from
+// cache on the 2-core Zen 5, the prefetchers following neither stream well.
 template <int64_t kType>
 constexpr int64_t chunk_code_offset(int q) {
-  return kGroupCodes<kType> + (kType == kQ6_K ? 96 : 64) * q;
+  return kGroupCodes<kType> + (kType == kQ4_K ? 64 : kType == kQ5_K ? 80 : 96) * q;
 }
+constexpr int64_t q5_high_offset(int q) { return chunk_code_offset<kQ5_K>(q) + 64; }
 constexpr int64_t q6_top_offset(int q) { return chunk_code_offset<kQ6_K>(q) + 64; }
 
 // Where a Q6_K super-block (ggml's layout) keeps weight w's (0-255) low 4 bits and top 2 bits:
@@ -110,7 +110,7 @@ void repack_group(const uint8_t* rows, int64_t nsb, uint8_t* out) {
               if constexpr (kType == kQ5_K)
                 for (int half = 0; half < 2; ++half)
                   if (q[16 + v + 8 * half] >> j & 1)
-                    o[kHighBits + 16 * chunk + 8 * half + i / 8] |=
+                    o[q5_high_offset(chunk) + 8 * half + i / 8] |=
                         static_cast<uint8_t>(1 << (i % 8));
             }
     }
@@ -146,7 +146,7 @@ void unpack_group(const uint8_t* group, int64_t nsb, uint8_t* rows) {
                 dst = j % 2 ? static_cast<uint8_t>((dst & 15) | (nibble << 4))
                             : static_cast<uint8_t>((dst & 0xF0) | nibble);
                 if constexpr (kType == kQ5_K)
-                  if (o[kHighBits + 16 * chunk + 8 * half + i / 8] >> (i % 8) & 1)
+                  if (o[q5_high_offset(chunk) + 8 * half + i / 8] >> (i % 8) & 1)
                     q[16 + v] |= static_cast<uint8_t>(1 << j);
               }
             }
@@ -343,7 +343,7 @@ inline __m512i chunk_codes(const uint8_t* o, int q, int half) {
   const __m512i v = _mm512_and_si512(half ? _mm512_srli_epi16(c, 4) : c, _mm512_set1_epi8(15));
   if constexpr (kType == kQ5_K) {
     uint64_t bits;
-    std::memcpy(&bits, o + kHighBits + 16 * q + 8 * half, 8);
+    std::memcpy(&bits, o + q5_high_offset(q) + 8 * half, 8);
     return _mm512_mask_add_epi8(v, _cvtu64_mask64(bits), v, _mm512_set1_epi8(16));
   }
   if constexpr (kType == kQ6_K) {

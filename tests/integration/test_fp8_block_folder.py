@@ -181,9 +181,9 @@ def test_scales_in_another_shard(folders, tmp_path):
     assert all(torch.equal(got[n], want[n]) for n in want)
 
 
-def generate(path: Path, quantization: str):
-    """Greedy tokens and logprobs, and the block types the CPU worker's linears hold."""
-    llm = LLM(
+def cpu_llm(path: Path, quantization: str) -> LLM:
+    """An engine with one CPU worker over the folder at `path`."""
+    return LLM(
         str(path),
         device="cpu",
         quantization=quantization,
@@ -192,6 +192,17 @@ def generate(path: Path, quantization: str):
         kv_cache_memory="16MiB",
         use_tqdm=False,
     )
+
+
+def outputs_of(llm: LLM):
+    """Greedy tokens and logprobs of PROMPTS."""
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+
+def generate(path: Path, quantization: str):
+    """Greedy tokens and logprobs, and the block types the CPU worker's linears hold."""
+    llm = cpu_llm(path, quantization)
     try:
         assert llm.llm_engine.config.model_config.quantization == "q8_0"
         model = llm.llm_engine.executor.workers[0].model_runner.model
@@ -205,8 +216,7 @@ def generate(path: Path, quantization: str):
             types[f"{i}.experts.native"] = mlp.experts.native
             types[f"{i}.router"] = getattr(mlp.gate, "ggml_type", -1)
         types["lm_head"] = model.lm_head.ggml_type
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs], types
+        return outputs_of(llm), types
     finally:
         llm.shutdown()
 
@@ -236,18 +246,9 @@ def test_cpu_worker_reblocks_into_q8_0_as_the_dequantized_folder_does(
 
 def greedy_outputs(path: Path, quantization: str):
     """Greedy tokens and logprobs of PROMPTS from a CPU worker of the folder at `path`."""
-    llm = LLM(
-        str(path),
-        device="cpu",
-        quantization=quantization,
-        skip_tokenizer_init=True,
-        max_model_len=128,
-        kv_cache_memory="16MiB",
-        use_tqdm=False,
-    )
+    llm = cpu_llm(path, quantization)
     try:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+        return outputs_of(llm)
     finally:
         llm.shutdown()
 

@@ -266,6 +266,10 @@ class WeightStreamer:
             ]
             for attention in self.cpu_attention
         ]
+        # each layer's kind (Gemma's local or global: which rotary table it reads), or None
+        self.layer_kinds = [
+            getattr(getattr(layer, "self_attn", None), "kind", None) for layer in layers
+        ]
         self.rotary = copy.deepcopy(model.rotary_emb).to(self.device)
         self.rotary.recast_(dtype)
         self.copies = _CopyStream(self.device)
@@ -384,10 +388,8 @@ class WeightStreamer:
                 twin.sliding_window = cpu.sliding_window
                 twin.logit_softcap = cpu.logit_softcap
                 twin.sinks = sinks
-            # Gemma's layer kind (local or global) picks its rotary table
-            kind = getattr(getattr(layers[j], "self_attn", None), "kind", None)
-            if kind is not None:
-                slot.layer.self_attn.kind = kind
+            if self.layer_kinds[j] is not None:
+                slot.layer.self_attn.kind = self.layer_kinds[j]
             kv_shape = layer_shapes[j]
             kv = slot.kv[: math.prod(kv_shape)].view(kv_shape)
             self.copies.wait_copied(j)

@@ -179,6 +179,92 @@ class KernelConfig:
         )
 
 
+SUPPORTED_SPECULATIVE_METHODS = ("ngram",)
+# keys of `speculative_config`, as vLLM names them; "model" and "mtp" are recognised to refuse
+_SPECULATIVE_KEYS = (
+    "method",
+    "model",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "disable_by_batch_size",
+)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: each decode step also verifies up to `num_speculative_tokens`
+    drafted tokens, so one pass over the weights may yield several tokens (spec_decode/)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4  # n-gram: longest suffix looked up in the request's tokens
+    prompt_lookup_min: int = 2  # n-gram: shortest
+    # no drafts in a step where this many requests or more run (None: any batch); a large
+    # batch is compute-bound, where a rejected draft costs as much as a kept token
+    disable_by_batch_size: int | None = 8
+
+    def __post_init__(self) -> None:
+        if self.method not in SUPPORTED_SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config method must be one of {SUPPORTED_SPECULATIVE_METHODS}, "
+                f"got {self.method!r}"
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 64:
+                raise ValueError(
+                    f"speculative_config {name} must be an integer in [1, 64], got {value!r}"
+                )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        limit = self.disable_by_batch_size
+        if limit is not None and (
+            not isinstance(limit, int) or isinstance(limit, bool) or limit < 1
+        ):
+            raise ValueError(
+                f"speculative_config disable_by_batch_size must be an integer >= 1 or null, "
+                f"got {limit!r}"
+            )
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> SpeculativeConfig:
+        """vLLM's `speculative_config` dict -> a validated config; a ValueError names any key
+        that is unknown, of the wrong type, or asks for a method not built yet."""
+        if not isinstance(config, dict):
+            raise ValueError(
+                f"speculative_config must be a JSON object, got {type(config).__name__}"
+            )
+        unknown = sorted(str(k) for k in config if k not in _SPECULATIVE_KEYS)
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown keys {unknown}; known: {list(_SPECULATIVE_KEYS)}"
+            )
+        values = dict(config)
+        if "model" in values:
+            raise ValueError(
+                "speculative_config: a draft model ('model') is not supported yet; use "
+                "{'method': 'ngram'}"
+            )
+        if "num_speculative_tokens" not in values:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        method = values.setdefault("method", "ngram")
+        if method == "mtp":
+            raise ValueError(
+                "speculative_config: method 'mtp' is not supported yet; use {'method': 'ngram'}"
+            )
+        # as vLLM: one of the two lookup bounds given sets the other
+        given_max, given_min = values.get("prompt_lookup_max"), values.get("prompt_lookup_min")
+        if isinstance(given_max, int) and given_min is None:
+            values["prompt_lookup_min"] = min(given_max, cls.prompt_lookup_min)
+        if isinstance(given_min, int) and given_max is None:
+            values["prompt_lookup_max"] = max(given_min, cls.prompt_lookup_max)
+        return cls(**values)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
@@ -192,6 +278,7 @@ class EngineConfig:
     ray_address: str | None = None  # the Ray cluster to join (None: RAY_ADDRESS, else local)
     # Not positional: built without one, a config takes the environment's settings.
     kernel_config: KernelConfig = field(default_factory=KernelConfig.from_env)
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         num_layers = self.model_config.num_layers

@@ -19,7 +19,9 @@ from hybridllm.config import (
     KernelConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
+from hybridllm.engine.kv_cache_groups import kv_cache_groups
 from hybridllm.plan.placement_args import PlacementArgs, parse_memory_size
 from hybridllm.plan.plan import Plan
 
@@ -78,6 +80,8 @@ class EngineArgs:
     cpu_kernels: bool | None = None
     gguf_activations: str | None = None  # "int8" | "fp32"
     native_decode_layer: bool | None = None
+    # vLLM's speculative_config, e.g. {"method": "ngram", "num_speculative_tokens": 4}
+    speculative_config: dict[str, Any] | None = None
 
     def create_engine_config(self) -> EngineConfig:
         # Deferred imports: the loader and torch are heavy and not needed to parse flags.
@@ -119,6 +123,7 @@ class EngineArgs:
 
             raise ValueError(tensor_parallel_error(archs[0]))
 
+        speculative_config = self.resolve_speculative_config(hf_config)
         max_model_len = self.resolve_max_model_len(hf_config)
         batched = self.resolve_max_num_batched_tokens(max_model_len)
         quantization = self.resolve_quantization(source)
@@ -172,6 +177,7 @@ class EngineArgs:
             distributed_executor_backend=backend,
             ray_address=self.ray_address,
             kernel_config=kernel_config,
+            speculative_config=speculative_config,
         )
         logger.info(
             "engine config: %s (%s) on %s, %d worker(s); %s",
@@ -181,6 +187,19 @@ class EngineArgs:
             plan.world_size,
             config.describe_kernels(),
         )
+        return config
+
+    def resolve_speculative_config(self, hf_config) -> SpeculativeConfig | None:
+        """The validated speculative config, or None; refused for a model whose layers keep a
+        recurrent state, which a rejected draft would leave advanced past the kept tokens."""
+        if self.speculative_config is None:
+            return None
+        config = SpeculativeConfig.from_dict(self.speculative_config)
+        if any(spec.is_state for spec in kv_cache_groups(hf_config)):
+            raise ValueError(
+                "speculative decoding is not supported for models with linear-attention layers: "
+                "their recurrent state cannot take back a rejected draft"
+            )
         return config
 
     def resolve_max_model_len(self, hf_config) -> int:

@@ -55,6 +55,18 @@ def _layer_split(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _speculative_config(text: str) -> dict:
+    from hybridllm.json_limits import loads_strict
+
+    try:
+        value = loads_strict(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def _flag(*names: str, help: str, group: str = "engine", plan: bool = False, **options) -> Flag:
     return Flag(names, help, group, plan, options)
 
@@ -173,6 +185,15 @@ FLAGS: tuple[Flag, ...] = (
         group="kernels",
         help="CPU workers decode a whole layer in one native call where each of its parts has "
         "a native form; off: part by part (default: $HYBRIDLLM_NATIVE_DECODE_LAYER, else on)",
+    ),
+    _flag(
+        "--speculative-config",
+        type=_speculative_config,
+        metavar="JSON",
+        help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": '
+        "4}' drafts each request's next tokens from its own prompt and output (keys "
+        "prompt_lookup_max, prompt_lookup_min, disable_by_batch_size); greedy and seeded "
+        "outputs stay those of plain decoding (default: off)",
     ),
     _flag(
         "--pipeline-parallel-size",

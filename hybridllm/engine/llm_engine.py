@@ -35,6 +35,10 @@ class EngineStats:
     num_total_blocks: int
     num_preemptions: int
     worker_busy_seconds: dict[str, float] = field(default_factory=dict)
+    # speculative decoding (all 0 without it): steps that verified drafts, drafts, accepted
+    spec_num_steps: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 class LLMEngine:
@@ -82,6 +86,11 @@ class LLMEngine:
             self.tokenizer, config.model_config.vocab_size, config.model_config.eos_token_ids
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.drafter = None  # speculative decoding's (spec_decode/), when configured
+        if config.speculative_config is not None:
+            from hybridllm.spec_decode.ngram_drafter import NgramDrafter
+
+            self.drafter = NgramDrafter(config.speculative_config)
         self._pending_outputs: list[RequestOutput] = []  # aborted requests, reported next step
         self._closed = False
         self._max_in_flight = config.plan.pipeline_parallel_size
@@ -222,6 +231,8 @@ class LLMEngine:
 
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's next step, with the grammar bitmask of its constrained rows."""
+        if self.drafter is not None:
+            self.drafter.propose(self.scheduler.running, self.scheduler.in_flight)
         scheduler_output = self.scheduler.schedule()
         self.structured_output.attach_bitmask(scheduler_output, self.scheduler.requests)
         if scheduler_output.is_empty and self.scheduler.waiting and not self.scheduler.running:
@@ -289,7 +300,7 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         if runner_output is None:
             return self._process(updated, {}, {})
-        logprobs = dict(zip(runner_output.req_ids, runner_output.logprobs))
+        logprobs = dict(zip(runner_output.req_ids, runner_output.logprobs, strict=True))
         return self._process(updated, logprobs, runner_output.prompt_logprobs)
 
     def _process(self, updated: list[Request], logprobs, prompt_logprobs) -> list[RequestOutput]:
@@ -334,6 +345,9 @@ class LLMEngine:
             num_total_blocks=self.num_blocks,
             num_preemptions=getattr(self.scheduler, "num_preemptions", 0),
             worker_busy_seconds={f"worker{i}": s for i, s in enumerate(busy)},
+            spec_num_steps=self.scheduler.spec_num_steps,
+            spec_num_draft_tokens=self.scheduler.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.scheduler.spec_num_accepted_tokens,
         )
 
     def shutdown(self) -> None:

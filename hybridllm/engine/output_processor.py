@@ -119,7 +119,7 @@ class OutputProcessor:
         state.prompt_logprobs.extend(None if e is None else self._to_dict(e) for e in entries)
 
     def process(
-        self, updated: list[Request], logprobs: dict[str, Logprobs | None], now: float
+        self, updated: list[Request], logprobs: dict[str, list[Logprobs] | None], now: float
     ) -> tuple[list[RequestState], list[str], list[str]]:
         """Apply one step's new tokens; returns touched requests, children stopped by a stop
         string, and children whose output could not be processed (finished with an error:
@@ -142,13 +142,12 @@ class OutputProcessor:
                 sample.finish_reason = "error"
                 continue
             try:
-                self._append_token(req, sample, logprobs.get(req.request_id))
-                if req.is_finished():
+                if self._append_tokens(req, sample, logprobs.get(req.request_id)):
+                    stopped_by_string.append(sample.child_id)
+                elif req.is_finished():
                     sample.text += sample.detokenizer.flush()
                     sample.finish_reason = req.get_finish_reason()
                     sample.stop_reason = req.stop_reason
-                elif sample.params.stop and self._hit_stop_string(sample):
-                    stopped_by_string.append(sample.child_id)
             except Exception as exc:
                 logger.exception("request %s: its output could not be processed", req.request_id)
                 state.error = f"internal error processing the output ({type(exc).__name__})"
@@ -157,16 +156,23 @@ class OutputProcessor:
                     failed.append(sample.child_id)
         return list(touched.values()), stopped_by_string, failed
 
-    def _append_token(self, req: Request, sample: SampleState, lp: Logprobs | None) -> None:
+    def _append_tokens(self, req: Request, sample: SampleState, lps: list[Logprobs] | None) -> bool:
+        """Detokenize the request's new output tokens one at a time (a step with accepted
+        drafts brings several), checking stop strings after each as if it had come alone: True
+        when one ended the sample, the tokens after it dropped."""
         new_ids = req.output_token_ids[len(sample.detokenizer.token_ids) :]
-        if not new_ids:
-            return
-        new_text = sample.detokenizer.add_tokens(new_ids)
-        sample.text += new_text
-        sample.new_text_len = len(new_text)
-        if sample.logprobs is not None and lp is not None:
-            sample.logprobs.append(self._to_dict(lp))
-            sample.cumulative_logprob += lp.logprobs[0]
+        for i, token_id in enumerate(new_ids):
+            new_text = sample.detokenizer.add_tokens([token_id])
+            sample.text += new_text
+            sample.new_text_len = len(new_text)
+            if sample.logprobs is not None and lps is not None and i < len(lps):
+                sample.logprobs.append(self._to_dict(lps[i]))
+                sample.cumulative_logprob += lps[i].logprobs[0]
+            if i == len(new_ids) - 1 and req.is_finished():
+                return False  # its last token ended it: no stop string is looked for
+            if sample.params.stop and self._hit_stop_string(sample):
+                return True
+        return False
 
     def _hit_stop_string(self, sample: SampleState) -> bool:
         match = check_stop_strings(

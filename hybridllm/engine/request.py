@@ -80,6 +80,12 @@ class Request:
         # structured outputs: its grammar matcher (structured/request_state.py GrammarState),
         # set by the engine; the request waits until the grammar is compiled
         self.structured_output: Any = None
+        # speculative decoding: drafts for the next step (set by the drafter, consumed by the
+        # scheduler), the drafter's per-request state, and what became of its drafts so far
+        self.spec_token_ids: list[int] = []
+        self.spec_state: Any = None
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     @property
     def all_token_ids(self) -> list[int]:

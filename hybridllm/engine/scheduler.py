@@ -67,6 +67,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queried_tokens = 0
         self.prefix_cache_hit_tokens = 0
+        # speculative decoding: steps that verified drafts, drafts verified, drafts accepted
+        self.spec_num_steps = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
 
     # ----- requests in and out -----
     def add_request(self, request: Request) -> None:
@@ -144,6 +148,11 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def in_flight(self) -> frozenset[str]:
+        """Ids of the requests scheduled and not yet reported back."""
+        return frozenset(self._in_flight)
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
@@ -165,6 +174,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         preempted = False
 
+        spec_tokens: dict[str, list[int]] = {}
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -176,7 +186,11 @@ class Scheduler:
                 index += 1  # a whole prompt or nothing; a later, shorter one may fit
                 continue
             num_new = min(num_new, budget)
-            new_block_ids = self.block_manager.allocate_slots(request, num_new)
+            drafts = self._drafts_to_verify(request, num_new, budget)
+            new_block_ids = self.block_manager.allocate_slots(request, num_new + len(drafts))
+            if new_block_ids is None and drafts:
+                drafts = []  # short of blocks: verify nothing rather than preempt for drafts
+                new_block_ids = self.block_manager.allocate_slots(request, num_new)
             while new_block_ids is None:
                 victim = self._latest_preemptable()
                 self._preempt(victim)
@@ -186,7 +200,10 @@ class Scheduler:
                 new_block_ids = self.block_manager.allocate_slots(request, num_new)
             if new_block_ids is None:
                 break  # it preempted itself: all requests after it are in flight
-            cached_reqs.append(self._cached_request_data(request, new_block_ids))
+            cached_reqs.append(self._cached_request_data(request, new_block_ids, drafts))
+            if drafts:
+                spec_tokens[request.request_id] = drafts
+                num_new += len(drafts)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             index += 1
@@ -231,7 +248,18 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=config.max_num_batched_tokens - budget,
             finished_req_ids=finished_req_ids,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
+
+    def _drafts_to_verify(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The request's drafts this step can verify: only after its last known token, within
+        the token budget, and never past the context length (the last accepted draft's KV and
+        the token after it must fit). Takes them off the request either way."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if not drafts or num_new != 1:
+            return []
+        room = min(budget - 1, self.max_len - request.num_tokens - 1)
+        return drafts[: max(room, 0)]
 
     def _fail_unscheduled(self, request: Request, error: str) -> None:
         """Finish a waiting request that never ran (no blocks, no worker state) with `error`."""
@@ -281,7 +309,7 @@ class Scheduler:
         )
 
     def _cached_request_data(
-        self, request: Request, new_block_ids: GroupBlockIds
+        self, request: Request, new_block_ids: GroupBlockIds, drafts: list[int]
     ) -> CachedRequestData:
         num_sent = self._num_tokens_sent[request.request_id]
         self._num_tokens_sent[request.request_id] = request.num_tokens
@@ -290,6 +318,7 @@ class Scheduler:
             new_token_ids=request.all_token_ids[num_sent:],  # O(tokens sampled since)
             new_block_ids=new_block_ids,
             num_computed_tokens=request.num_computed_tokens,
+            spec_token_ids=drafts,
         )
 
     # ----- results of one step -----
@@ -311,6 +340,7 @@ class Scheduler:
         sampled = dict(
             zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True)
         )
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         any_finished = False
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             self._in_flight.discard(req_id)
@@ -328,40 +358,69 @@ class Scheduler:
                 any_finished = True
                 updated.append(request)
                 continue
-            request.num_computed_tokens += num_tokens
-            self.block_manager.cache_computed_blocks(request)
-            token_id = sampled.get(req_id)
+            drafts = spec_tokens.get(req_id, ())
+            request.num_computed_tokens += num_tokens - len(drafts)
+            token_ids = sampled.get(req_id)
             if request.num_computed_tokens < request.num_tokens:
-                if token_id is not None:
+                self.block_manager.cache_computed_blocks(request)
+                if token_ids is not None:
                     raise RuntimeError(
                         f"model runner sampled for request {req_id!r} mid-prefill "
                         f"({request.num_computed_tokens}/{request.num_tokens} tokens computed)"
                     )
                 continue
-            if token_id is None:
+            if not token_ids or len(token_ids) > len(drafts) + 1:
                 raise RuntimeError(
-                    f"request {req_id!r} computed all {request.num_tokens} tokens "
-                    "but the model runner output has no sampled token for it"
+                    f"request {req_id!r} computed all {request.num_tokens} tokens and "
+                    f"{len(drafts)} drafts but the model runner output has "
+                    f"{token_ids!r} for it, not 1 to {len(drafts) + 1} tokens"
                 )
-            request.append_output_token_ids(token_id)
-            status = self._check_stop(request, token_id)
-            grammar = request.structured_output
-            if grammar is not None and status is None:
-                # The matcher follows the output tokens (the mask made this one allowed).
-                if not grammar.accept(token_id):
-                    # The client's grammar, not the engine, failed: a 400 / an error event.
-                    request.error = grammar.rejection(token_id)
-                    request.error_from_request = True
-                    status = RequestStatus.FINISHED_ERROR
-                elif grammar.is_terminated:
-                    status = RequestStatus.FINISHED_STOPPED
+            if drafts:
+                # every token but the last confirms a draft whose KV is now kept
+                self._count_drafts(request, len(drafts), len(token_ids) - 1)
+                request.num_computed_tokens += len(token_ids) - 1
+            status = None
+            for token_id in token_ids:
+                request.append_output_token_ids(token_id)
+                status = self._check_stop(request, token_id)
+                if status is None:
+                    status = self._advance_grammar(request, token_id)
+                if status is not None:
+                    break  # later tokens (accepted drafts) come after the end: dropped
+            self.block_manager.cache_computed_blocks(request)
             if status is not None:
                 self._finish(request, status)
                 any_finished = True
+            elif drafts:
+                # blocks that held only rejected drafts go back, as if never written
+                self.block_manager.trim(request, request.num_computed_tokens)
             updated.append(request)
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished()]
         return updated
+
+    def _count_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        request.num_draft_tokens += num_drafts
+        request.num_accepted_tokens += num_accepted
+        self.spec_num_steps += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += num_accepted
+
+    def _advance_grammar(self, request: Request, token_id: int) -> RequestStatus | None:
+        """Move the request's grammar matcher (if any) past `token_id`: the status it ends
+        with, or None."""
+        grammar = request.structured_output
+        if grammar is None:
+            return None
+        # The matcher follows the output tokens (the mask made this one allowed).
+        if not grammar.accept(token_id):
+            # The client's grammar, not the engine, failed: a 400 / an error event.
+            request.error = grammar.rejection(token_id)
+            request.error_from_request = True
+            return RequestStatus.FINISHED_ERROR
+        if grammar.is_terminated:
+            return RequestStatus.FINISHED_STOPPED
+        return None
 
     def fail_step(self, scheduler_output: SchedulerOutput, error: str) -> list[Request]:
         """A step that raised: finish every request it scheduled with `error` and free

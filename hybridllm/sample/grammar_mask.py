@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -13,25 +13,31 @@ from hybridllm.sample.sampling_metadata import SamplingMetadata
 
 def with_grammar_mask(
     metadata: SamplingMetadata,
-    req_ids: Sequence[str],
+    row_keys: Sequence[tuple[str, int]],
     structured_req_ids: Sequence[str],
     bitmask: np.ndarray,
+    spec_tokens: Mapping[str, Sequence[int]],
     vocab_size: int,
     device: torch.device,
 ) -> SamplingMetadata:
     """`metadata` plus the grammar mask of the rows whose request is constrained.
 
-    `req_ids` are the sampling rows in order; row i of `bitmask` (int32 [len(structured_req_ids),
-    words], bit t set = token t allowed) belongs to `structured_req_ids[i]`. Requests in the
-    bitmask that do not sample here (failed rows) are skipped.
+    `row_keys` are the sampling rows in order, each (request id, drafts before the row). The
+    bitmask (int32 [rows, words], bit t set = token t allowed) holds for each request of
+    `structured_req_ids`, in order, 1 + len(its drafts in `spec_tokens`) consecutive rows: the
+    mask at its last known token, then after each draft. Requests in the bitmask that do not
+    sample here (failed rows) are skipped.
     """
-    index = {req_id: i for i, req_id in enumerate(structured_req_ids)}
+    first_row, next_row = {}, 0
+    for req_id in structured_req_ids:
+        first_row[req_id] = next_row
+        next_row += 1 + len(spec_tokens.get(req_id, ()))
     rows, mask_rows = [], []
-    for row, req_id in enumerate(req_ids):
-        i = index.get(req_id)
-        if i is not None:
+    for row, (req_id, num_drafts_before) in enumerate(row_keys):
+        first = first_row.get(req_id)
+        if first is not None:
             rows.append(row)
-            mask_rows.append(i)
+            mask_rows.append(first + num_drafts_before)
     if not rows:
         return metadata
     words = np.ascontiguousarray(~bitmask[mask_rows])  # inverted: set bit = forbidden

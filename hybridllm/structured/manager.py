@@ -182,27 +182,29 @@ class StructuredOutputManager:
     def new_state(self, params: StructuredOutputsParams) -> GrammarState:
         return GrammarState(self.compile_async(params))
 
-    def bitmask(self, states: Sequence[GrammarState]) -> np.ndarray:
-        """int32 [len(states), num_words]: bit t of a row is set iff token t is allowed next."""
-        out = np.empty((len(states), self.num_words), dtype=np.int32)
-        for row, state in enumerate(states):
-            state.fill_bitmask(out, row)
-        return out
-
     def attach_bitmask(self, scheduler_output: Any, requests: dict[str, Any]) -> None:
         """Set the step's `grammar_bitmask` for its constrained requests that sample (those
-        whose computed tokens reach all their tokens after the step; chunks mid-prompt do not)."""
-        req_ids, states = [], []
+        whose computed tokens reach all their tokens after the step; chunks mid-prompt do not):
+        one row each, and one more per draft a request verifies (the mask after that draft)."""
+        drafts_of = scheduler_output.scheduled_spec_decode_tokens
+        req_ids, rows = [], []
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(req_id)
             if request is None or request.structured_output is None:
                 continue
-            if request.num_computed_tokens + num_new >= request.num_tokens:
+            drafts = drafts_of.get(req_id, ())
+            if request.num_computed_tokens + num_new - len(drafts) >= request.num_tokens:
                 req_ids.append(req_id)
-                states.append(request.structured_output)
-        if states:
-            scheduler_output.structured_req_ids = req_ids
-            scheduler_output.grammar_bitmask = self.bitmask(states)
+                rows.append((request.structured_output, drafts))
+        if not rows:
+            return
+        out = np.empty((sum(1 + len(d) for _, d in rows), self.num_words), dtype=np.int32)
+        row = 0
+        for state, drafts in rows:
+            state.fill_bitmasks(out, row, drafts)
+            row += 1 + len(drafts)
+        scheduler_output.structured_req_ids = req_ids
+        scheduler_output.grammar_bitmask = out
 
     def shutdown(self) -> None:
         with self._lock:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -53,8 +54,21 @@ class GrammarState:
         """The grammar is complete and admits no more tokens: the request stops here."""
         return self.matcher.is_stopped()
 
-    def fill_bitmask(self, bitmask: Any, row: int) -> None:
-        """Write the allowed next tokens into row `row` of an int32 [rows, words] array."""
+    def fill_bitmasks(self, bitmask: Any, row: int, drafts: Sequence[int] = ()) -> None:
+        """Write the allowed next tokens into row `row` of an int32 [rows, words] array, and
+        into the rows after it those allowed after each of `drafts` (speculative decoding;
+        `num_valid` must have passed them): the matcher ends where it began."""
         from llguidance.numpy import fill_next_token_bitmask
 
         fill_next_token_bitmask(self.matcher, bitmask, row)
+        for i, draft in enumerate(drafts, 1):
+            self.matcher.consume_token(draft)
+            fill_next_token_bitmask(self.matcher, bitmask, row + i)
+        if drafts:
+            self.matcher.rollback(len(drafts))
+
+    def num_valid(self, drafts: Sequence[int]) -> int:
+        """How many of `drafts`, in order, the grammar accepts from here (nothing consumed)."""
+        if self.matcher is None or self.error is not None or self.matcher.is_error():
+            return 0
+        return self.matcher.validate_tokens(list(drafts))

@@ -31,10 +31,32 @@ class CachedRequestState:
     block_ids: tuple[list[int], ...]  # one block table per KV cache group
     sampling_params: SamplingParams
     num_computed_tokens: int
+    # drafts this step verifies after token_ids (speculative decoding); set every step
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """A row of the step's hidden states that samples: its request, and how many of the
+    request's drafts come before it (0: the row of its last known token)."""
+
+    row: int
+    state: CachedRequestState
+    num_drafts_before: int = 0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The request's output as this row sees it: with the drafts before the row."""
+        out = self.state.output_token_ids
+        return (
+            out + self.state.spec_token_ids[: self.num_drafts_before]
+            if self.num_drafts_before
+            else out
+        )
 
 
 @dataclass(frozen=True)
@@ -63,15 +85,16 @@ class StepInputs:
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
 
-    def sampling_rows(self) -> tuple[list[int], list[CachedRequestState]]:
-        """Rows that sample a token, and their requests: those whose known tokens are all
-        computed after this step sample from their last row."""
-        rows, requests = [], []
+    def sampling_rows(self) -> list[SampleRow]:
+        """The rows that sample a token: the last row of each sequence whose context reaches
+        all its request's known tokens; a verify step's rows past them follow its drafts."""
+        rows = []
+        starts = self.attn_metadata.query_start_loc_cpu
         for i, (state, (_, _, context)) in enumerate(zip(self.requests, self.spans)):
-            if context >= len(state.token_ids):
-                rows.append(self.attn_metadata.query_start_loc_cpu[i + 1] - 1)
-                requests.append(state)
-        return rows, requests
+            num_drafts_before = context - len(state.token_ids)
+            if num_drafts_before >= 0:
+                rows.append(SampleRow(starts[i + 1] - 1, state, num_drafts_before))
+        return rows
 
     def prompt_logprob_rows(self) -> list[PromptLogprobRows]:
         """For each request that asked for prompt logprobs and computes prompt tokens this step:
@@ -117,6 +140,7 @@ class InputBatch:
         """Drop finished requests, add new ones, and extend the cached ones."""
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for new in scheduler_output.scheduled_new_reqs:
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
@@ -132,60 +156,82 @@ class InputBatch:
             for table, new_ids in zip(state.block_ids, cached.new_block_ids):
                 table.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            state.spec_token_ids = spec_tokens.get(cached.req_id, [])
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         """The scheduled requests' tokens as one batch (call `update` first; the step must
         schedule some tokens)."""
         scheduled = scheduler_output.num_scheduled_tokens
+        verifying = scheduler_output.scheduled_spec_decode_tokens
         # Decodes (query length 1) first: the attention layer batches them in one kernel.
-        order = sorted(scheduled, key=lambda req_id: scheduled[req_id] != 1)
-        requests = [self.requests[req_id] for req_id in order]
-        num_decodes = sum(1 for req_id in order if scheduled[req_id] == 1)
-        spans = []
-        for state in requests:
-            length = scheduled[state.req_id]
-            spans.append((state.num_computed_tokens, length, state.num_computed_tokens + length))
+        decodes: list[tuple[CachedRequestState, Span]] = []
+        prefills: list[tuple[CachedRequestState, Span]] = []
+        for req_id, length in scheduled.items():
+            state = self.requests[req_id]
+            start = state.num_computed_tokens
+            if req_id in verifying:
+                # A verify step: one decode row per token (the last known one, then each
+                # draft), each reading the context up to its own position; causal by length.
+                decodes.extend((state, (start + j, 1, start + j + 1)) for j in range(length))
+            else:
+                (decodes if length == 1 else prefills).append(
+                    (state, (start, length, start + length))
+                )
+        pairs = decodes + prefills
+        requests = [state for state, _ in pairs]
+        spans = [span for _, span in pairs]
         input_ids = None
         if self.with_input_ids:
             input_ids = np.concatenate(
                 [
-                    np.asarray(state.token_ids[start : start + length])
-                    for state, (start, length, _) in zip(requests, spans)
+                    np.asarray(_span_tokens(state, start, length))
+                    for state, (start, length, _) in pairs
                 ]
             )
         num_groups = len(requests[0].block_ids)
         block_tables = [[state.block_ids[g] for state in requests] for g in range(num_groups)]
         return step_inputs(
-            spans, block_tables, num_decodes, self.block_size, self.device, input_ids, requests
+            spans, block_tables, len(decodes), self.block_size, self.device, input_ids, requests
         )
 
-    def sampling_metadata(self, requests: list[CachedRequestState]) -> SamplingMetadata:
-        """The sampler's view of `requests`, one row each, from their parameters and tokens."""
+    def sampling_metadata(self, rows: list[SampleRow]) -> SamplingMetadata:
+        """The sampler's view of `rows`, from their requests' parameters and tokens."""
         return SamplingMetadata.build(
-            [state.sampling_params for state in requests],
-            [state.token_ids[: state.num_prompt_tokens] for state in requests],
-            [state.output_token_ids for state in requests],
+            [row.state.sampling_params for row in rows],
+            [row.state.token_ids[: row.state.num_prompt_tokens] for row in rows],
+            [row.output_token_ids for row in rows],
             self.device,
             eos_token_ids=self.eos_token_ids,
             vocab_size=self.vocab_size,
         )
 
-    def drop_unsamplable(
-        self, rows: list[int], requests: list[CachedRequestState], failed: dict[str, str]
-    ) -> tuple[list[int], list[CachedRequestState]]:
+    def drop_unsamplable(self, rows: list[SampleRow], failed: dict[str, str]) -> list[SampleRow]:
         """Try each request's sampling metadata alone; the ones that fail go to `failed` (the
-        scheduler finishes them with that error) and leave the rows and requests kept."""
-        kept_rows, kept_requests = [], []
-        for row, state in zip(rows, requests):
-            try:
-                self.sampling_metadata([state])
-            except Exception as exc:
-                logger.warning("request %s cannot be sampled: %s", state.req_id, exc)
-                failed[state.req_id] = f"its sampling parameters failed: {exc}"
+        scheduler finishes them with that error) and their rows leave the rows kept."""
+        kept = []
+        for row in rows:
+            req_id = row.state.req_id
+            if req_id in failed:
                 continue
-            kept_rows.append(row)
-            kept_requests.append(state)
-        return kept_rows, kept_requests
+            try:
+                self.sampling_metadata([row])
+            except Exception as exc:
+                logger.warning("request %s cannot be sampled: %s", req_id, exc)
+                failed[req_id] = f"its sampling parameters failed: {exc}"
+                continue
+            kept.append(row)
+        # a request whose later row failed loses its earlier rows too
+        return [row for row in kept if row.state.req_id not in failed]
+
+
+def _span_tokens(state: CachedRequestState, start: int, length: int) -> list[int]:
+    """The tokens at positions [start, start + length): known ones, then drafts."""
+    ids = state.token_ids[start : start + length]
+    missing = length - len(ids)
+    if missing:
+        first = max(start - len(state.token_ids), 0)
+        ids = ids + state.spec_token_ids[first : first + missing]
+    return ids
 
 
 def step_inputs(

@@ -15,6 +15,7 @@ from hybridllm.layers.cpu_kernels import cpu_kernels_enabled
 from hybridllm.plan.plan import StagePlan
 from hybridllm.platforms import Platform
 from hybridllm.sample import Sampler, compute_prompt_logprobs
+from hybridllm.sample.draft_acceptance import accepted_length, group_by_request
 from hybridllm.sample.grammar_mask import with_grammar_mask
 from hybridllm.worker import kv_cache_sizing
 from hybridllm.worker.input_batch import (
@@ -261,35 +262,40 @@ class ModelRunner:
 
         output = ModelRunnerOutput()
         self._prompt_logprobs(inputs, hidden, output)
-        sample_rows, sample_requests = inputs.sampling_rows()
-        if not sample_requests:
+        rows = inputs.sampling_rows()
+        if not rows:
             return output
         batch = self.input_batch
         try:
-            sampling_metadata = batch.sampling_metadata(sample_requests)
+            sampling_metadata = batch.sampling_metadata(rows)
         except Exception:
             # One request's parameters broke the batch: find it, fail it alone.
-            sample_rows, sample_requests = batch.drop_unsamplable(
-                sample_rows, sample_requests, output.failed
-            )
-            if not sample_requests:
+            rows = batch.drop_unsamplable(rows, output.failed)
+            if not rows:
                 return output
-            sampling_metadata = batch.sampling_metadata(sample_requests)
+            sampling_metadata = batch.sampling_metadata(rows)
         if scheduler_output.grammar_bitmask is not None:
             sampling_metadata = with_grammar_mask(
                 sampling_metadata,
-                [state.req_id for state in sample_requests],
+                [(row.state.req_id, row.num_drafts_before) for row in rows],
                 scheduler_output.structured_req_ids,
                 scheduler_output.grammar_bitmask,
+                scheduler_output.scheduled_spec_decode_tokens,
                 self.config.model_config.vocab_size,
                 self.device,
             )
-        rows = rows_on_device(sample_rows, self.device)  # [num_samples]
-        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_samples, vocab]
+        row_index = rows_on_device([row.row for row in rows], self.device)  # [num_rows]
+        logits = self.model.compute_logits(hidden.index_select(0, row_index))  # [rows, vocab]
         sampled = self.sampler(logits, sampling_metadata)
-        output.req_ids = [state.req_id for state in sample_requests]
-        output.sampled_token_ids = sampled.sampled_token_ids.tolist()
-        output.logprobs = sampled.logprobs_list()
+        req_ids = [row.state.req_id for row in rows]
+        tokens = group_by_request(req_ids, sampled.sampled_token_ids.tolist())
+        logprobs = group_by_request(req_ids, sampled.logprobs_list())
+        for req_id, state in ((r, batch.requests[r]) for r in tokens):
+            kept = accepted_length(state.spec_token_ids, tokens[req_id]) + 1
+            output.req_ids.append(req_id)
+            output.sampled_token_ids.append(tokens[req_id][:kept])
+            entries = logprobs[req_id][:kept]
+            output.logprobs.append(None if entries[0] is None else entries)
         return output
 
     def _prompt_logprobs(

@@ -94,8 +94,9 @@ def test_decodes_first_with_positions_ids_and_slots():
     assert metadata.block_tables.dtype == torch.int32
     assert metadata.max_seq_len == 6 and metadata.block_size == BLOCK_SIZE
     # every request reaches its known tokens: each samples from its last row
-    rows, requests = inputs.sampling_rows()
-    assert rows == [0, 1, 7] and [state.req_id for state in requests] == ["c", "d", "a"]
+    rows = inputs.sampling_rows()
+    assert [r.row for r in rows] == [0, 1, 7]
+    assert [r.state.req_id for r in rows] == ["c", "d", "a"]
 
 
 def test_later_stages_take_no_input_ids():
@@ -118,8 +119,8 @@ def test_chunked_prefill_spans_samples_and_prompt_logprobs():
     inputs = batch.prepare_inputs(first)
     assert inputs.spans == [(0, 4, 4), (0, 2, 2)]
     assert inputs.attn_metadata.block_tables.tolist() == [[1], [6]]  # cut to the blocks read
-    rows, requests = inputs.sampling_rows()
-    assert rows == [5] and [state.req_id for state in requests] == ["plain"]
+    rows = inputs.sampling_rows()
+    assert [(r.row, r.state.req_id) for r in rows] == [(5, "plain")]
     [logprob_rows] = inputs.prompt_logprob_rows()
     assert (logprob_rows.req_id, logprob_rows.num_logprobs) == ("p", 2)
     assert logprob_rows.first_row == 0 and logprob_rows.starts_prompt
@@ -137,7 +138,7 @@ def test_chunked_prefill_spans_samples_and_prompt_logprobs():
     assert middle.attn_metadata.slot_mapping.tolist() == [8, 9, 10, 11]
     assert middle.attn_metadata.seq_lens_cpu == [8]
     assert middle.attn_metadata.block_tables.tolist() == [[1, 2]]
-    assert middle.sampling_rows() == ([], [])
+    assert middle.sampling_rows() == []
     [logprob_rows] = middle.prompt_logprob_rows()
     assert logprob_rows.next_token_ids == [55, 56, 57, 58] and not logprob_rows.starts_prompt
 
@@ -145,8 +146,7 @@ def test_chunked_prefill_spans_samples_and_prompt_logprobs():
     assert last.positions.tolist() == [8, 9]
     assert last.attn_metadata.slot_mapping.tolist() == [12, 13]
     assert last.attn_metadata.block_tables.tolist() == [[1, 2, 3]]
-    rows, requests = last.sampling_rows()
-    assert rows == [1] and requests[0].req_id == "p"
+    assert [(r.row, r.state.req_id) for r in last.sampling_rows()] == [(1, "p")]
     # the last prompt position predicts the output, not a prompt token
     [logprob_rows] = last.prompt_logprob_rows()
     assert logprob_rows.next_token_ids == [59] and logprob_rows.first_row == 0
@@ -172,7 +172,7 @@ def test_prompt_logprobs_stop_at_the_prompt_of_a_resumed_request():
     assert inputs.input_ids.tolist() == [50, 51, 52, 53, 99]
     [logprob_rows] = inputs.prompt_logprob_rows()
     assert logprob_rows.next_token_ids == [51, 52, 53] and logprob_rows.starts_prompt
-    assert inputs.sampling_rows()[0] == [4]
+    assert [r.row for r in inputs.sampling_rows()] == [4]
 
 
 def test_unsamplable_requests_leave_the_batch():
@@ -184,12 +184,12 @@ def test_unsamplable_requests_leave_the_batch():
         new_reqs=[new("good", [5, 6], [0]), new("bad", [7, 8], [1], params=broken)],
     )
     batch.update(scheduler_output)
-    rows, requests = batch.prepare_inputs(scheduler_output).sampling_rows()
+    rows = batch.prepare_inputs(scheduler_output).sampling_rows()
     with pytest.raises(ValueError, match="outside the vocab"):
-        batch.sampling_metadata(requests)
+        batch.sampling_metadata(rows)
     failed: dict[str, str] = {}
-    kept_rows, kept = batch.drop_unsamplable(rows, requests, failed)
-    assert kept_rows == [1] and [state.req_id for state in kept] == ["good"]
+    kept = batch.drop_unsamplable(rows, failed)
+    assert [(r.row, r.state.req_id) for r in kept] == [(1, "good")]
     assert list(failed) == ["bad"]
     assert failed["bad"].startswith("its sampling parameters failed: ")
     assert batch.sampling_metadata(kept).all_greedy
@@ -207,7 +207,7 @@ def test_profile_block_tables_share_blocks_between_reads():
     inputs = step_inputs([(0, 6, 6), (0, 3, 3)], [tables], 0, BLOCK_SIZE, CPU)
     assert inputs.input_ids is None and inputs.requests == []
     assert inputs.attn_metadata.slot_mapping.tolist() == [0, 1, 2, 3, 4, 5, 12, 13, 14]
-    assert inputs.sampling_rows() == ([], [])
+    assert inputs.sampling_rows() == []
 
 
 def test_previous_stage_inputs_check_the_activations():

@@ -54,7 +54,7 @@ def step(
         request.append_output_token_ids(token_id)
     for request, new_status in (status or {}).items():
         request.status = new_status
-    by_id = {r.request_id: lp for r, lp in (logprobs or {}).items()}
+    by_id = {r.request_id: [lp] for r, lp in (logprobs or {}).items()}
     touched, stopped, failed = processor.process(list(tokens), by_id, now)
     return [processor.make_output(state) for state in touched], stopped, failed
 

@@ -11,6 +11,7 @@ from hybridllm.engine.kv_cache_manager import FULL_ATTENTION
 from hybridllm.engine.request import Request, RequestStatus
 from hybridllm.engine.scheduler import Scheduler
 from hybridllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from hybridllm.sample.draft_acceptance import accepted_length
 from hybridllm.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
@@ -55,11 +56,21 @@ class FakeWorker:
         block = self.block_tables[req_id][group][pos // self.block_size]
         return group, block * self.block_size + pos % self.block_size
 
-    def _check_kv(self, req_id: str, group: int, first: int, end: int) -> None:
+    def _check_kv(
+        self, req_id: str, group: int, first: int, end: int, hashes: list[int] | None = None
+    ) -> None:
+        hashes = self.prefix_hashes[req_id] if hashes is None else hashes
         for pos in range(first, end):
-            assert self.kv[self._slot(req_id, pos, group)] == self.prefix_hashes[req_id][pos], (
+            assert self.kv[self._slot(req_id, pos, group)] == hashes[pos], (
                 f"{req_id}: KV of group {group} at position {pos} is not this sequence's"
             )
+
+    def _hashes_with(self, req_id: str, drafts: list[int]) -> list[int]:
+        """Prefix hashes of the request's tokens followed by `drafts` (what their KV holds)."""
+        hashes = list(self.prefix_hashes[req_id])
+        for token_id in drafts:
+            hashes.append(hash((hashes[-1] if hashes else None, token_id)))
+        return hashes
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in output.finished_req_ids:
@@ -74,37 +85,53 @@ class FakeWorker:
             self.num_computed[new.req_id] = new.num_computed_tokens
         for cached in output.scheduled_cached_reqs:
             assert self.num_computed[cached.req_id] == cached.num_computed_tokens
+            assert cached.spec_token_ids == output.scheduled_spec_decode_tokens.get(
+                cached.req_id, []
+            )
             self._add_tokens(cached.req_id, cached.new_token_ids)
             for table, ids in zip(self.block_tables[cached.req_id], cached.new_block_ids):
                 table += ids
         scheduled = output.num_scheduled_tokens
+        drafts_of = output.scheduled_spec_decode_tokens
         assert sum(scheduled.values()) == output.total_num_scheduled_tokens
         assert len(output.scheduled_new_reqs) + len(output.scheduled_cached_reqs) == len(scheduled)
+        hashes = {r: self._hashes_with(r, drafts_of.get(r, [])) for r in scheduled}
         # Like a real forward pass: every KV write of the step lands before any read.
         for req_id, num_tokens in scheduled.items():
             start = self.num_computed[req_id]
-            assert num_tokens > 0 and start + num_tokens <= len(self.tokens[req_id])
+            assert num_tokens > 0 and start + num_tokens <= len(hashes[req_id])
             for pos in range(start, start + num_tokens):
                 for group in range(len(self.windows)):
-                    self.kv[self._slot(req_id, pos, group)] = self.prefix_hashes[req_id][pos]
+                    self.kv[self._slot(req_id, pos, group)] = hashes[req_id][pos]
             self.num_computed[req_id] = start + num_tokens
         for req_id, num_tokens in scheduled.items():
             # a sliding group's first query of the step reads from start - window + 1
             start = self.num_computed[req_id] - num_tokens
             for group, window in enumerate(self.windows):
                 if window is not None:
-                    self._check_kv(req_id, group, max(0, start - window + 1), start + num_tokens)
+                    self._check_kv(
+                        req_id,
+                        group,
+                        max(0, start - window + 1),
+                        start + num_tokens,
+                        hashes[req_id],
+                    )
         runner_output = ModelRunnerOutput()
         for req_id in scheduled:
             tokens = self.tokens[req_id]
-            if self.num_computed[req_id] < len(tokens):
+            drafts = drafts_of.get(req_id, [])
+            if self.num_computed[req_id] - len(drafts) < len(tokens):
                 continue  # a prompt chunk that is not the last: nothing to sample
+            end = len(tokens) + len(drafts)
             for group, window in enumerate(self.windows):
-                # the last query (position len - 1) sees keys in (len - 1 - window, len - 1]
-                first = 0 if window is None else max(0, len(tokens) - window)
-                self._check_kv(req_id, group, first, len(tokens))
+                # the last query (position end - 1) sees keys in (end - 1 - window, end - 1]
+                first = 0 if window is None else max(0, end - window)
+                self._check_kv(req_id, group, first, end, hashes[req_id])
+            sampled = [self.token_fn(req_id, tokens + drafts[:j]) for j in range(len(drafts) + 1)]
+            kept = accepted_length(drafts, sampled)
+            self.num_computed[req_id] -= len(drafts) - kept
             runner_output.req_ids.append(req_id)
-            runner_output.sampled_token_ids.append(self.token_fn(req_id, tokens))
+            runner_output.sampled_token_ids.append(sampled[: kept + 1])
             runner_output.logprobs.append(None)
         return runner_output
 
@@ -433,7 +460,7 @@ def test_runner_output_must_match_the_schedule():
     scheduler = make_scheduler(max_num_batched_tokens=8)
     scheduler.add_request(make_request("a", range(20)))
     output = scheduler.schedule()
-    bogus = ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[5], logprobs=[None])
+    bogus = ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[5]], logprobs=[None])
     with pytest.raises(RuntimeError, match="mid-prefill"):
         scheduler.update_from_output(output, bogus)
 

@@ -52,7 +52,8 @@ def test_grammar_mask_sets_forbidden_logits_to_minus_inf():
     bitmask[1, 2] = 1 << 5  # request "c": token 69
     params = [SamplingParams(temperature=0)] * 3
     md = SamplingMetadata.build(params, [[1]] * 3, [[]] * 3, "cpu")
-    md = with_grammar_mask(md, ["a", "b", "c"], ["a", "c"], bitmask, vocab, torch.device("cpu"))
+    keys = [("a", 0), ("b", 0), ("c", 0)]
+    md = with_grammar_mask(md, keys, ["a", "c"], bitmask, {}, vocab, torch.device("cpu"))
     logits = torch.randn(3, vocab)
     masked = grammar_masked(logits, md)
     assert torch.isfinite(masked[0]).nonzero().flatten().tolist() == [0, 2]
@@ -60,9 +61,10 @@ def test_grammar_mask_sets_forbidden_logits_to_minus_inf():
     assert torch.isfinite(masked[2]).nonzero().flatten().tolist() == [69]
     all_rows = with_grammar_mask(
         SamplingMetadata.build(params[:2], [[1]] * 2, [[]] * 2, "cpu"),
-        ["a", "c"],
+        [("a", 0), ("c", 0)],
         ["a", "c"],
         bitmask,
+        {},
         vocab,
         torch.device("cpu"),
     )
@@ -109,16 +111,16 @@ def test_request_waits_for_its_grammar_and_stops_when_complete():
     scheduler.add_request(Request("free", [4, 5], SamplingParams(max_tokens=10), eos_token_id=0))
     step = scheduler.schedule()
     assert list(step.num_scheduled_tokens) == ["free"]  # the compiling one does not block it
-    scheduler.update_from_output(step, ModelRunnerOutput(req_ids=["free"], sampled_token_ids=[9]))
+    scheduler.update_from_output(step, ModelRunnerOutput(req_ids=["free"], sampled_token_ids=[[9]]))
     compiled.set_result(_Matcher())
     step = scheduler.schedule()
     assert set(step.num_scheduled_tokens) == {"free", "g"}
     scheduler.update_from_output(
-        step, ModelRunnerOutput(req_ids=["free", "g"], sampled_token_ids=[9, 5])
+        step, ModelRunnerOutput(req_ids=["free", "g"], sampled_token_ids=[[9], [5]])
     )
     step = scheduler.schedule()
     updated = scheduler.update_from_output(
-        step, ModelRunnerOutput(req_ids=["free", "g"], sampled_token_ids=[9, 6])
+        step, ModelRunnerOutput(req_ids=["free", "g"], sampled_token_ids=[[9], [6]])
     )
     done = {r.request_id: r for r in updated}["g"]
     assert done.status == RequestStatus.FINISHED_STOPPED

@@ -1,0 +1,1 @@
+"""Speculative decoding, engine side: drafting each request's next tokens (no torch)."""

@@ -1,0 +1,47 @@
+"""Per request: keep drafting only while the drafts are accepted often enough to pay."""
+
+from __future__ import annotations
+
+
+class AcceptanceGuard:
+    """Tracks the recent fraction of a request's drafts that were accepted.
+
+    A verify step costs more than a plain one (each draft is one more row through every
+    layer), so drafts that are mostly rejected make decoding slower. Below `min_rate` the guard
+    pauses drafting for a number of steps that doubles each time it trips (up to
+    `max_pause`), then lets the request try again; a good step resets the pause.
+    """
+
+    def __init__(
+        self, min_rate: float = 0.3, weight: float = 0.5, first_pause: int = 4, max_pause: int = 64
+    ) -> None:
+        self.min_rate = min_rate
+        self.weight = weight  # of the latest step in the running rate
+        self.first_pause = first_pause
+        self.max_pause = max_pause
+        self.rate = 1.0  # start hopeful: a first draft is always tried
+        self._pause = 0  # steps left without drafts
+        self._next_pause = first_pause
+        self._seen = (0, 0)  # (drafted, accepted) counts already folded into `rate`
+
+    def should_draft(self) -> bool:
+        """Whether this step may draft (a paused step counts down the pause)."""
+        if self._pause > 0:
+            self._pause -= 1
+            return False
+        return True
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        """Fold in the request's running totals of drafted and accepted tokens."""
+        drafted = num_drafted - self._seen[0]
+        accepted = num_accepted - self._seen[1]
+        self._seen = (num_drafted, num_accepted)
+        if drafted <= 0:
+            return
+        self.rate += self.weight * (accepted / drafted - self.rate)
+        if self.rate >= self.min_rate:
+            self._next_pause = self.first_pause
+            return
+        self._pause = self._next_pause
+        self._next_pause = min(2 * self._next_pause, self.max_pause)
+        self.rate = self.min_rate  # one good step after the pause resumes drafting

@@ -8,6 +8,7 @@ import time
 
 from hybridllm.benchmarks.offline import build_llm, random_token_prompts, save_json
 from hybridllm.benchmarks.serve_metrics import percentile
+from hybridllm.benchmarks.spec_decode_stats import SpecDecodeStats
 from hybridllm.sampling_params import SamplingParams
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -38,7 +39,10 @@ def main(args: argparse.Namespace) -> int:
         params = SamplingParams(
             temperature=1.0, top_p=1.0, max_tokens=args.output_len, ignore_eos=True
         )
+        spec_before = SpecDecodeStats()
         for i in range(args.num_iters_warmup + args.num_iters):
+            if i == args.num_iters_warmup:
+                spec_before = SpecDecodeStats.of_engine(llm)
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             elapsed = time.perf_counter() - start
@@ -47,6 +51,7 @@ def main(args: argparse.Namespace) -> int:
                 raise ValueError(f"{len(failed)} prompts failed, first: {failed[0].error}")
             if i >= args.num_iters_warmup:
                 latencies.append(elapsed)
+        spec = SpecDecodeStats.of_engine(llm).since(spec_before)
     finally:
         llm.shutdown()
     record = {
@@ -58,6 +63,8 @@ def main(args: argparse.Namespace) -> int:
         "percentiles_s": {str(p): percentile(latencies, p) for p in PERCENTILES},
         "output_tokens_per_s": args.batch_size * args.output_len / statistics.fmean(latencies),
     }
+    if args.speculative_config is not None:
+        record.update(spec.as_dict())
     print(
         f"Avg latency: {record['avg_latency_s']:.3f} s for a batch of {args.batch_size} "
         f"({args.input_len} in / {args.output_len} out), "
@@ -65,5 +72,7 @@ def main(args: argparse.Namespace) -> int:
     )
     for p, value in record["percentiles_s"].items():
         print(f"{p}% percentile latency: {value:.3f} s")
+    if args.speculative_config is not None:
+        print(spec.report())
     save_json(args.output_json, record)
     return 0

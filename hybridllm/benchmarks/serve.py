@@ -20,6 +20,7 @@ from hybridllm import envs
 from hybridllm.benchmarks.datasets import BenchRequest, file_requests, random_requests
 from hybridllm.benchmarks.serve_client import ENDPOINTS, RequestResult, ServerTarget, send_request
 from hybridllm.benchmarks.serve_metrics import compute_metrics, format_report
+from hybridllm.benchmarks.spec_decode_stats import SpecDecodeStats
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -232,6 +233,7 @@ def main(args: argparse.Namespace) -> int:
         f"req/s, max concurrency {args.max_concurrency or 'unlimited'}",
         file=sys.stderr,
     )
+    spec_before = asyncio.run(_spec_decode_stats(base_url, api_key))
     results, duration = asyncio.run(
         run_benchmark(
             target,
@@ -245,10 +247,31 @@ def main(args: argparse.Namespace) -> int:
     )
     metrics = compute_metrics(results, duration, percentiles)
     print(format_report(metrics))
+    spec_after = asyncio.run(_spec_decode_stats(base_url, api_key))
+    spec = None
+    if spec_before is not None and spec_after is not None:
+        spec = spec_after.since(spec_before)
+        if spec.num_draft_tokens:
+            print(spec.report())
     if args.save_result:
-        path = _save(args, model, target, metrics, results)
+        path = _save(args, model, target, metrics, results, spec)
         print(f"results saved to {path}", file=sys.stderr)
     return 0 if metrics.completed else 1
+
+
+async def _spec_decode_stats(base_url: str, api_key: str | None) -> SpecDecodeStats | None:
+    """The server's speculative decoding counters from its /metrics (None: it has none, or
+    the page cannot be read: the benchmark goes on without them)."""
+    url = base_url.removesuffix("/v1") + "/metrics"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url, headers=headers) as response:
+                if response.status != 200:
+                    return None
+                return SpecDecodeStats.of_prometheus(await response.text())
+    except (aiohttp.ClientError, OSError):
+        return None
 
 
 async def _first_model(base_url: str, api_key: str | None) -> str:
@@ -286,6 +309,7 @@ def _save(
     target: ServerTarget,
     metrics: Any,
     results: list[RequestResult],
+    spec: SpecDecodeStats | None,
 ) -> str:
     name = args.result_filename or (
         f"bench-serve-{os.path.basename(model)}-{datetime.now():%Y%m%d-%H%M%S}.json"
@@ -311,6 +335,8 @@ def _save(
         "latencies": [r.latency for r in results],
         "errors": [r.error for r in results],
     }
+    if spec is not None and spec.num_draft_tokens:
+        record.update(spec.as_dict())
     with open(path, "w", encoding="utf-8") as f:
         json.dump(record, f, indent=2)
     return path

@@ -6,6 +6,7 @@ import argparse
 import time
 
 from hybridllm.benchmarks.offline import build_llm, random_token_prompts, save_json
+from hybridllm.benchmarks.spec_decode_stats import SpecDecodeStats
 from hybridllm.sampling_params import SamplingParams
 
 
@@ -36,6 +37,7 @@ def main(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=True)
         elapsed = time.perf_counter() - start
+        spec = SpecDecodeStats.of_engine(llm)
     finally:
         llm.shutdown()
     failed = [o for o in outputs if o.error]
@@ -52,11 +54,15 @@ def main(args: argparse.Namespace) -> int:
         "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
         "output_tokens_per_s": output_tokens / elapsed,
     }
+    if args.speculative_config is not None:
+        record.update(spec.as_dict())
     print(
         f"Throughput: {record['requests_per_s']:.2f} requests/s, "
         f"{record['total_tokens_per_s']:.2f} total tokens/s, "
         f"{record['output_tokens_per_s']:.2f} output tokens/s "
         f"({len(outputs)} requests in {elapsed:.2f} s)"
     )
+    if args.speculative_config is not None:
+        print(spec.report())
     save_json(args.output_json, record)
     return 0

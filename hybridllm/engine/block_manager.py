@@ -159,18 +159,6 @@ class BlockManager:
         req_blocks.extend(new_blocks)
         return [b.block_id for b in new_blocks]
 
-    def trim(self, request: Request, num_tokens: int) -> None:
-        """Free the request's blocks after the first `num_tokens` tokens' (a rejected draft's
-        slots), tail first: as if they had never been allocated."""
-        blocks = self.req_to_blocks.get(request.request_id)
-        if not blocks:
-            return
-        keep = self.num_blocks_for(num_tokens)
-        if len(blocks) > keep:
-            tail = blocks[keep:]
-            del blocks[keep:]
-            self.block_pool.free_blocks(reversed(tail))
-
     def _touch(self, hits: Sequence[KVCacheBlock]) -> None:
         null = self.null_block
         self.block_pool.touch(hits if null is None else [b for b in hits if b is not null])

@@ -186,12 +186,6 @@ class KVCacheManager:
             m.allocate_slots(request, num_new_tokens, h) for m, h in zip(self.managers, hits)
         )
 
-    def trim(self, request: Request, num_tokens: int) -> None:
-        """Give back each group's blocks past the first `num_tokens` tokens (state slots stay)."""
-        for manager in self.managers:
-            if not isinstance(manager, StateSlotManager):
-                manager.trim(request, num_tokens)
-
     def free(self, request: Request) -> None:
         if self._single is not None:
             self._single.free(request)

@@ -386,14 +386,17 @@ class Scheduler:
                 if status is None:
                     status = self._advance_grammar(request, token_id)
                 if status is not None:
-                    break  # later tokens (accepted drafts) come after the end: dropped
+                    # later tokens (accepted drafts) come after the end: dropped, with their KV
+                    request.num_computed_tokens = min(
+                        request.num_computed_tokens, request.num_tokens
+                    )
+                    break
             self.block_manager.cache_computed_blocks(request)
             if status is not None:
                 self._finish(request, status)
                 any_finished = True
-            elif drafts:
-                # blocks that held only rejected drafts go back, as if never written
-                self.block_manager.trim(request, request.num_computed_tokens)
+            # A rejected draft's slots stay with the request, past its computed tokens: never
+            # read (contexts end before them), never cached, overwritten by its next tokens.
             updated.append(request)
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished()]

@@ -470,3 +470,126 @@ def test_duplicate_request_id_rejected():
     scheduler.add_request(make_request("a", range(4)))
     with pytest.raises(ValueError, match="already scheduled"):
         scheduler.add_request(make_request("a", range(4)))
+
+
+# ---- speculative decoding: drafts verified by the fake worker ----------------------------------
+
+
+def draft_from(worker_token_fn, right: bool, k: int = 3):
+    """A drafter for `run_with_drafts`: the next k true tokens (all accepted) or wrong ones."""
+
+    def drafts(request: Request) -> list[int]:
+        tokens = list(request.all_token_ids)
+        out = []
+        for _ in range(k):
+            token = worker_token_fn(request.request_id, tokens)
+            out.append(token if right else token + 1000)
+            tokens.append(token)
+        return out
+
+    return drafts
+
+
+def step_with_drafts(scheduler: Scheduler, worker: FakeWorker, drafter) -> tuple:
+    for request in scheduler.running:
+        if request.num_computed_tokens == request.num_tokens - 1:
+            request.spec_token_ids = drafter(request)
+    return step(scheduler, worker)
+
+
+def spec_scheduler_pair(windows=(None,), **kwargs) -> tuple[Scheduler, Scheduler]:
+    from hybridllm.engine.kv_cache_groups import KVCacheGroupSpec
+
+    groups = tuple(KVCacheGroupSpec(w, ()) for w in windows)
+    return make_scheduler(kv_cache_groups=groups, **kwargs), make_scheduler(
+        kv_cache_groups=groups, **kwargs
+    )
+
+
+@pytest.mark.parametrize("windows", [(None,), (None, 6)])
+def test_rejected_drafts_leave_the_kv_as_if_never_written(windows):
+    # Every draft wrong: both schedulers advance one token a step, in lockstep. The fake worker
+    # reads back every position a query sees, so a rejected draft's KV that was read, or a
+    # slot not overwritten by the token that replaced the draft, fails; the prefix cache holds
+    # the same blocks as plain decoding's, and a request holds at most one block more (the
+    # slots of its last drafts, which its next tokens overwrite).
+    plain, spec = spec_scheduler_pair(windows, num_blocks=40)
+    workers = [FakeWorker(BLOCK_SIZE, windows=windows) for _ in range(2)]
+    for scheduler in (plain, spec):
+        for i in range(3):
+            scheduler.add_request(make_request(f"r{i}", range(i, i + 7), eos=None, max_tokens=20))
+    drafter = draft_from(history_token, right=False)
+    while plain.has_unfinished_requests():
+        _, plain_updated = step(plain, workers[0])
+        _, spec_updated = step_with_drafts(spec, workers[1], drafter)
+        assert [r.output_token_ids for r in plain_updated] == [
+            r.output_token_ids for r in spec_updated
+        ]
+        for a, b in zip(plain.block_manager.managers, spec.block_manager.managers):
+            assert a.req_to_blocks.keys() == b.req_to_blocks.keys()
+            for req_id, blocks in a.req_to_blocks.items():
+                assert len(blocks) <= len(b.req_to_blocks[req_id]) <= len(blocks) + 1
+            cached = [
+                {h for h, blk in m.block_pool.cached_blocks.items() if blk.ref_cnt} for m in (a, b)
+            ]
+            assert cached[0] == cached[1]
+    assert not spec.has_unfinished_requests()
+    assert spec.spec_num_draft_tokens > 0 and spec.spec_num_accepted_tokens == 0
+    assert_no_leaks(spec)
+
+
+def test_accepted_drafts_give_the_same_tokens_in_fewer_steps():
+    plain, spec = spec_scheduler_pair(num_blocks=64)
+    for scheduler in (plain, spec):
+        scheduler.add_request(make_request("a", range(9), eos=None, max_tokens=30))
+        scheduler.add_request(make_request("b", range(3, 8), eos=None, max_tokens=17))
+    plain_history = run_to_completion(plain, FakeWorker(BLOCK_SIZE))
+    worker, drafter = FakeWorker(BLOCK_SIZE), draft_from(history_token, right=True)
+    spec_history = []
+    while spec.has_unfinished_requests():
+        spec_history.append(step_with_drafts(spec, worker, drafter))
+    assert_no_leaks(spec)
+
+    def tokens(history):
+        final = {}
+        for _, updated in history:
+            final.update({r.request_id: list(r.output_token_ids) for r in updated})
+        return final
+
+    assert tokens(spec_history) == tokens(plain_history)
+    assert len(tokens(spec_history)["a"]) == 30 and len(tokens(spec_history)["b"]) == 17
+    assert len(spec_history) < len(plain_history) / 2
+    assert spec.spec_num_accepted_tokens == spec.spec_num_draft_tokens > 0
+
+
+def test_drafts_stop_at_the_budget_and_the_context_length():
+    scheduler = make_scheduler(max_num_batched_tokens=3, max_model_len=14, num_blocks=64)
+    scheduler.add_request(make_request("a", range(9), eos=None, max_tokens=50))
+    worker = FakeWorker(BLOCK_SIZE)
+    drafter = draft_from(history_token, right=True, k=5)
+    step(scheduler, worker)  # prefill chunks: 9 tokens in budgets of 3
+    step(scheduler, worker)
+    step(scheduler, worker)
+    out, _ = step_with_drafts(scheduler, worker, drafter)
+    assert len(out.scheduled_spec_decode_tokens["a"]) == 2  # budget 3: one known token + 2
+    out, updated = step_with_drafts(scheduler, worker, drafter)
+    # 13 tokens known, context 14: no draft fits (the token after it would pass the end)
+    assert "a" not in out.scheduled_spec_decode_tokens
+    assert updated[0].status == RequestStatus.FINISHED_LENGTH
+    assert updated[0].num_tokens == 14
+    assert_no_leaks(scheduler)
+
+
+def test_a_stop_token_inside_accepted_drafts_ends_the_request_there():
+    def token_fn(req_id, tokens):
+        return EOS if len(tokens) == 12 else 20 + len(tokens)
+
+    scheduler = make_scheduler(num_blocks=64)
+    scheduler.add_request(make_request("a", range(10, 20), max_tokens=50))
+    worker = FakeWorker(BLOCK_SIZE, token_fn=token_fn)
+    step(scheduler, worker)  # prefill: token 30
+    out, [request] = step_with_drafts(scheduler, worker, draft_from(token_fn, right=True, k=4))
+    assert out.scheduled_spec_decode_tokens["a"] == [31, EOS, 33, 34]
+    assert request.output_token_ids == [30, 31, EOS]  # nothing after the stop token
+    assert request.status == RequestStatus.FINISHED_STOPPED
+    assert_no_leaks(scheduler)

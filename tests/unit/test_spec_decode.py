@@ -1,0 +1,99 @@
+"""Speculative decoding's pure parts: n-gram lookup, the acceptance guard, the acceptance rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridllm.config import SpeculativeConfig
+from hybridllm.engine.request import Request
+from hybridllm.sample.draft_acceptance import accepted_length
+from hybridllm.sampling_params import SamplingParams
+from hybridllm.spec_decode.acceptance_guard import AcceptanceGuard
+from hybridllm.spec_decode.ngram_drafter import NgramDrafter
+from hybridllm.spec_decode.ngram_index import NgramIndex
+
+
+def test_ngram_index_follows_the_latest_longest_match():
+    index = NgramIndex(1, 3)
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    # the suffix [5, 2, 3] never occurred; [2, 3] last ended before 7
+    assert index.propose(tokens, 3) == [7, 8, 5]
+    tokens += [7]  # now [2, 3, 7] recurs: its last occurrence is followed by 8, 5, 2
+    assert index.propose(tokens, 3) == [8, 5, 2]
+    assert index.propose(tokens, 0) == []
+    assert NgramIndex(2, 3).propose([4, 5, 6, 7], 2) == []  # nothing recurs
+    # the suffix never finds itself, and a match near the end gives fewer than k tokens
+    assert NgramIndex(1, 1).propose([6, 6], 4) == [6]
+
+
+def test_ngram_index_grown_step_by_step_equals_one_built_at_once():
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3]
+    grown = NgramIndex(2, 4)
+    for end in range(1, len(tokens) + 1):
+        assert grown.propose(tokens[:end], 3) == NgramIndex(2, 4).propose(tokens[:end], 3)
+
+
+def test_accepted_length_keeps_drafts_while_the_samples_agree():
+    assert accepted_length([5, 6, 7], [5, 6, 7, 8]) == 3
+    assert accepted_length([5, 6, 7], [5, 9, 7, 8]) == 1
+    assert accepted_length([5, 6, 7], [4, 6, 7, 8]) == 0
+    assert accepted_length([], [4]) == 0
+    with pytest.raises(ValueError, match="need 3 sampled"):
+        accepted_length([5, 6], [5])
+
+
+def test_guard_pauses_a_request_whose_drafts_fail_and_lets_it_retry():
+    guard = AcceptanceGuard(min_rate=0.3, first_pause=2, max_pause=8)
+    drafted = accepted = 0
+    assert guard.should_draft()
+    drafted += 4  # all rejected: the rate falls to 0.5 (still above 0.3)
+    guard.observe(drafted, accepted)
+    assert guard.should_draft()
+    drafted += 4  # 0.25: pause 2 steps
+    guard.observe(drafted, accepted)
+    assert [guard.should_draft() for _ in range(3)] == [False, False, True]
+    drafted += 4  # rejected again right after the pause: twice as long
+    guard.observe(drafted, accepted)
+    assert [guard.should_draft() for _ in range(5)] == [False] * 4 + [True]
+    drafted, accepted = drafted + 4, accepted + 4  # a good step: drafting goes on
+    guard.observe(drafted, accepted)
+    assert guard.should_draft() and guard.rate > 0.3
+    guard.observe(drafted, accepted)  # no new drafts: nothing changes
+    assert guard.should_draft()
+
+
+def test_drafter_respects_max_tokens_the_batch_limit_and_in_flight_requests():
+    config = SpeculativeConfig(
+        num_speculative_tokens=4, prompt_lookup_min=1, disable_by_batch_size=4
+    )
+    drafter = NgramDrafter(config)
+
+    def decoding(req_id: str, max_tokens: int) -> Request:
+        request = Request(
+            req_id, [1, 2, 3, 4, 5, 1, 2], SamplingParams(max_tokens=max_tokens), None
+        )
+        request.append_output_token_ids(3)
+        request.num_computed_tokens = request.num_tokens - 1
+        return request
+
+    a, b, c = decoding("a", 10), decoding("b", 3), decoding("c", 10)
+    drafter.propose([a, b, c], skip={"c"})
+    assert a.spec_token_ids == [4, 5, 1, 2]
+    assert b.spec_token_ids == [4]  # 1 output, max 3: this step's token and one draft
+    assert c.spec_token_ids == []
+    d = decoding("d", 10)
+    drafter.propose([a, b, c, d])  # as many running as disable_by_batch_size: no drafts
+    assert a.spec_token_ids == b.spec_token_ids == d.spec_token_ids == []
+
+
+def test_speculative_config_defaults_one_lookup_bound_from_the_other():
+    config = SpeculativeConfig.from_dict({"num_speculative_tokens": 3, "prompt_lookup_max": 6})
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (2, 6)
+    config = SpeculativeConfig.from_dict({"num_speculative_tokens": 3, "prompt_lookup_min": 5})
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (5, 5)
+    with pytest.raises(ValueError, match="JSON object"):
+        SpeculativeConfig.from_dict(["ngram"])
+    with pytest.raises(ValueError, match="'mtp' is not supported yet"):
+        SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": 1})
+    with pytest.raises(ValueError, match="integer in"):
+        SpeculativeConfig.from_dict({"num_speculative_tokens": True})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 
 class AcceptanceGuard:
     """Tracks the recent fraction of a request's drafts that were accepted.
@@ -9,11 +11,13 @@ class AcceptanceGuard:
     A verify step costs more than a plain one (each draft is one more row through every
     layer), so drafts that are mostly rejected make decoding slower. Below `min_rate` the guard
     pauses drafting for a number of steps that doubles each time it trips (up to
-    `max_pause`), then lets the request try again; a good step resets the pause.
+    `max_pause`), then lets the request try again; a good step resets the pause. The default
+    `min_rate` is where a 4-draft verify step of the embedded model on a 2-core CPU (2.4 decode
+    steps' time, docs/benchmarks.md) stops paying for itself.
     """
 
     def __init__(
-        self, min_rate: float = 0.3, weight: float = 0.5, first_pause: int = 4, max_pause: int = 64
+        self, min_rate: float = 0.4, weight: float = 0.5, first_pause: int = 4, max_pause: int = 64
     ) -> None:
         self.min_rate = min_rate
         self.weight = weight  # of the latest step in the running rate
@@ -30,6 +34,11 @@ class AcceptanceGuard:
             self._pause -= 1
             return False
         return True
+
+    def draft_length(self, k: int) -> int:
+        """How many of up to `k` drafts to verify: fewer while the rate is low (each costs a
+        row through every layer), all of them while it is high."""
+        return max(1, min(k, math.ceil(self.rate * k) + 1))
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         """Fold in the request's running totals of drafted and accepted tokens."""

@@ -49,7 +49,9 @@ class NgramDrafter:
                     AcceptanceGuard(),
                 )
             state.guard.observe(request.num_draft_tokens, request.num_accepted_tokens)
-            k = self._num_to_draft(request)
+            k = min(
+                self._num_to_draft(request), state.guard.draft_length(config.num_speculative_tokens)
+            )
             if k <= 0 or not state.guard.should_draft():
                 continue
             drafts = state.index.propose(request.all_token_ids, k)

@@ -207,3 +207,56 @@ def test_linear_attention_models_are_refused(tmp_path):
 def test_bad_speculative_configs_name_the_problem(config, error):
     with pytest.raises(ValueError, match=error):
         EngineArgs(speculative_config=config).create_engine_config()
+
+
+@pytest.mark.slow
+def test_server_takes_the_flag_reports_the_counters_and_bench_prints_them(plain):
+    import json
+    import subprocess
+    import sys
+
+    from tests.integration.openai_server import REPO_ROOT, RemoteServer
+
+    flag = json.dumps(NGRAM)
+    args = [
+        "--max-model-len",
+        "1024",
+        "--served-model-name",
+        "smollm2",
+        "--speculative-config",
+        flag,
+    ]
+    with RemoteServer(args) as server:
+        client = server.client()
+        got = client.completions.create(
+            model="smollm2", prompt=COPY_PROMPT, max_tokens=40, temperature=0
+        )
+        [(want_tokens, want_text, *_)] = outputs_of(
+            plain, [COPY_PROMPT], SamplingParams(temperature=0, max_tokens=40)
+        )
+        assert got.choices[0].text == want_text
+        metrics = server.metrics()
+        assert metrics["hybridllm:spec_decode_num_accepted_tokens_total"] > 10
+        assert (
+            metrics["hybridllm:spec_decode_num_draft_tokens_total"]
+            >= (metrics["hybridllm:spec_decode_num_accepted_tokens_total"])
+        )
+        bench = subprocess.run(
+            [sys.executable, "-m", "hybridllm", "bench", "serve", "--base-url", server.root]
+            + ["--num-prompts", "4", "--random-input-len", "16", "--random-output-len", "48"]
+            + ["--temperature", "0", "--ignore-eos", "--disable-tqdm"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert bench.returncode == 0, bench.stderr[-2000:]
+        assert "Speculative decoding:" in bench.stdout, bench.stdout
+    refused = subprocess.run(
+        [sys.executable, "-m", "hybridllm", "serve", "--speculative-config", "{not json"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode != 0 and "--speculative-config" in refused.stderr

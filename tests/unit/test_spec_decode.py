@@ -60,6 +60,12 @@ def test_guard_pauses_a_request_whose_drafts_fail_and_lets_it_retry():
     assert guard.should_draft() and guard.rate > 0.3
     guard.observe(drafted, accepted)  # no new drafts: nothing changes
     assert guard.should_draft()
+    # fewer drafts while the rate is low, all of them while it is high
+    assert AcceptanceGuard().draft_length(4) == 4
+    guard.rate = 0.3
+    assert guard.draft_length(4) == 3 and guard.draft_length(1) == 1
+    guard.rate = 0.0
+    assert guard.draft_length(4) == 1
 
 
 def test_drafter_respects_max_tokens_the_batch_limit_and_in_flight_requests():

@@ -79,6 +79,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument(
+        "--workloads", default="grounded,open,batch", help="comma-separated subset to run"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -107,6 +110,7 @@ def main() -> None:
             True,
         ),
     }
+    workloads = {w: workloads[w] for w in args.workloads.split(",")}
     rates: dict[str, dict[str, list[float]]] = {w: {e: [] for e in engines} for w in workloads}
     spec_stats: dict[str, SpecDecodeStats] = {w: SpecDecodeStats() for w in workloads}
     for llm in engines.values():  # warm-up: kernels, prefix caches of the prompts

@@ -221,6 +221,37 @@ def test_register_blocked_decode_head_dims(head_dim, num_heads, num_kv_heads, wi
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [64, 80, 256])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [0, 6, 64])
+def test_native_decode_of_a_verify_steps_rows_equals_them_one_by_one(head_dim, kv_dtype, window):
+    # Speculative decoding's verify step: one sequence's consecutive positions as decode rows
+    # with one block table. The native op reads them as one item (each row's later tokens
+    # masked, runs halved for the threads); the result must be each row's alone, whatever the
+    # batch around them (another sequence before and after, a run of 5 and one of 2).
+    require_cpu_kernels()
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, block_size, context = 9, 3, 4, 37
+    num_blocks = 40
+    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(kv_dtype)
+    verify = torch.randperm(num_blocks)[:12].to(torch.int32)
+    other = torch.randperm(num_blocks)[:12].to(torch.int32)
+    second = torch.randperm(num_blocks)[:12].to(torch.int32)
+    tables = torch.stack([other] + [verify] * 5 + [second] * 2 + [other])
+    lens = [context] + [context - 4 + i for i in range(5)] + [20, 21] + [context - 1]
+    lens = torch.tensor(lens, dtype=torch.int32)
+    query = torch.randn(len(lens), num_heads, head_dim)
+    op = torch.ops.hybridllm.paged_decode_attention
+    together = op(query, kv, tables, lens, 0.125, window, 0.0, None)
+    alone = torch.cat(
+        [
+            op(query[i : i + 1], kv, tables[i : i + 1], lens[i : i + 1], 0.125, window, 0.0, None)
+            for i in range(len(lens))
+        ]
+    )
+    torch.testing.assert_close(together, alone, atol=1e-6, rtol=1e-6)
+
+
 def test_native_op_rejects_bad_inputs():
     require_cpu_kernels()
     op = torch.ops.hybridllm.paged_decode_attention

@@ -91,6 +91,21 @@ inline void softmax_numerators(float* scores, int64_t rows, int64_t n, float* in
   }
 }
 
+// A verify step's queries of one sequence in one item (speculative decoding): the item's `rows`
+// query rows come `group` a KV head, each KV head's in `causal` runs of group / causal rows, run
+// j at position n - causal + j. Run j sees the first n - causal + j + 1 of the n tokens: the
+// later ones (the drafts after it) get a -inf score. causal 1: nothing to mask.
+inline void mask_later_tokens(float* scores, int64_t rows, int64_t n, int64_t group,
+                              int64_t causal) {
+  if (causal <= 1) return;
+  const int64_t per_run = group / causal;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t visible = n - (causal - 1 - (r % group) / per_run);
+    std::fill(scores + r * n + visible, scores + (r + 1) * n,
+              -std::numeric_limits<float>::infinity());
+  }
+}
+
 #if defined(__AVX512F__)
 using hybridllm_avx512::load16;
 
@@ -158,7 +173,8 @@ int64_t decode_item_avx512(const float* qb, const kv_t* const* token_rows, int64
                            int64_t head_stride, int64_t h0, int64_t heads, int64_t group,
                            int64_t n, float scale, float softcap, const float* sinks,
                            float* scores, float* inv_sum, float* ob,
-                           const kv_t* const* next_rows, int64_t next_n, int64_t streamed) {
+                           const kv_t* const* next_rows, int64_t next_n, int64_t streamed,
+                           int64_t causal) {
   constexpr int kVec = kDim / 16;                      // zmm per head row
   constexpr int kRows = kVec <= 4 ? 4 : 2;  // pass 2: <= 16 zmm of sums
   // pass 2 over kCols value columns at a time: a head wider than 128 (Qwen3-Next's and
@@ -214,6 +230,7 @@ int64_t decode_item_avx512(const float* qb, const kv_t* const* token_rows, int64
       }
     }
   }
+  mask_later_tokens(scores, heads * group, n, group, causal);
   softmax_numerators(scores, heads * group, n, inv_sum, softcap, sinks);
   // pass 2: out[r] = sum_t p[r, t] v_t / sum_r, kSliceRows query rows over kCols columns at
   // a time
@@ -257,10 +274,26 @@ void fill_token_rows(const scalar_t** rows, const scalar_t* kv, const int32_t* t
   }
 }
 
-// One work item is one sequence and a run of its KV heads: all of them when there are enough
-// sequences to keep every thread busy, so each token's K and V rows (all heads side by side) are
-// read as one contiguous stream; one head per item for small batches. The G query heads of a KV
-// head share every key and value read.
+// Whether query row b continues the run of rows before it: the next query of the same sequence
+// (a verify step's, speculative decoding), with the same block table and one more token. Two
+// live sequences never share a whole table (each writes its own last block), so equal tables
+// and lengths one apart are one sequence. A sliding window would give each row its own first
+// token: such rows stay separate.
+inline bool continues_run(const int32_t* tables, int64_t table_stride, const int32_t* lens,
+                          int64_t b, int64_t block_size, int64_t window) {
+  if (lens[b] != lens[b - 1] + 1 || (window > 0 && lens[b] > window)) return false;
+  const int64_t blocks = (lens[b] + block_size - 1) / block_size;
+  return std::memcmp(tables + b * table_stride, tables + (b - 1) * table_stride,
+                     blocks * sizeof(int32_t)) == 0;
+}
+
+// One work item is one run of query rows (one sequence's, or a verify step's queries of one
+// sequence: see continues_run) and a run of its KV heads: all of them when there are enough
+// runs to keep every thread busy, so each token's K and V rows (all heads side by side) are
+// read as one contiguous stream; one head per item for few runs. The G query heads of a KV
+// head share every key and value read, and so do the R rows of a verify step (R G query rows a
+// KV head, each row's later tokens masked): a 5-row verify step over 900 tokens read its
+// context 5 times as 5 items.
 // kHeadDim > 0 fixes head_dim at compile time (fully unrolled dot products); 0 reads it.
 // scalar_t: the query's and output's dtype; kv_t: the cache's (scalar_t, or 16-bit under fp32).
 // softcap: 0 for none; sinks: [num_heads] fp32 logits, or nullptr.
@@ -281,100 +314,150 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
 
+  // runs of rows, [run_start[i], run_start[i + 1]); a run is one sequence (rows with sinks,
+  // gpt-oss's, stay one a run: a sink belongs to a query head, not to a row of the item)
+  std::vector<int64_t> run_start{0};
+  for (int64_t b = 1; b < batch; ++b)
+    if (sinks != nullptr || !continues_run(tables, table_stride, lens, b, block_size, window))
+      run_start.push_back(b);
+  run_start.push_back(batch);
+  // Too few runs for the threads (one sequence's verify step: 3 KV heads, 2 threads): halve the
+  // longest run until there are enough; each half reads the context once. One 5-row verify
+  // step over 900 tokens, SmolLM2's heads: 107 us a call as one run, 82 as runs of 3 and 2.
+  const int64_t threads = at::get_num_threads();
+  while (static_cast<int64_t>(run_start.size() - 1) * num_kv_heads < 2 * threads) {
+    int64_t longest = 0;
+    for (size_t i = 1; i + 1 < run_start.size(); ++i)
+      if (run_start[i + 1] - run_start[i] > run_start[longest + 1] - run_start[longest])
+        longest = static_cast<int64_t>(i);
+    const int64_t length = run_start[longest + 1] - run_start[longest];
+    if (length < 2) break;
+    run_start.insert(run_start.begin() + longest + 1, run_start[longest] + (length + 1) / 2);
+  }
+  const int64_t runs = static_cast<int64_t>(run_start.size()) - 1;
+
   // Waking the thread pool costs microseconds: small steps run on the calling thread. Measured
   // at one sequence (3 KV heads): 64 keys alike either way, 200 keys 53 -> 43 us on 2 threads.
   int64_t total_keys = 0;
   for (int64_t b = 0; b < batch; ++b) total_keys += lens[b];
   // Whole-sequence items ran 1.3x faster than per-head items at batch 64 (SmolLM2's 3 KV
   // heads, 190 tokens, interleaved in one process): per-head rows are strided 256-byte pieces.
-  const int64_t heads_per_item = batch >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t heads_per_item = runs >= 2 * threads ? num_kv_heads : 1;
   const int64_t chunks = num_kv_heads / heads_per_item;
-  const int64_t items = batch * chunks;
-  const int64_t rows = heads_per_item * group;  // query heads of one item
+  const int64_t items = runs * chunks;
   const int64_t grain = total_keys * num_kv_heads < 512 ? items : 1;
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qf(rows * head_dim), acc(rows * head_dim), inv_sum(rows);
+    std::vector<float> scores, qf, acc, inv_sum;
+    // a run's query rows reordered as one item reads them (KV head, row of the run, query head
+    // of the group), and its output before it is put back; for runs of more than one row
+    std::vector<scalar_t> run_q, run_o;
     // this item's token rows, and the next one's: whole-sequence items prefetch the next
     // item's rows over their own work (SpreadPrefetch)
     std::vector<const kv_t*> token_rows, next_rows;
     const auto fill = [&](int64_t item, std::vector<const kv_t*>& rows_out) {
-      const int64_t b = item / chunks, len = lens[b];
+      const int64_t last = run_start[item / chunks + 1] - 1, len = lens[last];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       rows_out.resize(len - start);
-      fill_token_rows(rows_out.data(), kv, tables + b * table_stride, block_size, block_stride,
-                      token_stride, start, len - start);
+      fill_token_rows(rows_out.data(), kv, tables + last * table_stride, block_size,
+                      block_stride, token_stride, start, len - start);
     };
     if (begin < end) fill(begin, next_rows);
     int64_t streamed = 0;  // the item's leading tokens whose rows the one before asked for
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / chunks, h0 = (item % chunks) * heads_per_item;
-      const int64_t len = lens[b];
+      const int64_t b0 = run_start[item / chunks], causal = run_start[item / chunks + 1] - b0;
+      const int64_t h0 = (item % chunks) * heads_per_item;
+      const int64_t len = lens[b0 + causal - 1];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - start;
-      // query is contiguous [B, H, D]: this item's query heads are rows consecutive rows
-      const scalar_t* qb = q + (b * num_heads + h0 * group) * head_dim;
+      const int64_t item_group = group * causal;  // query rows a KV head
+      const int64_t rows = heads_per_item * item_group;
+      // query is contiguous [B, H, D]: one row's query heads of this item are consecutive
+      const scalar_t* qb = q + (b0 * num_heads + h0 * group) * head_dim;
+      scalar_t* ob = o + (b0 * num_heads + h0 * group) * head_dim;
+      if (causal > 1) {
+        // [heads_per_item][causal][group][D] from the rows' [causal][H][D]
+        run_q.resize(rows * head_dim);
+        run_o.resize(rows * head_dim);
+        for (int64_t hh = 0; hh < heads_per_item; ++hh)
+          for (int64_t j = 0; j < causal; ++j)
+            std::memcpy(run_q.data() + (hh * item_group + j * group) * head_dim,
+                        q + ((b0 + j) * num_heads + (h0 + hh) * group) * head_dim,
+                        group * head_dim * sizeof(scalar_t));
+        qb = run_q.data();
+        ob = run_o.data();
+      }
       const float* item_sinks = sinks == nullptr ? nullptr : sinks + h0 * group;
       scores.resize(rows * n);
+      inv_sum.resize(rows);
       std::swap(token_rows, next_rows);
       if (item + 1 < end)
         fill(item + 1, next_rows);
       else
         next_rows.clear();
+      bool done = false;
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<scalar_t, float> && kHeadDim > 0 && kHeadDim % 16 == 0) {
         streamed = decode_item_avx512<kv_t, kHeadDim>(
-            qb, token_rows.data(), value_offset, head_stride, h0, heads_per_item, group, n, scale,
-            softcap, item_sinks, scores.data(), inv_sum.data(),
-            o + (b * num_heads + h0 * group) * head_dim,
-            next_rows.data(),
+            qb, token_rows.data(), value_offset, head_stride, h0, heads_per_item, item_group, n,
+            scale, softcap, item_sinks, scores.data(), inv_sum.data(), ob, next_rows.data(),
             heads_per_item == num_kv_heads ? static_cast<int64_t>(next_rows.size()) : 0,
-            streamed);
-        continue;
+            streamed, causal);
+        done = true;
       }
 #endif
-      for (int64_t i = 0; i < rows * head_dim; ++i) qf[i] = static_cast<float>(qb[i]) * scale;
+      if (!done) {
+        qf.resize(rows * head_dim);
+        acc.assign(rows * head_dim, 0.f);
+        for (int64_t i = 0; i < rows * head_dim; ++i) qf[i] = static_cast<float>(qb[i]) * scale;
 
-      // scores[r, t] = q_r . k_t  (already scaled); query row r = hh * group + g reads KV head
-      // h0 + hh
-      // the key row (this item's heads side by side) of token t; + value_offset: V
-      auto key_row = [&](int64_t t) { return token_rows[t] + h0 * head_stride; };
-      for (int64_t t = 0; t < n; ++t) {
-        const kv_t* k_row = key_row(t);
-        if (t + kPrefetchTokens < n)
-          prefetch_kv_row(key_row(t + kPrefetchTokens), value_offset * sizeof(kv_t),
-                          heads_per_item * head_dim * sizeof(kv_t));
-        for (int64_t hh = 0; hh < heads_per_item; ++hh) {
-          const kv_t* k = k_row + hh * head_stride;
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t r = hh * group + g;
-            const float* qr = qf.data() + r * head_dim;
-            float s = 0.f;
+        // scores[r, t] = q_r . k_t  (already scaled); query row r = hh * item_group + g reads
+        // KV head h0 + hh
+        // the key row (this item's heads side by side) of token t; + value_offset: V
+        auto key_row = [&](int64_t t) { return token_rows[t] + h0 * head_stride; };
+        for (int64_t t = 0; t < n; ++t) {
+          const kv_t* k_row = key_row(t);
+          if (t + kPrefetchTokens < n)
+            prefetch_kv_row(key_row(t + kPrefetchTokens), value_offset * sizeof(kv_t),
+                            heads_per_item * head_dim * sizeof(kv_t));
+          for (int64_t hh = 0; hh < heads_per_item; ++hh) {
+            const kv_t* k = k_row + hh * head_stride;
+            for (int64_t g = 0; g < item_group; ++g) {
+              const int64_t r = hh * item_group + g;
+              const float* qr = qf.data() + r * head_dim;
+              float s = 0.f;
 #pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < head_dim; ++d) s += qr[d] * static_cast<float>(k[d]);
-            scores[r * n + t] = s;
+              for (int64_t d = 0; d < head_dim; ++d) s += qr[d] * static_cast<float>(k[d]);
+              scores[r * n + t] = s;
+            }
           }
         }
-      }
-      softmax_numerators(scores.data(), rows, n, inv_sum.data(), softcap, item_sinks);
-      // acc[r] = sum_t p[r, t] * v_t
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < n; ++t) {
-        const kv_t* v_row = key_row(t) + value_offset;
-        for (int64_t hh = 0; hh < heads_per_item; ++hh) {
-          const kv_t* v = v_row + hh * head_stride;
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t r = hh * group + g;
-            const float p = scores[r * n + t];
-            float* ar = acc.data() + r * head_dim;
+        mask_later_tokens(scores.data(), rows, n, item_group, causal);
+        softmax_numerators(scores.data(), rows, n, inv_sum.data(), softcap, item_sinks);
+        // acc[r] = sum_t p[r, t] * v_t
+        for (int64_t t = 0; t < n; ++t) {
+          const kv_t* v_row = key_row(t) + value_offset;
+          for (int64_t hh = 0; hh < heads_per_item; ++hh) {
+            const kv_t* v = v_row + hh * head_stride;
+            for (int64_t g = 0; g < item_group; ++g) {
+              const int64_t r = hh * item_group + g;
+              const float p = scores[r * n + t];
+              float* ar = acc.data() + r * head_dim;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) ar[d] += p * static_cast<float>(v[d]);
+              for (int64_t d = 0; d < head_dim; ++d) ar[d] += p * static_cast<float>(v[d]);
+            }
           }
         }
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t d = 0; d < head_dim; ++d)
+            ob[r * head_dim + d] = static_cast<scalar_t>(acc[r * head_dim + d] * inv_sum[r]);
       }
-      scalar_t* ob = o + (b * num_heads + h0 * group) * head_dim;
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t d = 0; d < head_dim; ++d)
-          ob[r * head_dim + d] = static_cast<scalar_t>(acc[r * head_dim + d] * inv_sum[r]);
+      if (causal > 1) {
+        for (int64_t hh = 0; hh < heads_per_item; ++hh)
+          for (int64_t j = 0; j < causal; ++j)
+            std::memcpy(o + ((b0 + j) * num_heads + (h0 + hh) * group) * head_dim,
+                        run_o.data() + (hh * item_group + j * group) * head_dim,
+                        group * head_dim * sizeof(scalar_t));
+      }
     }
   });
 }

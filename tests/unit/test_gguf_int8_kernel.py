@@ -16,10 +16,10 @@ K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
 # The op's `activations` values of the integer paths (gguf_q8_linear.h); 1 is the best one built.
 PATH_NAMES = {2: "avx512-vnni", 3: "avx2-vnni", 4: "avx2-maddubs", 5: "scalar"}
 GEMM_MIN_ROWS = 8  # kQ8GemmMinRows: from here paths 1-2 take the int8 GEMM, 3-5 never do
-# rows of x: 1-2 take 4 weight rows a call, 3-4 fill a 64-byte path's row tile, 5 leaves a
-# partial one; from 8 the GEMM: 8 and 16 in one 16-row tile, 17 and 33 leave a partial 32-row
+# rows of x: 1-2 take 4 weight rows a call, 3-5 fill a path's row tile, 6 leaves a partial
+# one; from 8 the GEMM: 8 and 16 in one 16-row tile, 17 and 33 leave a partial 32-row
 # tile, 70 three tiles (the few-rows kernels of paths 3-5 at every count)
-ROW_COUNTS = [1, 2, 3, 4, 5, GEMM_MIN_ROWS, 9, 16, 17, 24, 33, 70]
+ROW_COUNTS = [1, 2, 3, 4, 5, 6, GEMM_MIN_ROWS, 9, 16, 17, 24, 33, 70]
 
 
 @pytest.fixture(scope="module")

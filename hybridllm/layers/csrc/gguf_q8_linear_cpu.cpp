@@ -25,8 +25,11 @@ constexpr bool is_k_quant(int64_t type) { return type == kQ4_K || type == kQ5_K 
 // Rows of x a tile of the vector paths (q8_rows_simd). Up to this many rows every weight byte is
 // read once a call, so the weights stream past L2 and L3 (see start_prefetch): SmolLM2 Q4_1,
 // 2 and 4 concurrent decodes (one process switching), 476 -> 494 and 722 -> 756 tok/s, faster
-// in 6 of 6 rounds each, against streaming at one row only.
-constexpr int64_t kRowTile = 4;
+// in 6 of 6 rounds each, against streaming at one row only. 5, not 4: a speculative verify
+// step of 4 drafts is 5 rows, one tile (SmolLM2 Q4_1, a layer's four linears at 5 rows: 261 ->
+// 221 us; 1 and 4 rows unchanged). Tiles of 4 weight rows are built for 1-2 rows of x only
+// (their accumulators fit), which keeps the kernels' build time.
+constexpr int64_t kRowTile = 5;
 
 #if defined(HYBRIDLLM_Q8_AVX2)
 template <class S, int64_t kType, int kRows, int kCols>
@@ -64,13 +67,14 @@ void q8_rows_simd(const Q8Rows& xq, int64_t M, int64_t K, const uint8_t* qw, int
       const int rows = static_cast<int>(std::min<int64_t>(kRowTile, M - r0));
       const Q8Rows x = xq.row(r0);
       const auto run = [&](auto kCols, int64_t i) {
-        tile_dispatch<S, kType, decltype(kCols)::value>(
-            rows, std::make_integer_sequence<int, kRowTile>{}, x, qw + (n0 + i) * row_bytes,
-            row_bytes, K, y + r0 * N + n0 + i, N, prefetch);
+        constexpr int kTileCols = decltype(kCols)::value;
+        tile_dispatch<S, kType, kTileCols>(
+            rows, std::make_integer_sequence<int, kTileCols == 4 ? 2 : kRowTile>{}, x,
+            qw + (n0 + i) * row_bytes, row_bytes, K, y + r0 * N + n0 + i, N, prefetch);
       };
       for (int64_t i = 0; i < count;) {
         const int64_t left = count - i;
-        if (rows <= 2 && kRowTile == 4 && left >= 4) {
+        if (rows <= 2 && left >= 4) {
           run(std::integral_constant<int, 4>{}, i);
           i += 4;
         } else if (left >= 2) {

@@ -12,8 +12,8 @@ class AcceptanceGuard:
     layer), so drafts that are mostly rejected make decoding slower. Below `min_rate` the guard
     pauses drafting for a number of steps that doubles each time it trips (up to
     `max_pause`), then lets the request try again; a good step resets the pause. The default
-    `min_rate` is where a 4-draft verify step of the embedded model on a 2-core CPU (2.4 decode
-    steps' time, docs/benchmarks.md) stops paying for itself.
+    `min_rate` is about where a 4-draft verify step of the embedded model on a 2-core CPU
+    (2.1-2.4 decode steps' time, docs/benchmarks.md) stops paying for itself.
     """
 
     def __init__(

@@ -260,3 +260,29 @@ def test_server_takes_the_flag_reports_the_counters_and_bench_prints_them(plain)
         timeout=120,
     )
     assert refused.returncode != 0 and "--speculative-config" in refused.stderr
+
+
+@pytest.mark.parametrize("backend", ["uni", "mp"])
+def test_pipeline_parallel_verifies_drafts_as_one_worker_does(tmp_path, backend):
+    # Two stages (in process, and one process each with the step pickled through shared
+    # memory) verify the same drafts: greedy tokens and logprobs equal a single worker's.
+    model = str(make_tiny_model("llama", tmp_path / "llama"))
+    kwargs = dict(dtype="float32", block_size=4, max_model_len=128, use_tqdm=False)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8] * 5 + [5, 6]}, {"prompt_token_ids": [9, 10] * 7}]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    single = LLM(model, **kwargs)
+    want = outputs_of(single, prompts, params)
+    single.shutdown()
+    staged = LLM(
+        model,
+        speculative_config=NGRAM,
+        pipeline_parallel_size=2,
+        distributed_executor_backend=backend,
+        **kwargs,
+    )
+    try:
+        assert_same(outputs_of(staged, prompts, params), want)
+        drafted, accepted = spec_counts(staged)
+        assert drafted > 0
+    finally:
+        staged.shutdown()

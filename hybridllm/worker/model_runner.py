@@ -197,7 +197,8 @@ class ModelRunner:
         """One step of the largest batch the scheduler may send, for its memory peak: the spans
         of `profile_spans` (max_num_batched_tokens tokens, or the last chunk of a max_model_len
         prompt when chunked prefill cuts prompts shorter) through this stage's layers, on a
-        temporary KV cache; on the last stage logits for max_num_seqs rows and the sampler's
+        temporary KV cache; on the last stage logits for max_num_seqs rows (times 1 + drafts with
+        speculative decoding) and the sampler's
         most costly path over them (top-k, top-p, penalties, logprobs). `on_cache_ready` runs
         once the temporary cache exists. Returns the tokens run."""
         scheduler_config = self.config.scheduler_config
@@ -222,7 +223,10 @@ class ModelRunner:
         with torch.inference_mode():
             hidden = self._forward(inputs, self.kv_caches, stage_inputs)
             if self.is_last_stage:
-                num_rows = min(num_tokens, scheduler_config.max_num_seqs)
+                # a verify step samples at each draft too (speculative decoding)
+                spec = self.config.speculative_config
+                rows_per_seq = 1 if spec is None else 1 + spec.num_speculative_tokens
+                num_rows = min(num_tokens, scheduler_config.max_num_seqs * rows_per_seq)
                 logits = self.model.compute_logits(hidden[-num_rows:])  # [num_rows, vocab]
                 self.sampler(logits, profile_sampling_metadata(num_rows, self.device))
         self.kv_caches = []

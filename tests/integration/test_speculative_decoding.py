@@ -286,3 +286,30 @@ def test_pipeline_parallel_verifies_drafts_as_one_worker_does(tmp_path, backend)
         assert drafted > 0
     finally:
         staged.shutdown()
+
+
+def test_chunked_prefill_prefix_hits_and_preemption_leave_the_output_unchanged(tmp_path):
+    # Prompts in chunks of 32 tokens, a shared prefix served from the cache, several requests
+    # decoding together with different drafts, and a pool so small that requests are preempted
+    # and recomputed: the same tokens as plain decoding under the same limits.
+    kwargs = dict(
+        dtype="float32",
+        max_model_len=1024,
+        max_num_batched_tokens=32,
+        num_gpu_blocks_override=26,
+        use_tqdm=False,
+    )
+    prompts = [COPY_PROMPT, COPY_PROMPT + "```python", PROMPTS[2], PROMPTS[1]]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    results = []
+    for config in (None, {**NGRAM, "disable_by_batch_size": None}):
+        llm = LLM(speculative_config=config, **kwargs)
+        try:
+            results.append(outputs_of(llm, prompts, params))
+            stats = llm.llm_engine.get_stats()
+            if config is not None:
+                assert stats.spec_num_accepted_tokens > 0
+            assert stats.num_preemptions > 0
+        finally:
+            llm.shutdown()
+    assert [r[:3] for r in results[1]] == [r[:3] for r in results[0]]

@@ -198,9 +198,9 @@ class ModelRunner:
         of `profile_spans` (max_num_batched_tokens tokens, or the last chunk of a max_model_len
         prompt when chunked prefill cuts prompts shorter) through this stage's layers, on a
         temporary KV cache; on the last stage logits for max_num_seqs rows (times 1 + drafts with
-        speculative decoding) and the sampler's
-        most costly path over them (top-k, top-p, penalties, logprobs). `on_cache_ready` runs
-        once the temporary cache exists. Returns the tokens run."""
+        speculative decoding) and the sampler's most costly path over them (top-k, top-p,
+        penalties, logprobs). `on_cache_ready` runs once the temporary cache exists. Returns the
+        tokens run."""
         scheduler_config = self.config.scheduler_config
         spans = profile_spans(
             scheduler_config.max_num_batched_tokens,

@@ -17,6 +17,10 @@ class DraftState:
 
     index: NgramIndex
     guard: AcceptanceGuard
+    # where the last drafts were copied from, and the request's length then: while the tokens
+    # since keep following that source, the next drafts continue it (see `source_of`)
+    source: int | None = None
+    length_then: int = 0
 
 
 class NgramDrafter:
@@ -54,11 +58,27 @@ class NgramDrafter:
             )
             if k <= 0 or not state.guard.should_draft():
                 continue
-            drafts = state.index.propose(request.all_token_ids, k)
+            token_ids = request.all_token_ids
+            start = self.source_of(state, token_ids)
+            state.source, state.length_then = start, len(token_ids)
+            drafts = [] if start is None else token_ids[start : start + k]
             grammar = request.structured_output
             if drafts and grammar is not None:
                 drafts = drafts[: grammar.num_valid(drafts)]
             request.spec_token_ids = drafts
+
+    def source_of(self, state: DraftState, token_ids: list[int]) -> int | None:
+        """Where to copy the next drafts from: the last source moved on by the tokens added
+        since, when the last min_n of them match it (the request is still copying that passage,
+        whose aligned continuation beats the latest occurrence of a common n-gram); else the
+        index's latest earlier occurrence of the suffix."""
+        if state.source is not None:
+            cursor = state.source + len(token_ids) - state.length_then
+            n = self.config.prompt_lookup_min
+            if n <= cursor < len(token_ids) and token_ids[cursor - n : cursor] == token_ids[-n:]:
+                state.index.lookup(token_ids)  # keep the index up to date
+                return cursor
+        return state.index.lookup(token_ids)
 
     def _num_to_draft(self, request: Request) -> int:
         """At most num_speculative_tokens, and no more than the request may still output after

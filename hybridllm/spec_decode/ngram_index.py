@@ -23,6 +23,12 @@ class NgramIndex:
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         """Up to `k` tokens that followed the latest earlier occurrence of the longest suffix
         of `token_ids` (max_n down to min_n tokens) seen before; [] when none recurs."""
+        end = self.lookup(token_ids)
+        return [] if end is None or k <= 0 else token_ids[end : end + k]
+
+    def lookup(self, token_ids: list[int]) -> int | None:
+        """Where the latest earlier occurrence of the longest recurring suffix of `token_ids`
+        (max_n down to min_n tokens) ends, or None."""
         length = len(token_ids)
         # every end but `length` itself: the suffix must not find itself
         for end in range(max(self._num_indexed, self.min_n), length):
@@ -30,10 +36,8 @@ class NgramIndex:
                 if end >= n:
                     table[tuple(token_ids[end - n : end])] = end
         self._num_indexed = max(self._num_indexed, length)
-        if k <= 0:
-            return []
         for n in range(min(self.max_n, length), self.min_n - 1, -1):
             end = self._last_end[n - self.min_n].get(tuple(token_ids[length - n :]))
             if end is not None:
-                return token_ids[end : end + k]
-        return []
+                return end
+        return None

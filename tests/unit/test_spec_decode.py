@@ -103,3 +103,29 @@ def test_speculative_config_defaults_one_lookup_bound_from_the_other():
         SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": 1})
     with pytest.raises(ValueError, match="integer in"):
         SpeculativeConfig.from_dict({"num_speculative_tokens": True})
+
+
+def test_drafter_keeps_copying_from_the_passage_it_follows():
+    # The request copies the passage at the start of its prompt; "12 13" also occurs later,
+    # followed by 99. Once it has copied "12 13" from the passage, its next draft is the
+    # passage's 14, not what followed the latest "12 13".
+    config = SpeculativeConfig(num_speculative_tokens=1, prompt_lookup_min=2, prompt_lookup_max=2)
+    drafter = NgramDrafter(config)
+    prompt = [10, 11, 12, 13, 14, 15, 16, 17, 50, 12, 13, 99]
+    request = Request("r", prompt, SamplingParams(max_tokens=50), None)
+    request.append_output_token_ids([10, 11])
+    request.num_computed_tokens = request.num_tokens - 1
+    drafter.propose([request])
+    assert request.spec_token_ids == [12]
+    # the draft accepted, 13 sampled after it
+    request.append_output_token_ids([12, 13])
+    request.num_computed_tokens = request.num_tokens - 1
+    request.num_draft_tokens, request.num_accepted_tokens = 1, 1
+    drafter.propose([request])
+    assert request.spec_token_ids == [14]
+    assert NgramIndex(2, 2).propose(request.all_token_ids, 1) == [99]  # the latest occurrence
+    # the request leaves the passage: the drafts come from the index again
+    request.append_output_token_ids([77, 10, 11])
+    request.num_computed_tokens = request.num_tokens - 1
+    drafter.propose([request])
+    assert request.spec_token_ids == [12]

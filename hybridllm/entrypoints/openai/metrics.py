@@ -58,25 +58,21 @@ class _EngineStatsCollector(Collector):
             f"{PREFIX}num_preemptions", "Requests preempted for KV space.", stats.num_preemptions
         )
         # speculative decoding, as vLLM's: acceptance rate = accepted / draft tokens, mean
-        # accepted length = 1 + accepted / drafts (tokens a verify step yields)
-        for name, doc, value in (
+        # accepted length = 1 + accepted / drafts (tokens a verify step yields); 0 without it
+        for name, field, doc in (
             (
                 "spec_decode_num_drafts",
+                "spec_num_steps",
                 "Verify steps of a request with drafts (speculative decoding).",
-                stats.spec_num_steps,
             ),
-            (
-                "spec_decode_num_draft_tokens",
-                "Drafted tokens verified.",
-                stats.spec_num_draft_tokens,
-            ),
+            ("spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Drafted tokens verified."),
             (
                 "spec_decode_num_accepted_tokens",
+                "spec_num_accepted_tokens",
                 "Drafted tokens accepted.",
-                stats.spec_num_accepted_tokens,
             ),
         ):
-            yield CounterMetricFamily(f"{PREFIX}{name}", doc, value)
+            yield CounterMetricFamily(f"{PREFIX}{name}", doc, getattr(stats, field, 0))
         busy = CounterMetricFamily(
             f"{PREFIX}worker_busy_seconds",
             "Seconds each worker spent computing.",

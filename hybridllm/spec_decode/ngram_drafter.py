@@ -25,9 +25,10 @@ class DraftState:
 
 class NgramDrafter:
     """Sets `spec_token_ids` of the running requests that decode next (vLLM's "ngram" method,
-    prompt lookup): the tokens that followed the latest earlier occurrence of the request's
-    last n tokens in its prompt and output. Drafts cost nothing to make; the scheduler trims
-    them to its budget and the last stage keeps those its own sampling agrees with."""
+    prompt lookup): the continuation of the passage the request is copying while it still
+    follows it, else the tokens that followed the latest earlier occurrence of its last n
+    tokens in its prompt and output. Drafts cost nothing to make; the scheduler trims them to
+    its budget and the last stage keeps those its own sampling agrees with."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
@@ -76,8 +77,7 @@ class NgramDrafter:
             cursor = state.source + len(token_ids) - state.length_then
             n = self.config.prompt_lookup_min
             if n <= cursor < len(token_ids) and token_ids[cursor - n : cursor] == token_ids[-n:]:
-                state.index.lookup(token_ids)  # keep the index up to date
-                return cursor
+                return cursor  # the index catches up with these tokens at its next lookup
         return state.index.lookup(token_ids)
 
     def _num_to_draft(self, request: Request) -> int:

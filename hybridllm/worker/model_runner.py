@@ -294,10 +294,10 @@ class ModelRunner:
         req_ids = [row.state.req_id for row in rows]
         tokens = group_by_request(req_ids, sampled.sampled_token_ids.tolist())
         logprobs = group_by_request(req_ids, sampled.logprobs_list())
-        for req_id, state in ((r, batch.requests[r]) for r in tokens):
-            kept = accepted_length(state.spec_token_ids, tokens[req_id]) + 1
+        for req_id, sampled_ids in tokens.items():
+            kept = accepted_length(batch.requests[req_id].spec_token_ids, sampled_ids) + 1
             output.req_ids.append(req_id)
-            output.sampled_token_ids.append(tokens[req_id][:kept])
+            output.sampled_token_ids.append(sampled_ids[:kept])
             entries = logprobs[req_id][:kept]
             output.logprobs.append(None if entries[0] is None else entries)
         return output

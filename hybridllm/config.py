@@ -179,11 +179,12 @@ class KernelConfig:
         )
 
 
-SUPPORTED_SPECULATIVE_METHODS = ("ngram",)
-# keys of `speculative_config`, as vLLM names them; "model" and "mtp" are recognised to refuse
+SUPPORTED_SPECULATIVE_METHODS = ("ngram", "draft_model")
+# keys of `speculative_config`, as vLLM names them ("mtp" is recognised to refuse)
 _SPECULATIVE_KEYS = (
     "method",
     "model",
+    "quantization",
     "num_speculative_tokens",
     "prompt_lookup_max",
     "prompt_lookup_min",
@@ -196,19 +197,35 @@ class SpeculativeConfig:
     """Speculative decoding: each decode step also verifies up to `num_speculative_tokens`
     drafted tokens, so one pass over the weights may yield several tokens (spec_decode/)."""
 
-    method: str = "ngram"
+    method: str = "ngram"  # or "draft_model": a small model with the same vocabulary drafts
     num_speculative_tokens: int = 4
+    model: str | None = None  # draft_model: the draft's checkpoint (a GGUF file or HF folder)
+    quantization: str | None = None  # draft_model: the draft's --quantization (None: auto)
     prompt_lookup_max: int = 4  # n-gram: longest suffix looked up in the request's tokens
     prompt_lookup_min: int = 2  # n-gram: shortest
     # no drafts in a step where this many requests or more run (None: any batch); a large
     # batch is compute-bound, where a rejected draft costs as much as a kept token
     disable_by_batch_size: int | None = 8
+    # draft_model: the draft's resolved engine config (EngineArgs sets it; one CPU worker)
+    draft_config: EngineConfig | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SUPPORTED_SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative_config method must be one of {SUPPORTED_SPECULATIVE_METHODS}, "
                 f"got {self.method!r}"
+            )
+        if (self.method == "draft_model") != isinstance(self.model, str):
+            raise ValueError(
+                "speculative_config 'model' (a path) goes with method 'draft_model' and only "
+                f"with it; got method {self.method!r} and model {self.model!r}"
+            )
+        if self.quantization is not None and (
+            self.method != "draft_model" or self.quantization not in SUPPORTED_QUANTIZATION
+        ):
+            raise ValueError(
+                f"speculative_config quantization must be one of {SUPPORTED_QUANTIZATION} and "
+                f"goes with a draft 'model'; got {self.quantization!r}"
             )
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
@@ -244,17 +261,14 @@ class SpeculativeConfig:
                 f"speculative_config has unknown keys {unknown}; known: {list(_SPECULATIVE_KEYS)}"
             )
         values = dict(config)
-        if "model" in values:
-            raise ValueError(
-                "speculative_config: a draft model ('model') is not supported yet; use "
-                "{'method': 'ngram'}"
-            )
         if "num_speculative_tokens" not in values:
             raise ValueError("speculative_config needs num_speculative_tokens")
-        method = values.setdefault("method", "ngram")
+        # as vLLM: a draft model given without a method means method "draft_model"
+        method = values.setdefault("method", "draft_model" if "model" in values else "ngram")
         if method == "mtp":
             raise ValueError(
-                "speculative_config: method 'mtp' is not supported yet; use {'method': 'ngram'}"
+                "speculative_config: method 'mtp' is not supported yet; use 'ngram' or a draft "
+                "'model'"
             )
         # as vLLM: one of the two lookup bounds given sets the other
         given_max, given_min = values.get("prompt_lookup_max"), values.get("prompt_lookup_min")

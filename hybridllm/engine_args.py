@@ -123,9 +123,9 @@ class EngineArgs:
 
             raise ValueError(tensor_parallel_error(archs[0]))
 
-        speculative_config = self.resolve_speculative_config(hf_config)
         max_model_len = self.resolve_max_model_len(hf_config)
         batched = self.resolve_max_num_batched_tokens(max_model_len)
+        speculative_config = self.resolve_speculative_config(hf_config, max_model_len, batched)
         quantization = self.resolve_quantization(source)
         cpu_blocks = self.kept_cpu_blocks(source, hf_config, kernel_config)
         cpu_auto = self._cpu_auto_dtype(hf_config, cpu_blocks, quantization)
@@ -189,9 +189,12 @@ class EngineArgs:
         )
         return config
 
-    def resolve_speculative_config(self, hf_config) -> SpeculativeConfig | None:
+    def resolve_speculative_config(
+        self, hf_config, max_model_len: int = 0, max_num_batched_tokens: int = 0
+    ) -> SpeculativeConfig | None:
         """The validated speculative config, or None; refused for a model whose layers keep a
-        recurrent state, which a rejected draft would leave advanced past the kept tokens."""
+        recurrent state, which a rejected draft would leave advanced past the kept tokens. A
+        draft model is resolved here too: its own engine config, one CPU worker."""
         if self.speculative_config is None:
             return None
         config = SpeculativeConfig.from_dict(self.speculative_config)
@@ -200,7 +203,50 @@ class EngineArgs:
                 "speculative decoding is not supported for models with linear-attention layers: "
                 "their recurrent state cannot take back a rejected draft"
             )
-        return config
+        if config.method != "draft_model":
+            return config
+        draft = self.draft_engine_config(config, max_model_len, max_num_batched_tokens)
+        draft_vocab = draft.model_config.vocab_size
+        if draft_vocab != hf_config.vocab_size:
+            logger.warning(
+                "the draft model's vocabulary (%d) differs from the model's (%d): drafts are "
+                "taken from the first %d token ids",
+                draft_vocab,
+                hf_config.vocab_size,
+                min(draft_vocab, hf_config.vocab_size),
+            )
+        return dataclasses.replace(config, draft_config=draft)
+
+    def draft_engine_config(
+        self, config: SpeculativeConfig, max_model_len: int, max_num_batched_tokens: int
+    ) -> EngineConfig:
+        """The draft model's engine config: this engine's context, step budget, threads and
+        kernels, on one CPU worker, without a tokenizer (it sees token ids only)."""
+        draft_args = EngineArgs(
+            model=config.model,
+            skip_tokenizer_init=True,
+            quantization=config.quantization or "auto",
+            device="cpu",
+            max_model_len=max_model_len,
+            block_size=self.block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            cpu_threads=self.cpu_threads,
+            seed=self.seed,
+            cpu_kernels=self.cpu_kernels,
+            gguf_activations=self.gguf_activations,
+            native_decode_layer=self.native_decode_layer,
+        )
+        try:
+            draft = draft_args.create_engine_config()
+        except (ValueError, OSError) as exc:
+            raise ValueError(f"speculative_config model {config.model!r}: {exc}") from exc
+        if any(spec.is_state for spec in kv_cache_groups(draft.model_config.hf_config)):
+            raise ValueError(
+                f"speculative_config model {config.model!r}: a draft with linear-attention "
+                "layers is not supported (its recurrent state cannot take back a rejected draft)"
+            )
+        return draft
 
     def resolve_max_model_len(self, hf_config) -> int:
         """The context length: `max_model_len`, else the model's; never beyond the model's."""

@@ -86,11 +86,11 @@ class LLMEngine:
             self.tokenizer, config.model_config.vocab_size, config.model_config.eos_token_ids
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.drafter = None  # speculative decoding's (spec_decode/), when configured
-        if config.speculative_config is not None:
-            from hybridllm.spec_decode.ngram_drafter import NgramDrafter
-
-            self.drafter = NgramDrafter(config.speculative_config)
+        try:
+            self.drafter = _create_drafter(config)  # speculative decoding's, when configured
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self._pending_outputs: list[RequestOutput] = []  # aborted requests, reported next step
         self._closed = False
         self._max_in_flight = config.plan.pipeline_parallel_size
@@ -360,6 +360,28 @@ class LLMEngine:
             self.executor.shutdown()
         finally:
             self.structured_output.shutdown()
+            if self.drafter is not None:
+                self.drafter.shutdown()
+
+
+def _create_drafter(config: EngineConfig) -> Any:
+    """The drafter of `config.speculative_config` (spec_decode/), or None without one."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        from hybridllm.spec_decode.ngram_drafter import NgramDrafter
+
+        return NgramDrafter(spec)
+    # Deferred: the draft model runs on torch, which the engine package does not import.
+    from hybridllm.spec_decode.draft_model_drafter import DraftModelDrafter
+    from hybridllm.worker.draft_runner import DraftModelRunner
+
+    # the draft only runs for batches below disable_by_batch_size: KV for that many sequences
+    limit = spec.disable_by_batch_size or config.scheduler_config.max_num_seqs
+    max_seqs = min(limit, config.scheduler_config.max_num_seqs)
+    runner = DraftModelRunner(spec.draft_config, spec.num_speculative_tokens, max_seqs)
+    return DraftModelDrafter(spec, runner)
 
 
 def _pipelined(call: Any, *args: Any) -> Any:

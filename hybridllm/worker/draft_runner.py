@@ -59,7 +59,7 @@ class DraftModelRunner:
         self.num_groups = len(self.runner.kv_cache_groups)
         self.max_tokens_per_forward = config.scheduler_config.max_num_batched_tokens
         max_len = config.scheduler_config.max_model_len + num_speculative_tokens
-        num_blocks = max_seqs * -(-max_len // self.block_size)
+        self.num_blocks = num_blocks = max_seqs * -(-max_len // self.block_size)
         self.runner.initialize_kv_cache(num_blocks)
         self.free_blocks = list(range(num_blocks - 1, -1, -1))  # a stack
         self.seqs: dict[str, DraftSequence] = {}

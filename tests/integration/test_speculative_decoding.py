@@ -200,7 +200,7 @@ def test_linear_attention_models_are_refused(tmp_path):
         ({"num_speculative_tokens": 2, "prompt_lookup_max": 1, "prompt_lookup_min": 3}, "<="),
         ({"num_speculative_tokens": "4"}, "integer in"),
         ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
-        ({"model": "/some/draft", "num_speculative_tokens": 2}, "draft model"),
+        ({"model": "/some/draft", "num_speculative_tokens": 2}, "model '/some/draft'"),
         ({"num_speculative_tokens": 2, "temperature": 1}, "unknown keys"),
     ],
 )

@@ -105,6 +105,29 @@ def test_speculative_config_defaults_one_lookup_bound_from_the_other():
         SpeculativeConfig.from_dict({"num_speculative_tokens": True})
 
 
+def test_speculative_config_a_model_means_the_draft_model_method():
+    config = SpeculativeConfig.from_dict({"model": "/d", "num_speculative_tokens": 3})
+    assert (config.method, config.model, config.quantization) == ("draft_model", "/d", None)
+    config = SpeculativeConfig.from_dict(
+        {
+            "method": "draft_model",
+            "model": "/d",
+            "num_speculative_tokens": 3,
+            "quantization": "q4_0",
+        }
+    )
+    assert config.quantization == "q4_0"
+    for bad, error in [
+        ({"method": "ngram", "model": "/d"}, "'model' \\(a path\\) goes with method"),
+        ({"method": "draft_model"}, "'model' \\(a path\\) goes with method"),
+        ({"model": 3}, "'model' \\(a path\\) goes with method"),
+        ({"model": "/d", "quantization": "q3_k"}, "quantization must be one of"),
+        ({"method": "ngram", "quantization": "q4_0"}, "goes with a draft 'model'"),
+    ]:
+        with pytest.raises(ValueError, match=error):
+            SpeculativeConfig.from_dict({**bad, "num_speculative_tokens": 2})
+
+
 def test_drafter_keeps_copying_from_the_passage_it_follows():
     # The request copies the passage at the start of its prompt; "12 13" also occurs later,
     # followed by 99. Once it has copied "12 13" from the passage, its next draft is the

@@ -1,0 +1,163 @@
+"""Speculative decoding with a draft model, on real models: the output is plain decoding's."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hybridllm import LLM, SamplingParams
+from hybridllm.engine_args import EngineArgs
+from hybridllm.loader import default_model_path
+from hybridllm.worker.draft_runner import DraftModelRunner
+from tests.integration.test_speculative_decoding import assert_same, outputs_of, spec_counts
+from tests.model_helpers import make_tiny_model
+
+
+def draft(model, **extra) -> dict:
+    return {"model": str(model), "num_speculative_tokens": 3, **extra}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny random target, and another tiny random model of the same vocabulary."""
+    root = tmp_path_factory.mktemp("draft_models")
+    return make_tiny_model("llama", root / "target", seed=0), make_tiny_model(
+        "llama", root / "other", seed=1
+    )
+
+
+@pytest.fixture(scope="module")
+def plain(models):
+    llm = LLM(str(models[0]), use_tqdm=False)
+    yield llm
+    llm.shutdown()
+
+
+def test_the_runner_drafts_the_draft_models_greedy_continuation(models, plain):
+    # Three sequences grow as verify steps grow them (some drafts kept, then a token of the
+    # target's own); whatever the draft's KV already holds, its drafts are the greedy
+    # continuation a fresh run of the same model computes. Blocks for two full contexts (512
+    # tokens) and three sequences of 25 blocks: the least recently drafted one is dropped and
+    # catches up from its whole history later; a batch of all three leaves one without drafts.
+    config = EngineArgs(str(models[0]), speculative_config=draft(models[0]))
+    draft_config = config.create_engine_config().speculative_config.draft_config
+    runner = DraftModelRunner(draft_config, num_speculative_tokens=3, max_seqs=2)
+    try:
+        rng = random.Random(0)
+        vocab = draft_config.model_config.vocab_size
+        seqs = {f"r{i}": [rng.randrange(vocab) for _ in range(390 + 3 * i)] for i in range(3)}
+        greedy = SamplingParams(temperature=0, max_tokens=3)
+        num_without = 0
+        for round_ in range(6):
+            ids = ["r0", "r1"] if round_ % 2 else ["r1", "r2", "r0"][: 2 + round_ % 3 // 2]
+            batch = [(req_id, seqs[req_id], 1 + (round_ + i) % 3) for i, req_id in enumerate(ids)]
+            drafts = runner.propose(batch)
+            for (req_id, tokens, k), got in zip(batch, drafts):
+                if not got:  # no room this time: all three were in the batch
+                    assert len(batch) == 3
+                    num_without += 1
+                    continue
+                [out] = plain.generate({"prompt_token_ids": tokens}, greedy, use_tqdm=False)
+                assert got == out.outputs[0].token_ids[:k], (round_, req_id)
+                kept = rng.randrange(k + 1)
+                seqs[req_id] = tokens + got[:kept] + [rng.randrange(vocab)]
+        assert len(runner.seqs) <= 2 and num_without > 0
+        runner.retain(set())
+        assert not runner.seqs and sorted(runner.free_blocks) == list(range(runner.num_blocks))
+    finally:
+        runner.shutdown()
+
+
+@pytest.mark.parametrize("which", ["itself", "another model"])
+def test_greedy_and_seeded_outputs_are_plain_decodings(models, plain, which):
+    target, other = models
+    draft_model = target if which == "itself" else other
+    llm = LLM(
+        str(target),
+        use_tqdm=False,
+        speculative_config=draft(draft_model, disable_by_batch_size=None),
+    )
+    try:
+        prompts = [{"prompt_token_ids": [5 + i, 17, 3 * i + 1, 40, 2]} for i in range(4)]
+        params = [
+            SamplingParams(temperature=0, max_tokens=40, logprobs=2),
+            SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+            SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=30, n=2),
+            SamplingParams(temperature=0.7, seed=3, max_tokens=30, repetition_penalty=1.2),
+        ]
+        assert_same(outputs_of(llm, prompts, params), outputs_of(plain, prompts, params))
+        drafted, accepted = spec_counts(llm)
+        if which == "itself":
+            # the target drafting for itself: every greedy draft is what it samples
+            outputs_of(llm, prompts[:2], params[:2])
+            now = spec_counts(llm)
+            assert now[0] - drafted > 20 and now[1] - accepted == now[0] - drafted
+        else:
+            assert drafted > accepted
+    finally:
+        llm.shutdown()
+
+
+def test_the_embedded_model_drafting_for_itself_keeps_its_greedy_output():
+    # GGUF blocks on both sides; fp32 activations, whose sums do not depend on how many rows a
+    # step has (int8 activations round a verify step's larger batch differently, as they do
+    # plain decoding's: docs/benchmarks.md)
+    prompts = ["The capital of France is", "List the days of the week:", "def add(a, b):"]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    kwargs = {"gguf_activations": "fp32", "max_model_len": 512, "use_tqdm": False}
+    plain = LLM(**kwargs)
+    want = outputs_of(plain, prompts, params)
+    plain.shutdown()
+    llm = LLM(**kwargs, speculative_config=draft(default_model_path(), num_speculative_tokens=4))
+    try:
+        assert_same(outputs_of(llm, prompts, params), want)
+        drafted, accepted = spec_counts(llm)
+        assert drafted > 40 and accepted > 0.9 * drafted
+    finally:
+        llm.shutdown()
+
+
+def test_preemption_and_chunked_prefill_leave_the_output_unchanged(models):
+    # A KV cache too small for all requests at once (5 x 6 blocks in 20): requests are
+    # preempted and recomputed, prompts arrive in chunks of 32 tokens; the draft's KV follows
+    # (dropped with a preempted request, caught up when it drafts again).
+    target = str(models[0])
+    kwargs = dict(use_tqdm=False, max_num_batched_tokens=32, num_gpu_blocks_override=20)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 200 + 1 for j in range(50)]} for i in range(5)]
+    results = []
+    for config in (None, draft(target, disable_by_batch_size=None)):
+        llm = LLM(target, speculative_config=config, **kwargs)
+        try:
+            results.append(outputs_of(llm, prompts, params))
+            stats = llm.llm_engine.get_stats()
+            assert stats.num_preemptions > 0
+            if config is not None:
+                assert stats.spec_num_accepted_tokens > 0
+                # the draft KV of every request but the last to finish is freed (the last's at
+                # the next step, when the drafter sees it no longer runs)
+                assert len(llm.llm_engine.drafter.runner.seqs) <= 1
+        finally:
+            llm.shutdown()
+    assert_same(results[1], results[0])
+
+
+@pytest.mark.parametrize(
+    "config, error",
+    [
+        ({"model": "/no/such/draft", "num_speculative_tokens": 2}, "model '/no/such/draft'"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "goes with method"),
+        ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "goes with method"),
+    ],
+)
+def test_bad_draft_configs_name_the_problem(config, error):
+    with pytest.raises(ValueError, match=error):
+        EngineArgs(speculative_config=config).create_engine_config()
+
+
+def test_a_draft_with_linear_attention_layers_is_refused(tmp_path):
+    linear = make_tiny_model("qwen3_next", tmp_path / "qwen3_next")
+    target = make_tiny_model("llama", tmp_path / "llama")
+    with pytest.raises(ValueError, match="a draft with linear-attention layers"):
+        EngineArgs(str(target), speculative_config=draft(linear)).create_engine_config()

@@ -9,6 +9,8 @@ import numpy as np
 import torch
 
 from hybridllm.config import EngineConfig
+from hybridllm.engine.block_pool import BlockPool
+from hybridllm.engine.kv_cache_utils import BlockHash, KVCacheBlock, extend_block_hashes
 from hybridllm.platforms import platform_for_device
 from hybridllm.worker.input_batch import Span, step_inputs
 from hybridllm.worker.model_runner import ModelRunner
@@ -26,8 +28,14 @@ class DraftSequence:
 
     token_ids: list[int] = field(default_factory=list)  # tokens whose KV is written, in order
     num_known: int = 0  # how many of them were the request's own (the rest: its drafts)
-    block_ids: list[int] = field(default_factory=list)
+    blocks: list[KVCacheBlock] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)  # of its known full blocks
+    num_cached: int = 0  # leading blocks registered in the prefix cache
     last_used: int = 0  # the propose call that last drafted for it (eviction order)
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [block.block_id for block in self.blocks]
 
 
 @dataclass
@@ -43,10 +51,11 @@ class DraftModelRunner:
     """Runs the draft model in the engine's process on the CPU (one worker, every layer).
 
     Each request's draft KV is kept between steps: a step feeds only what the draft has not
-    seen (the target's kept tokens past the draft's own accepted guesses; the whole prompt the
-    first time), then decodes k - 1 more tokens greedily. The KV holds `max_seqs` full
-    contexts; when it runs short the least recently drafted sequences are dropped (they catch
-    up again when they next draft).
+    seen (the target's kept tokens past the draft's own accepted guesses; the prompt the first
+    time, less the full blocks the draft's prefix cache still holds), then decodes k - 1 more
+    tokens greedily. The KV holds `max_seqs` full contexts in a `BlockPool` like the target's;
+    when it runs short the least recently drafted sequences are dropped (they catch up again
+    when they next draft).
     """
 
     def __init__(self, config: EngineConfig, num_speculative_tokens: int, max_seqs: int):
@@ -61,9 +70,10 @@ class DraftModelRunner:
         max_len = config.scheduler_config.max_model_len + num_speculative_tokens
         self.num_blocks = num_blocks = max_seqs * -(-max_len // self.block_size)
         self.runner.initialize_kv_cache(num_blocks)
-        self.free_blocks = list(range(num_blocks - 1, -1, -1))  # a stack
+        self.pool = BlockPool(num_blocks)
         self.seqs: dict[str, DraftSequence] = {}
         self.num_calls = 0
+        self.num_tokens_run = 0  # through the draft model, all calls together
         logger.info(
             "draft model %s: KV cache of %d blocks (%.0f MiB) for %d sequences",
             config.model_config.model,
@@ -80,25 +90,55 @@ class DraftModelRunner:
             self._free(req_id)
 
     def _free(self, req_id: str) -> None:
-        self.free_blocks.extend(self.seqs.pop(req_id).block_ids)
+        # the tail first into the free queue: it is the first evicted, the shared prefix last
+        self.pool.free_blocks(reversed(self.seqs.pop(req_id).blocks))
 
-    def _reserve(self, req_id: str, num_blocks: int, keep: set[str]) -> DraftSequence | None:
-        """The sequence of `req_id` with at least `num_blocks` blocks, dropping the least
-        recently drafted sequences not in `keep` if the cache runs short; None if it cannot."""
-        seq = self.seqs.setdefault(req_id, DraftSequence())
-        missing = num_blocks - len(seq.block_ids)
-        if missing > len(self.free_blocks):
-            idle = sorted(
-                (s.last_used, r) for r, s in self.seqs.items() if r not in keep and r != req_id
-            )
+    def _sequence(self, req_id: str, token_ids: list[int]) -> DraftSequence:
+        """The draft's sequence of `req_id`: the one it holds if `token_ids` extend its known
+        tokens, else a new one on the prefix cache's blocks of `token_ids`' full blocks (all
+        but the one of the last token, which the first forward writes)."""
+        seq = self.seqs.get(req_id)
+        if seq is not None and seq.token_ids[: seq.num_known] == token_ids[: seq.num_known]:
+            return seq
+        if seq is not None:  # a new request under a finished one's id
+            self._free(req_id)
+        seq = self.seqs[req_id] = DraftSequence()
+        extend_block_hashes(seq.block_hashes, token_ids, self.block_size)
+        for block_hash in seq.block_hashes[: (len(token_ids) - 1) // self.block_size]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            seq.blocks.append(block)
+        self.pool.touch(seq.blocks)
+        seq.num_cached = len(seq.blocks)
+        seq.num_known = seq.num_cached * self.block_size
+        seq.token_ids = token_ids[: seq.num_known]
+        return seq
+
+    def _reserve(self, seq: DraftSequence, num_blocks: int, keep: set[str]) -> bool:
+        """Give `seq` at least `num_blocks` blocks, dropping the least recently drafted
+        sequences not in `keep` if the pool runs short; False if it cannot."""
+        missing = num_blocks - len(seq.blocks)
+        if missing > self.pool.num_free_blocks:
+            idle = sorted((s.last_used, r) for r, s in self.seqs.items() if r not in keep)
             for _, victim in idle:
                 self._free(victim)
-                if missing <= len(self.free_blocks):
+                if missing <= self.pool.num_free_blocks:
                     break
-        if missing > len(self.free_blocks):
-            return None
-        seq.block_ids.extend(self.free_blocks.pop() for _ in range(max(0, missing)))
-        return seq
+        if missing > self.pool.num_free_blocks:
+            return False
+        if missing > 0:
+            seq.blocks.extend(self.pool.get_new_blocks(missing))
+        return True
+
+    def _cache_full_blocks(self, seq: DraftSequence) -> None:
+        """Register the sequence's full blocks of known tokens but the last token's block
+        (positions a later step may write again never enter the shared cache)."""
+        extend_block_hashes(seq.block_hashes, seq.token_ids[: seq.num_known], self.block_size)
+        end = (seq.num_known - 1) // self.block_size
+        for i in range(seq.num_cached, end):
+            self.pool.cache_block(seq.blocks[i], seq.block_hashes[i])
+        seq.num_cached = max(seq.num_cached, end)
 
     # ---- drafting -----------------------------------------------------------------------------
 
@@ -110,11 +150,11 @@ class DraftModelRunner:
         keep = {req_id for req_id, _, _ in batch}
         feeds: list[_Feed | None] = []
         for req_id, token_ids, k in batch:
-            seq = self._reserve(req_id, -(-(len(token_ids) + k - 1) // self.block_size), keep)
-            if seq is None:
+            seq = self._sequence(req_id, token_ids)
+            seq.last_used = self.num_calls
+            if not self._reserve(seq, -(-(len(token_ids) + k - 1) // self.block_size), keep):
                 feeds.append(None)
                 continue
-            seq.last_used = self.num_calls
             start = _common_prefix(seq, token_ids)
             feeds.append(_Feed(seq, start, token_ids[start:]))
             seq.token_ids, seq.num_known = list(token_ids), len(token_ids)
@@ -122,6 +162,7 @@ class DraftModelRunner:
         drafts: list[list[int]] = [[] for _ in batch]
         for i, token in zip(live, self._run([feeds[i] for i in live]), strict=True):
             drafts[i].append(token)
+            self._cache_full_blocks(feeds[i].seq)
         for j in range(1, max((k for _, _, k in batch), default=0)):
             step = [i for i in live if batch[i][2] > j]
             if not step:
@@ -176,6 +217,7 @@ class DraftModelRunner:
             spans, [tables] * self.num_groups, len(decode_rows), self.block_size, self.device, ids
         )
         hidden = self.runner._forward(inputs, self.runner.kv_caches, {})  # [tokens, hidden]
+        self.num_tokens_run += len(ids)
         ends = inputs.attn_metadata.query_start_loc_cpu
         sampling = [(i, ends[r + 1] - 1) for r, (i, _, _, samples) in enumerate(rows) if samples]
         if not sampling:
@@ -192,12 +234,9 @@ class DraftModelRunner:
 
 
 def _common_prefix(seq: DraftSequence, token_ids: list[int]) -> int:
-    """How many leading tokens of `token_ids` the draft's KV already holds, at most all but
-    the last (whose row gives the first draft's logits)."""
-    known = seq.num_known
-    if known > len(token_ids) or seq.token_ids[:known] != token_ids[:known]:
-        return 0  # not the sequence the draft saw (cannot happen for a live request)
-    n = known
+    """How many leading tokens of `token_ids` (which extend the sequence's known tokens) the
+    draft's KV already holds, at most all but the last (whose row gives the first draft)."""
+    n = seq.num_known
     limit = min(len(seq.token_ids), len(token_ids))
     while n < limit and seq.token_ids[n] == token_ids[n]:
         n += 1

@@ -64,7 +64,16 @@ def test_the_runner_drafts_the_draft_models_greedy_continuation(models, plain):
                 seqs[req_id] = tokens + got[:kept] + [rng.randrange(vocab)]
         assert len(runner.seqs) <= 2 and num_without > 0
         runner.retain(set())
-        assert not runner.seqs and sorted(runner.free_blocks) == list(range(runner.num_blocks))
+        assert not runner.seqs and runner.pool.num_free_blocks == runner.num_blocks
+        # a new request with r0's tokens: the prefix cache holds all its full blocks but the
+        # last token's, so the draft runs the rest only, and drafts what it drafted before
+        tokens = seqs["r0"]
+        before = runner.num_tokens_run
+        [got] = runner.propose([("again", tokens, 1)])
+        [out] = plain.generate({"prompt_token_ids": tokens}, greedy, use_tqdm=False)
+        assert got == out.outputs[0].token_ids[:1]
+        cached = (len(tokens) - 1) // 16 * 16
+        assert runner.num_tokens_run - before == len(tokens) - cached
     finally:
         runner.shutdown()
 

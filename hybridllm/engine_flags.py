@@ -192,8 +192,10 @@ FLAGS: tuple[Flag, ...] = (
         metavar="JSON",
         help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": '
         "4}' drafts each request's next tokens from its own prompt and output (keys "
-        "prompt_lookup_max, prompt_lookup_min, disable_by_batch_size); greedy and seeded "
-        "outputs stay those of plain decoding (default: off)",
+        'prompt_lookup_max, prompt_lookup_min, disable_by_batch_size); \'{"model": PATH, '
+        '"num_speculative_tokens": 4}\' drafts with a smaller model of the same vocabulary (key '
+        "quantization: the draft's); greedy and seeded outputs stay those of plain decoding "
+        "(default: off)",
     ),
     _flag(
         "--pipeline-parallel-size",

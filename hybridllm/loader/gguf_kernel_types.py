@@ -36,6 +36,8 @@ OWN_KERNEL_TYPES: tuple[int, ...] = tuple(
     int(t)
     for t in (
         _Q.F32,
+        _Q.F16,
+        _Q.BF16,
         _Q.Q4_0,
         _Q.Q4_1,
         _Q.Q5_0,
@@ -50,5 +52,6 @@ OWN_KERNEL_TYPES: tuple[int, ...] = tuple(
 )
 
 # The block types a CPU worker with the native kernels keeps and computes as blocks: every
-# quantized type of the table (plain F32 weights are floats anyway).
+# quantized type of the table, and F16 / BF16 (half of fp32's bytes; plain F32 weights are
+# floats anyway).
 GGUF_KERNEL_TYPES: frozenset[int] = frozenset(CODE_BLOCK_TYPES + OWN_KERNEL_TYPES) - {int(_Q.F32)}

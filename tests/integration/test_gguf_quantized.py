@@ -116,9 +116,10 @@ def test_blocks_kept_where_a_kernel_reads_them(gguf_path):
         assert qkv.qweight is None and qkv.weight.numel() == 0
         types = [(t, rows) for _, t, rows in qkv.shard_blocks]
         assert types == list(zip((Q.Q4_1, Q.Q4_1, Q.Q8_0), qkv.output_sizes))
-        gate_up = layer.mlp.gate_up_proj  # Q4_1 beside F16: decoded to floats
-        assert gate_up.weight.dtype == torch.float32 and gate_up.weight.numel() > 0
-        assert gate_up.ggml_type in (-1, Q.F32)  # F32: the native op on floats (non-Intel CPUs)
+        gate_up = layer.mlp.gate_up_proj  # Q4_1 beside F16: each computed from its own bytes
+        assert gate_up.qweight is None and gate_up.weight.numel() == 0
+        types = [(t, rows) for _, t, rows in gate_up.shard_blocks]
+        assert types == list(zip((Q.Q4_1, Q.F16), gate_up.output_sizes))
         assert layer.self_attn.o_proj.ggml_type == Q.Q4_0
         assert layer.mlp.down_proj.ggml_type == Q.Q8_0
         assert model.lm_head.qweight is not None
@@ -184,10 +185,11 @@ def test_planner_counts_the_blocks_a_cpu_worker_keeps(gguf_path):
     blocks = gguf_block_sizes(source, layers)
     infos = source.tensor_infos()
     kinds = {n: n.split(".")[2] for n in infos if n.startswith("blk.")}
-    # kept: q/k/v (each its own type), o (Q4_0), down (Q8_0); gate/up (one F16) dequantized
-    kept_kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_down")
-    kept = [n for n, k in kinds.items() if k in kept_kinds]
-    every = kept + [n for n, k in kinds.items() if k in ("ffn_gate", "ffn_up")]
+    # every linear kept: q/k/v (each its own type), o (Q4_0), down (Q8_0), gate/up (one F16:
+    # computed from its own two bytes a weight, not inflated to fp32)
+    kept_kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_down", "ffn_gate", "ffn_up")
+    kept = every = [n for n, k in kinds.items() if k in kept_kinds]
+    assert any(infos[n].ggml_type == Q.F16 for n in kept)
     assert blocks.kept_bytes == sum(infos[n].nbytes for n in kept)
     assert blocks.total_params == sum(math.prod(infos[n].shape) for n in every)
     head = infos.get("output.weight") or infos["token_embd.weight"]

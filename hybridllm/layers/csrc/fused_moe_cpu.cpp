@@ -28,7 +28,7 @@
 
 namespace {
 
-using hybridllm_gguf::kF32;
+using hybridllm_gguf::is_float_type;
 using hybridllm_gguf::is_x8_type;
 using hybridllm_gguf::kFp32Activations;
 using hybridllm_gguf::kQ8Avx512Vnni;
@@ -214,7 +214,7 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights,
   // computed together first, gate/up of all of them in one parallel region and down in
   // another: two gguf_linear calls an expert, 16 short parallel regions and weight streams a
   // layer at one token, took 10-20% longer (Qwen3-30B-A3B's shape, 2 threads).
-  const bool int8 = activations != kFp32Activations && w13_type != kF32 && w2_type != kF32;
+  const bool int8 = activations != kFp32Activations && !is_float_type(w13_type) && !is_float_type(w2_type);
   if (int8) {
     check_int8_experts(w13, w13_type, hidden, "w13");
     check_int8_experts(w2, w2_type, width2 / 2, "w2");

@@ -88,7 +88,7 @@ constexpr bool scales_have_mins(int64_t type) {
 template <int64_t kType>
 inline void block_scales(const uint8_t* blocks, int64_t count, float* d, float* m) {
   constexpr int64_t bb = block_bytes(kType);
-  if constexpr (kType == kF32) return;
+  if constexpr (is_float_type(kType)) return;
   if constexpr (has_e8m0_scale(kType)) {
     for (int64_t i = 0; i < count; ++i) d[i] = e8m0_half_to_float(blocks[i * bb]);
     return;
@@ -265,6 +265,22 @@ void dequantize_row(const uint8_t* row, int64_t nb, float* out, float* d, float*
   constexpr int64_t bb = block_bytes(kType);
   if constexpr (kType == kF32) {
     std::memcpy(out, row, nb * bb);
+    return;
+  }
+  if constexpr (kType == kF16 || kType == kBF16) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= nb * kBlock; j += 16) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * j));
+      _mm512_storeu_ps(out + j, kType == kF16 ? _mm512_cvtph_ps(h)
+                                              : _mm512_castsi512_ps(_mm512_slli_epi32(
+                                                    _mm512_cvtepu16_epi32(h), 16)));
+    }
+#endif
+    for (; j < nb * kBlock; ++j) {
+      const uint16_t h = load_u16(row + 2 * j);
+      out[j] = kType == kF16 ? half_to_float(h) : bf16_to_float(h);
+    }
     return;
   }
   if constexpr (is_code_block_type(kType)) {

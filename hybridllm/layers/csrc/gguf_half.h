@@ -38,6 +38,14 @@ inline float half_to_float(uint16_t h) {
 #endif
 }
 
+// bfloat16 -> float (exact: its bits are the float's top half).
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 // An E8M0 exponent byte e (MXFP4's block scale) as half its power of two, 2^(e - 128) (exact:
 // e < 2 are fp32 subnormals), which scales E2M1's values doubled. gguf's e8m0_to_fp32_half.
 inline float e8m0_half_to_float(uint8_t e) {

@@ -75,7 +75,7 @@ at::Tensor gguf_head_linear(const at::Tensor& x, const at::Tensor& qweight, int6
   float* yp = yt.data_ptr<float>();
   // int8 activations as gguf_linear quantizes them (F32 weights stay fp32), by its few-rows
   // kernels at every B (gguf_linear's int8 GEMM from kQ8GemmMinRows rows sums the same integers)
-  if (activations != kFp32Activations && ggml_type != kF32)
+  if (activations != kFp32Activations && !is_float_type(ggml_type))
     q8_linear_grouped(ggml_type, activations, xp, starts.data(), H, K, weights.data(), N, yp);
   else
     fp32_linear_grouped(ggml_type, xp, starts.data(), H, K, weights.data(), N, yp);

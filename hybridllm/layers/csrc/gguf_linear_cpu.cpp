@@ -80,6 +80,22 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
         hi[c] = _mm512_loadu_ps(reinterpret_cast<const float*>(blk) + 16);
         continue;
       }
+      if constexpr (kType == kF16) {
+        lo[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+        hi[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+        continue;
+      }
+      if constexpr (kType == kBF16) {
+        // a bfloat16 is the top half of its float: widen to 32 bits, shift into place
+        const auto widen = [](const uint8_t* p) {
+          return _mm512_castsi512_ps(_mm512_slli_epi32(
+              _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+              16));
+        };
+        lo[c] = widen(blk);
+        hi[c] = widen(blk + 32);
+        continue;
+      }
       const float scale = d[c * nb + b];
       if constexpr (kType == kQ6_K) {
         // two scales a block: d for weights 0-15, m for 16-31
@@ -212,6 +228,11 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
       const uint8_t* blk = w + c * row_bytes + b * bb;
       if constexpr (kType == kF32) {
         std::memcpy(wf, blk, sizeof(wf));
+      } else if constexpr (kType == kF16 || kType == kBF16) {
+        for (int j = 0; j < 32; ++j) {
+          const uint16_t h = load_u16(blk + 2 * j);
+          wf[j] = kType == kF16 ? half_to_float(h) : bf16_to_float(h);
+        }
       } else if constexpr (kType == kQ6_K) {
         const Q6Bits bits = q6_k_bits(w + c * row_bytes, b);
         for (int l = 0; l < 32; ++l)
@@ -527,7 +548,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
   // kQ8GemmMinRows rows, the int8 GEMM from there where the build has it, else the few-rows
   // kernels up to kDirectMaxRows and fp32 above. A path forced past the GEMM's (3-5) runs the
   // few-rows kernels at every M, as a reference for tests.
-  if (activations != kFp32Activations && ggml_type != kF32) {
+  if (activations != kFp32Activations && !is_float_type(ggml_type)) {
     const bool few_rows = M < kQ8GemmMinRows || activations > kQ8Avx512Vnni;
     if (!few_rows && q8_gemm(ggml_type, xc.data_ptr<float>(), M, K, qw, N, y.data_ptr<float>()))
       return y;

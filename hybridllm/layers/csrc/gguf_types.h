@@ -28,6 +28,8 @@ constexpr unsigned kCodeBlocks = 8;
 // type whose template instantiations compute it (itself; for an x8 type, its source type).
 //   F32   32 floats: w = the float. Plain fp32 weights are "blocks" of 32 floats with no scale,
 //         so the same kernels serve unquantized CPU linears.
+//   F16, BF16  32 halves / bfloat16s: w = the value widened to fp32 (F16 and BF16 GGUF files
+//         computed from their own bytes, half of fp32's; fp32 activations, like F32).
 //   Q4_0  fp16 d, 16 bytes of nibbles: w = d * (q - 8)
 //   Q4_1  fp16 d, fp16 m, 16 bytes of nibbles: w = d * q + m
 //   Q8_0  fp16 d, 32 int8: w = d * q
@@ -54,6 +56,8 @@ constexpr unsigned kCodeBlocks = 8;
 //         the int8 kernels (gguf_x8.h); a weight's row count is a multiple of 8.
 #define HYBRIDLLM_GGUF_TYPES(X)                                               \
   X(F32, 0, 32, 128, kFp32Kernels, F32)                                       \
+  X(F16, 1, 32, 64, kFp32Kernels, F16)                                        \
+  X(BF16, 30, 32, 64, kFp32Kernels, BF16)                                     \
   X(Q4_0, 2, 32, 18, kFp32Kernels | kInt8Kernels, Q4_0)                       \
   X(Q4_1, 3, 32, 20, kFp32Kernels | kInt8Kernels, Q4_1)                       \
   X(Q5_0, 6, 32, 22, kFp32Kernels | kInt8Kernels, Q5_0)                       \
@@ -107,6 +111,11 @@ constexpr GgufTypeInfo gguf_type_info(int64_t type) {
 }
 
 constexpr bool supported_type(int64_t type) { return gguf_type_info(type).id >= 0; }
+
+// Plain float weights (F32, F16, BF16): no scales, always fp32 activations.
+constexpr bool is_float_type(int64_t type) {
+  return type == kF32 || type == kF16 || type == kBF16;
+}
 
 // The 32-weight blocks of 4-bit codes in one run of 16 nibble bytes (weights 0-15 in the low
 // nibbles, 16-31 in the high ones): Q4_0, Q4_1, and Q5_0 / Q5_1 (plus a fifth bit each), IQ4_NL

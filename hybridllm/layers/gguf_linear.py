@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType
 
 from hybridllm import envs
 from hybridllm.layers.cpu_kernels import cpu_kernels_enabled, load_cpu_kernels
-from hybridllm.loader.block_sizes import GGUF_KERNEL_TYPES
+from hybridllm.loader.gguf_kernel_types import GGUF_KERNEL_TYPES
 
 
 def gguf_kernel_types(device: torch.device, cpu_kernels: bool) -> frozenset[int]:

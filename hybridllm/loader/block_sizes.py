@@ -13,7 +13,7 @@ from typing import Any
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from hybridllm.loader.gguf_kernel_types import GGUF_KERNEL_TYPES
+from hybridllm.loader.gguf_kernel_types import kept_as_blocks
 from hybridllm.loader.model_source import ModelSource
 from hybridllm.loader.mxfp4_blocks import is_mxfp4_quant
 from hybridllm.loader.onload_quant import HEAD_TYPE, ONLOAD_TYPES, bytes_per_param
@@ -52,7 +52,7 @@ def gguf_block_sizes(source: ModelSource, num_layers: int) -> GGUFBlockSizes | N
             members = [infos.get(f"blk.{layer}.{name}.weight") for name in stack]
             if any(m is None for m in members):
                 return None
-            kept = all(m.ggml_type in GGUF_KERNEL_TYPES for m in members)
+            kept = all(kept_as_blocks(m.ggml_type, m.shape[-1]) for m in members)
             if stack[0].endswith("_exps"):
                 kept = kept and len({m.ggml_type for m in members}) == 1
             for m in members:
@@ -63,7 +63,8 @@ def gguf_block_sizes(source: ModelSource, num_layers: int) -> GGUFBlockSizes | N
 
     def kept_nbytes(name: str) -> int | None:
         info = infos.get(name)
-        return info.nbytes if info is not None and info.ggml_type in GGUF_KERNEL_TYPES else None
+        kept = info is not None and kept_as_blocks(info.ggml_type, info.shape[-1])
+        return info.nbytes if kept else None
 
     embedding = kept_nbytes("token_embd.weight")
     head = kept_nbytes("output.weight") if "output.weight" in infos else embedding

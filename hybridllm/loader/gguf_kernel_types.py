@@ -55,3 +55,10 @@ OWN_KERNEL_TYPES: tuple[int, ...] = tuple(
 # quantized type of the table, and F16 / BF16 (half of fp32's bytes; plain F32 weights are
 # floats anyway).
 GGUF_KERNEL_TYPES: frozenset[int] = frozenset(CODE_BLOCK_TYPES + OWN_KERNEL_TYPES) - {int(_Q.F32)}
+
+
+def kept_as_blocks(ggml_type: int, row_length: int) -> bool:
+    """Whether a CPU worker with the native kernels keeps a weight of `ggml_type` whose rows
+    hold `row_length` weights as blocks: a kernel type, in rows of whole 32-weight blocks
+    (always true of block types; F16 / BF16 weights may have any row length)."""
+    return ggml_type in GGUF_KERNEL_TYPES and row_length % 32 == 0

@@ -243,7 +243,9 @@ class GGUFSource(ModelSource):
         if order is not None and len(info.shape) == 2:
             raw = raw[order]  # [rows, bytes_per_row]: permute whole quantized rows
         raw, columns = self._column_blocks(raw, info, name)
-        if info.ggml_type in quantized_types and len(info.shape) >= 2 and columns is None:
+        # F16 / BF16 rows of a length the 32-weight kernels cannot cut stay floats
+        kept = info.ggml_type in quantized_types and info.shape[-1] % 32 == 0
+        if kept and len(info.shape) >= 2 and columns is None:
             # a stack of experts [E, rows, cols] as blocks of its E * rows rows
             return QuantizedTensor(
                 raw, info.ggml_type, (math.prod(info.shape[:-1]), info.shape[-1])

@@ -73,10 +73,13 @@ def _compare_position(ours: dict, top: dict[int, float], token: int, acc: dict) 
     tokens (`top`) and its greedy `token`."""
     assert token in ours
     acc["diffs"] += [abs(ours[t].logprob - lp) for t, lp in top.items() if t in ours]
-    # a different argmax counts only where llama.cpp's top two are not a near tie
+    # a different argmax counts only where llama.cpp's top two are not a near tie: the two
+    # engines' logprobs differ by up to ~0.2 where both are right (IQ3_XXS, 2026-11-28: max
+    # 0.17, a flip at a 0.186 gap, files made on another CPU than the earlier runs'), while a
+    # wrongly decoded block moves them by more than 1
     best = max(ours, key=lambda t: ours[t].logprob)
     first, second = sorted(top.values())[-1], sorted(top.values())[-2]
-    if best != token and first - second > 0.1:
+    if best != token and first - second > 0.25:
         acc["disagreements"].append((best, token, round(first - second, 3)))
 
 

@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 
-from hybridllm.loader.block_sizes import GGUF_KERNEL_TYPES
+from hybridllm.loader.gguf_kernel_types import GGUF_KERNEL_TYPES
 from hybridllm.loader.gguf_source import GGUFSource
 from hybridllm.loader.model_source import own_all
 from hybridllm.loader.quantized_tensor import QuantizedTensor

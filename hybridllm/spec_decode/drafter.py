@@ -46,7 +46,7 @@ class Drafter:
             state.guard.observe(request.num_draft_tokens, request.num_accepted_tokens)
             k = min(
                 self._num_to_draft(request),
-                state.guard.draft_length(self.config.num_speculative_tokens),
+                self.draft_length(state.guard, self.config.num_speculative_tokens),
             )
             if k > 0 and state.guard.should_draft():
                 batch.append((request, k))
@@ -58,6 +58,10 @@ class Drafter:
 
     def new_state(self) -> DraftState:
         return DraftState(AcceptanceGuard())
+
+    def draft_length(self, guard: AcceptanceGuard, k: int) -> int:
+        """How many of up to `k` drafts a request with this guard verifies next."""
+        return guard.draft_length(k)
 
     def draft(self, batch: list[tuple[Request, int]]) -> list[list[int]]:
         """Up to k drafts for each (request, k) of `batch`."""

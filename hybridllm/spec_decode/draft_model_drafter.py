@@ -9,7 +9,7 @@ from typing import Protocol
 from hybridllm.config import SpeculativeConfig
 from hybridllm.engine.request import Request
 from hybridllm.spec_decode.acceptance_guard import AcceptanceGuard
-from hybridllm.spec_decode.drafter import Drafter
+from hybridllm.spec_decode.drafter import Drafter, DraftState
 
 
 class DraftRunner(Protocol):
@@ -47,6 +47,11 @@ class DraftModelDrafter(Drafter):
         self.draft_seconds: float | None = None  # one draft forward
         self.step_seconds: float | None = None  # the target's step and the engine around it
         self._last_end: float | None = None  # of the last call that drafted
+
+    def new_state(self) -> DraftState:
+        # a draft that fails costs its forwards, and a retry after a pause first catches the
+        # draft up with the tokens it missed: pause longer than the n-gram drafter does
+        return DraftState(AcceptanceGuard(first_pause=16, max_pause=128))
 
     def propose(
         self, running: Sequence[Request], skip: frozenset[str] | set[str] = frozenset()

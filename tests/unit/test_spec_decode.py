@@ -152,3 +152,51 @@ def test_drafter_keeps_copying_from_the_passage_it_follows():
     request.num_computed_tokens = request.num_tokens - 1
     drafter.propose([request])
     assert request.spec_token_ids == [12]
+
+
+class CountingRunner:
+    """A draft runner that drafts `[7] * k` and counts what it would run (the drafter's own
+    arithmetic under test, not a model)."""
+
+    def __init__(self) -> None:
+        self.num_tokens_run = 0
+        self.retained: set[str] = set()
+
+    def propose(self, batch):
+        self.num_tokens_run += sum(k for _, _, k in batch)
+        return [[7] * k for _, _, k in batch]
+
+    def retain(self, req_ids):
+        self.retained = set(req_ids)
+
+    def shutdown(self):
+        pass
+
+
+def test_draft_model_drafter_drafts_only_what_pays_for_its_forwards():
+    from hybridllm.spec_decode.draft_model_drafter import DraftModelDrafter
+
+    config = SpeculativeConfig(method="draft_model", model="/d", num_speculative_tokens=4)
+    drafter = DraftModelDrafter(config, CountingRunner())
+    guard = AcceptanceGuard()
+    # unmeasured: drafts are free, all k of them
+    assert drafter.draft_length(guard, 4) == 4 and guard.min_rate == 0.4
+    # a draft forward at 0.7 of a step: one draft breaks even at a 70% acceptance
+    drafter.draft_seconds, drafter.step_seconds = 0.007, 0.010
+    guard.rate = 0.98
+    assert drafter.draft_length(guard, 4) == 4 and guard.min_rate == pytest.approx(0.7)
+    guard.rate = 0.75
+    assert drafter.draft_length(guard, 4) == 1  # more drafts would cost more than they add
+    # below the break-even rate the guard pauses the request
+    guard.observe(4, 1)
+    assert not guard.should_draft()
+    # a cheap draft pays for more drafts at the same rate
+    drafter.draft_seconds = 0.001
+    guard.rate = 0.75
+    assert drafter.draft_length(guard, 4) == 4 and guard.min_rate == 0.4
+    # requests that left the running set are handed to the runner to forget
+    request = Request("a", [1, 2, 3], SamplingParams(max_tokens=6), None)
+    request.append_output_token_ids(3)
+    request.num_computed_tokens = request.num_tokens - 1
+    drafter.propose([request])
+    assert drafter.runner.retained == {"a"} and request.spec_token_ids == [7] * 4

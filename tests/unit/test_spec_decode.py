@@ -181,17 +181,26 @@ def test_draft_model_drafter_drafts_only_what_pays_for_its_forwards():
     guard = AcceptanceGuard()
     # unmeasured: drafts are free, all k of them
     assert drafter.draft_length(guard, 4) == 4 and guard.min_rate == 0.4
-    # a draft forward at 0.7 of a step: one draft breaks even at a 70% acceptance
-    drafter.draft_seconds, drafter.step_seconds = 0.007, 0.010
+    # a draft forward at 0.7 of a step: one draft breaks even at a 70% acceptance; the guard
+    # wants 15 points more
+    drafter.draft_seconds, drafter.plain_seconds = 0.007, 0.010
     guard.rate = 0.98
-    assert drafter.draft_length(guard, 4) == 4 and guard.min_rate == pytest.approx(0.7)
+    assert drafter.draft_length(guard, 4) == 4 and guard.min_rate == pytest.approx(0.85)
     guard.rate = 0.75
     assert drafter.draft_length(guard, 4) == 1  # more drafts would cost more than they add
     # below the break-even rate the guard pauses the request
     guard.observe(4, 1)
     assert not guard.should_draft()
-    # a cheap draft pays for more drafts at the same rate
-    drafter.draft_seconds = 0.001
+    # a verify step 2 ms dearer a draft than a plain step: one draft costs 0.9 of a step
+    drafter.verify_seconds, drafter.verify_drafts = 0.018, 4
+    assert drafter.cost_ratio == pytest.approx(0.9)
+    drafter.draft_length(guard, 4)
+    assert guard.min_rate == pytest.approx(0.95)  # 0.9 + 0.15, capped
+    # a draft as slow as a step cannot pay even when always right: nothing is drafted
+    drafter.draft_seconds = 0.010
+    assert drafter.cost_ratio > 1 and drafter.draft_length(guard, 4) == 0
+    # a cheap draft (and verify) pays for more drafts at the same rate
+    drafter.draft_seconds, drafter.verify_seconds = 0.001, 0.010
     guard.rate = 0.75
     assert drafter.draft_length(guard, 4) == 4 and guard.min_rate == 0.4
     # requests that left the running set are handed to the runner to forget

@@ -380,7 +380,9 @@ def _create_drafter(config: EngineConfig) -> Any:
     # the draft only runs for batches below disable_by_batch_size: KV for that many sequences
     limit = spec.disable_by_batch_size or config.scheduler_config.max_num_seqs
     max_seqs = min(limit, config.scheduler_config.max_num_seqs)
-    runner = DraftModelRunner(spec.draft_config, spec.num_speculative_tokens, max_seqs)
+    runner = DraftModelRunner(
+        spec.draft_config, spec.num_speculative_tokens, max_seqs, config.model_config.vocab_size
+    )
     return DraftModelDrafter(spec, runner)
 
 

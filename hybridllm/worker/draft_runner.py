@@ -58,12 +58,20 @@ class DraftModelRunner:
     when they next draft).
     """
 
-    def __init__(self, config: EngineConfig, num_speculative_tokens: int, max_seqs: int):
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_speculative_tokens: int,
+        max_seqs: int,
+        vocab_size: int | None = None,
+    ):
         placement = config.plan.workers()[0]
         platform = platform_for_device(placement.device)
         self.runner = ModelRunner(config, platform, config.plan.stage_of(0))
         self.runner.load_model()
         self.device = self.runner.device
+        # drafts are token ids the target knows: a draft's larger (padded) vocabulary is cut
+        self.vocab_size = vocab_size or config.model_config.vocab_size
         self.block_size = config.cache_config.block_size
         self.num_groups = len(self.runner.kv_cache_groups)
         self.max_tokens_per_forward = config.scheduler_config.max_num_batched_tokens
@@ -224,7 +232,7 @@ class DraftModelRunner:
             return {}
         index = torch.tensor([row for _, row in sampling], dtype=torch.int64, device=self.device)
         logits = self.runner.model.compute_logits(hidden.index_select(0, index))  # [n, vocab]
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = logits[:, : self.vocab_size].argmax(dim=-1).tolist()
         return {i: token for (i, _), token in zip(sampling, tokens, strict=True)}
 
     def shutdown(self) -> None:

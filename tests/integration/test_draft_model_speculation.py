@@ -5,13 +5,19 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from hybridllm import LLM, SamplingParams
 from hybridllm.engine_args import EngineArgs
 from hybridllm.loader import default_model_path
 from hybridllm.worker.draft_runner import DraftModelRunner
 from tests.integration.test_speculative_decoding import assert_same, outputs_of, spec_counts
-from tests.model_helpers import make_tiny_model
+from tests.model_helpers import (
+    make_tiny_model,
+    make_tiny_tokenizer,
+    random_eager_model,
+    tiny_config,
+)
 
 
 def draft(model, **extra) -> dict:
@@ -154,6 +160,33 @@ def test_preemption_and_chunked_prefill_leave_the_output_unchanged(models):
         finally:
             llm.shutdown()
     assert_same(results[1], results[0])
+
+
+def test_a_draft_with_a_larger_vocabulary_drafts_only_the_targets_tokens(models, tmp_path):
+    # a draft whose (padded) vocabulary is larger: its logits past the target's are never
+    # drafted (the target's embedding has no row for them)
+    config = tiny_config("llama")
+    config.vocab_size = 640
+    big = random_eager_model(config)
+    with torch.no_grad():  # the padding's rows: 10x the others, they win every argmax
+        big.lm_head.weight[320:] = 10 * big.lm_head.weight[:320]
+    big.save_pretrained(tmp_path / "big")
+    make_tiny_tokenizer(640).save_pretrained(tmp_path / "big")
+    spec = EngineArgs(str(models[0]), speculative_config=draft(tmp_path / "big"))
+    draft_config = spec.create_engine_config().speculative_config.draft_config
+    for vocab_size, in_range in ((None, False), (320, True)):
+        runner = DraftModelRunner(draft_config, 3, 1, vocab_size=vocab_size)
+        [drafts] = runner.propose([("r", [5, 17, 40, 2], 3)])
+        runner.shutdown()
+        assert all(t < 320 for t in drafts) == in_range, drafts
+    llm = LLM(str(models[0]), use_tqdm=False, speculative_config=draft(tmp_path / "big"))
+    try:
+        params = SamplingParams(temperature=0, max_tokens=16)
+        prompts = [{"prompt_token_ids": [5, 17, 40, 2]}]
+        out = llm.generate(prompts, params)
+        assert out[0].outputs[0].finish_reason == "length" and spec_counts(llm)[0] > 0
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.parametrize(

@@ -270,17 +270,10 @@ void dequantize_row(const uint8_t* row, int64_t nb, float* out, float* d, float*
   if constexpr (kType == kF16 || kType == kBF16) {
     int64_t j = 0;
 #if defined(__AVX512F__)
-    for (; j + 16 <= nb * kBlock; j += 16) {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * j));
-      _mm512_storeu_ps(out + j, kType == kF16 ? _mm512_cvtph_ps(h)
-                                              : _mm512_castsi512_ps(_mm512_slli_epi32(
-                                                    _mm512_cvtepu16_epi32(h), 16)));
-    }
+    for (; j + 16 <= nb * kBlock; j += 16)
+      _mm512_storeu_ps(out + j, widen_halves(row + 2 * j, kType == kBF16));
 #endif
-    for (; j < nb * kBlock; ++j) {
-      const uint16_t h = load_u16(row + 2 * j);
-      out[j] = kType == kF16 ? half_to_float(h) : bf16_to_float(h);
-    }
+    for (; j < nb * kBlock; ++j) out[j] = half_bits_to_float(load_u16(row + 2 * j), kType == kBF16);
     return;
   }
   if constexpr (is_code_block_type(kType)) {

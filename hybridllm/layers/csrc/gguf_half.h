@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -45,6 +45,21 @@ inline float bf16_to_float(uint16_t h) {
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
+
+// One 16-bit float of an F16 (`bf16` false) or BF16 weight row as a float (exact).
+inline float half_bits_to_float(uint16_t h, bool bf16) {
+  return bf16 ? bf16_to_float(h) : half_to_float(h);
+}
+
+#if defined(__AVX512F__)
+// 16 consecutive F16 or BF16 values at `p` widened to floats (exact; a bfloat16 is the top
+// half of its float: widened to 32 bits and shifted into place).
+inline __m512 widen_halves(const uint8_t* p, bool bf16) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+              : _mm512_cvtph_ps(h);
+}
+#endif
 
 // An E8M0 exponent byte e (MXFP4's block scale) as half its power of two, 2^(e - 128) (exact:
 // e < 2 are fp32 subnormals), which scales E2M1's values doubled. gguf's e8m0_to_fp32_half.

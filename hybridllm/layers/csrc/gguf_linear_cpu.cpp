@@ -80,20 +80,9 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
         hi[c] = _mm512_loadu_ps(reinterpret_cast<const float*>(blk) + 16);
         continue;
       }
-      if constexpr (kType == kF16) {
-        lo[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-        hi[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
-        continue;
-      }
-      if constexpr (kType == kBF16) {
-        // a bfloat16 is the top half of its float: widen to 32 bits, shift into place
-        const auto widen = [](const uint8_t* p) {
-          return _mm512_castsi512_ps(_mm512_slli_epi32(
-              _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
-              16));
-        };
-        lo[c] = widen(blk);
-        hi[c] = widen(blk + 32);
+      if constexpr (kType == kF16 || kType == kBF16) {
+        lo[c] = widen_halves(blk, kType == kBF16);
+        hi[c] = widen_halves(blk + 32, kType == kBF16);
         continue;
       }
       const float scale = d[c * nb + b];
@@ -229,10 +218,8 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
       if constexpr (kType == kF32) {
         std::memcpy(wf, blk, sizeof(wf));
       } else if constexpr (kType == kF16 || kType == kBF16) {
-        for (int j = 0; j < 32; ++j) {
-          const uint16_t h = load_u16(blk + 2 * j);
-          wf[j] = kType == kF16 ? half_to_float(h) : bf16_to_float(h);
-        }
+        for (int j = 0; j < 32; ++j)
+          wf[j] = half_bits_to_float(load_u16(blk + 2 * j), kType == kBF16);
       } else if constexpr (kType == kQ6_K) {
         const Q6Bits bits = q6_k_bits(w + c * row_bytes, b);
         for (int l = 0; l < 32; ++l)

@@ -198,7 +198,7 @@ class EngineArgs:
         if self.speculative_config is None:
             return None
         config = SpeculativeConfig.from_dict(self.speculative_config)
-        if any(spec.is_state for spec in kv_cache_groups(hf_config)):
+        if _keeps_recurrent_state(hf_config):
             raise ValueError(
                 "speculative decoding is not supported for models with linear-attention layers: "
                 "their recurrent state cannot take back a rejected draft"
@@ -241,7 +241,7 @@ class EngineArgs:
             draft = draft_args.create_engine_config()
         except (ValueError, OSError) as exc:
             raise ValueError(f"speculative_config model {config.model!r}: {exc}") from exc
-        if any(spec.is_state for spec in kv_cache_groups(draft.model_config.hf_config)):
+        if _keeps_recurrent_state(draft.model_config.hf_config):
             raise ValueError(
                 f"speculative_config model {config.model!r}: a draft with linear-attention "
                 "layers is not supported (its recurrent state cannot take back a rejected draft)"
@@ -445,6 +445,12 @@ def _check_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> None:
             f"kv_cache_dtype={kv_cache_dtype!r} with {dtype} compute: the KV cache holds the "
             "compute dtype, or float16/bfloat16 under float32 compute"
         )
+
+
+def _keeps_recurrent_state(hf_config) -> bool:
+    """Whether some layer of the model keeps a recurrent state (linear attention), which a
+    rejected draft would leave advanced past the kept tokens."""
+    return any(spec.is_state for spec in kv_cache_groups(hf_config))
 
 
 def _eos_token_ids(generation_config: dict, hf_config) -> tuple[int, ...]:

@@ -334,9 +334,11 @@ class LLMEngine:
             raise self._dead
         self.executor.check_health()
 
-    def get_stats(self) -> EngineStats:
+    def get_stats(self, include_workers: bool = True) -> EngineStats:
+        """`include_workers=False`: the scheduler's counts only, no call to the workers (the
+        server's once-a-second sampling)."""
         bm = self.scheduler.block_manager
-        busy = self.executor.collective_rpc("get_busy_seconds")
+        busy = self.executor.collective_rpc("get_busy_seconds") if include_workers else []
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 
 from hybridllm.engine_args import EngineArgs
@@ -60,6 +61,17 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         help="measure the device rates again instead of reading the cache",
     )
     g.add_argument("--log-level", choices=LOG_LEVELS, default=None, help="logging level")
+    g.add_argument(
+        "--json",
+        action="store_true",
+        help="print the plan as JSON (what the server's /v1/plan answers) instead of text",
+    )
+    g.add_argument(
+        "--svg",
+        metavar="FILE",
+        default=None,
+        help="also write the placement picture (the web page's) to FILE as SVG",
+    )
     # Plan for GPUs this machine does not have (tests, docs). Their rates are the nominal
     # spec-sheet numbers of hybridllm.plan.hardware_profile.
     g.add_argument(
@@ -79,31 +91,14 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from hybridllm.loader import default_model_path, open_model_source
     from hybridllm.loader.fp8_block import onload_quantization
-    from hybridllm.plan.cost_model import CostModel
     from hybridllm.plan.cpu_dtype import auto_dtype_for
-    from hybridllm.plan.describe import describe_hardware, describe_plan
     from hybridllm.plan.hardware_profile import load_or_measure_profile
-    from hybridllm.plan.memory_budget import memory_budgets
-    from hybridllm.plan.planner import build_plan, plan_model_size
+    from hybridllm.plan.report import build_plan_report
     from hybridllm.platforms.discovery import discover_hardware
-    from hybridllm.worker.kv_cache_budget import cpu_kv_budget
 
     configure_logging(args.log_level, default="warning")
     engine_args = EngineArgs.from_cli_args(args)
-    kernels = engine_args.kernel_config()
-    path = args.model or default_model_path()
-    source = open_model_source(path)
-    hf_config = source.hf_config
-    # The context and step budget the engine would run with decide the KV and workspace.
-    max_model_len = engine_args.resolve_max_model_len(hf_config)
-    batched = engine_args.resolve_max_num_batched_tokens(max_model_len)
-    cpu_blocks = engine_args.kept_cpu_blocks(source, hf_config, kernels)
-    int8_blocks = kernels.int8_over_blocks(cpu_blocks)
-    placement = engine_args.placement_args(max_model_len, batched, int8_blocks=int8_blocks)
-    if args.kv_reserve_tokens is not None:
-        placement = dataclasses.replace(placement, kv_reserve_tokens=args.kv_reserve_tokens)
     nodes = None
     if args.distributed_executor_backend == "ray":
         from hybridllm.executor import ray_cluster
@@ -115,27 +110,38 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         hw = _with_fakes(discover_hardware(include_gpus=not args.fake_gpu), args)
     profile = load_or_measure_profile(hw, refresh=args.refresh_profile)
-    if args.dtype == "auto":  # what "auto" means if the plan ends CPU-only, as the engine decides
+
+    def auto_dtype(placement, source, hf_config, cpu_blocks):
+        if args.dtype != "auto":
+            return placement
+        # what "auto" means if the plan ends CPU-only, as the engine decides
         rates = (profile.cpu.fp32_flops, profile.cpu.bf16_flops)
         quantization = onload_quantization(args.quantization, source)  # fp8 folders: q8_0
         auto = auto_dtype_for(hf_config, quantization, cpu_blocks, lambda: rates)
-        placement = dataclasses.replace(placement, cpu_auto_dtype=auto)
-    cost = CostModel(profile, context_len=args.context_len)
-    plan = build_plan(hf_config, placement, hw, cost, cpu_blocks)
-    size = plan_model_size(hf_config, placement, hw, cpu_blocks)
-    names = None
-    if nodes is not None:
-        from hybridllm.plan.cluster import assign_nodes
+        return dataclasses.replace(placement, cpu_auto_dtype=auto)
 
-        plan = assign_nodes(plan, nodes, args.cpu_threads)
-        names = {n.node_id: n.name for n in nodes}
+    report = build_plan_report(
+        engine_args,
+        hw,
+        profile,
+        context_len=args.context_len,
+        kv_reserve_tokens=args.kv_reserve_tokens,
+        nodes=nodes,
+        placement_hook=auto_dtype,
+    )
+    if args.svg:
+        from hybridllm.plan.svg import plan_svg
+
+        with open(args.svg, "w", encoding="utf-8") as f:
+            f.write(plan_svg(report.to_dict()))
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1))
+        return 0
+    if nodes is not None:
         print(describe_cluster(nodes))
-    print(describe_hardware(hw, profile))
-    prediction = cost.predict(plan, size)
-    budgets = memory_budgets(hw, placement)
-    # the KV cache the CPU workers would allocate (resident as it fills), as the engine sizes it
-    host_kv = cpu_kv_budget(hw.available_ram, 1, None, None, 0)
-    print(describe_plan(plan, size, budgets, prediction, path, names, host_kv))
+    print(report.text())
+    if args.svg:
+        print(f"placement picture written to {args.svg}")
     return 0
 
 

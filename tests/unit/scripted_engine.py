@@ -74,9 +74,10 @@ class ScriptedEngine:
     def check_health(self) -> None:
         self._touch()
 
-    def get_stats(self) -> EngineStats:
+    def get_stats(self, include_workers: bool = True) -> EngineStats:
         self._touch()
-        return EngineStats(len(self.requests), 0, 0.0, 10, 10, 0, {"worker0": 0.0})
+        busy = {"worker0": 0.0} if include_workers else {}
+        return EngineStats(len(self.requests), 0, 0.0, 10, 10, 0, busy)
 
     def shutdown(self) -> None:
         self._touch()

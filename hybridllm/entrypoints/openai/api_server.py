@@ -3,11 +3,13 @@ server_args.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import ipaddress
 import logging
 import os
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -47,6 +49,7 @@ from hybridllm.entrypoints.openai.serving_tokenize import (
 from hybridllm.entrypoints.openai.structured_outputs import enforce_tool_choice
 from hybridllm.entrypoints.openai.token_table import TokenTable
 from hybridllm.entrypoints.openai.tool_choice import ToolChoiceEnforcer
+from hybridllm.entrypoints.openai.web_routes import add_web_routes, sample_live_stats
 
 if TYPE_CHECKING:
     from hybridllm.engine_args import EngineArgs
@@ -83,6 +86,7 @@ class ServerOptions:
     timeout_keep_alive: float = 5.0  # idle kept-alive connections close after this
     max_header_bytes: int = 16 * 1024  # request line + headers (h11's incomplete event size)
     request_read_timeout: float = 30.0  # headers, and each piece of the body, within this
+    ui: bool = True  # the web page at / (--no-ui: off)
 
     def __post_init__(self) -> None:
         if self.pooling not in ("last", "mean"):
@@ -155,11 +159,13 @@ def build_app(
     model: ServedModel,
     options: ServerOptions,
     tool_choice_enforcer: ToolChoiceEnforcer | None = None,
+    plan_report: Callable[[], dict[str, Any]] | None = None,
 ) -> FastAPI:
     """The ASGI app; `engine` starts with the app's lifespan and is shut down with it.
 
     `tool_choice_enforcer`: constrains replies for tool_choice required / named (the server
     passes structured_outputs.enforce_tool_choice); without it those choices are a 400.
+    `plan_report`: makes the JSON of the served placement plan (/v1/plan, the web page).
     """
 
     # The one thread that uses the tokenizer (HF fast tokenizers are not thread-safe).
@@ -170,8 +176,10 @@ def build_app(
     async def lifespan(_: FastAPI):
         engine.start()
         logger.info("engine thread started; serving '%s' (%s)", model.names[0], model.path)
+        sampler = asyncio.create_task(sample_live_stats(engine))
         try:
             yield
+            sampler.cancel()
             logger.info(
                 "shutting down: finishing running requests (up to %.0f s)",
                 options.shutdown_timeout,
@@ -179,6 +187,7 @@ def build_app(
             await engine.shutdown(options.shutdown_timeout)
             logger.info("engine stopped")
         finally:
+            sampler.cancel()
             tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     # strict_content_type=False: a body sent with no content type is read as JSON (and one
@@ -276,6 +285,7 @@ def build_app(
     async def create_embedding(request: EmbeddingRequest, raw: Request) -> Response:
         return await embedding.create_embedding(request, raw)
 
+    add_web_routes(app, engine, plan_report, options.ui)
     return app
 
 
@@ -287,6 +297,25 @@ def served_model_names(
     if embedded:  # not the file name inside site-packages
         return (embedded_model_name(),)
     return (os.path.basename(model_path.rstrip("/")) or model_path,)
+
+
+def served_plan_report(engine_args: EngineArgs, plan: Any) -> dict[str, Any]:
+    """The report of the running engine's plan on this machine, as `hybridllm plan --json`."""
+    from hybridllm.plan.hardware_profile import load_or_measure_profile
+    from hybridllm.plan.report import build_plan_report
+    from hybridllm.platforms.discovery import discover_hardware
+
+    if any(stage.node is not None for stage in plan.stages):
+        from hybridllm.executor import ray_cluster
+        from hybridllm.plan.cluster import cluster_hardware
+
+        nodes = ray_cluster.cluster_nodes()
+        hw = cluster_hardware(nodes)
+    else:
+        nodes, hw = None, discover_hardware()
+    profile = load_or_measure_profile(hw)
+    report = build_plan_report(engine_args, hw, profile, context_len=1024, plan=plan, nodes=nodes)
+    return report.to_dict()
 
 
 def warn_if_exposed(options: ServerOptions) -> None:
@@ -329,7 +358,14 @@ def run_server(
     )
     # The engine thread detokenizes with its tokenizer; the event loop gets its own copy.
     tokenizer = copy.deepcopy(engine.get_tokenizer())
-    app = build_app(async_engine, tokenizer, model, options, enforce_tool_choice)
+    app = build_app(
+        async_engine,
+        tokenizer,
+        model,
+        options,
+        enforce_tool_choice,
+        plan_report=lambda: served_plan_report(engine_args, engine.config.plan),
+    )
     logger.info(
         "listening on http://%s:%d (model '%s')", options.host, options.port, model.names[0]
     )

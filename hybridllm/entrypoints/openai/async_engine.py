@@ -253,12 +253,15 @@ class AsyncEngine:
             raise EngineDeadError("the server is shutting down")
         return await self._call("embed", prompts, pooling, normalize)
 
-    async def get_stats(self) -> Any | None:
-        """The engine's EngineStats, read between steps; the last known ones if the engine died."""
+    async def get_stats(self, include_workers: bool = True) -> Any | None:
+        """The engine's EngineStats, read between steps; the last known ones if the engine died.
+        `include_workers=False`: without the workers' busy seconds (no call to them)."""
         if not self.is_healthy:
             return self._last_stats
-        self._last_stats = await self._call("stats")
-        return self._last_stats
+        stats = await self._call("stats", include_workers)
+        if include_workers:
+            self._last_stats = stats
+        return stats
 
     async def _call(self, kind: str, *args: Any) -> Any:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -288,7 +291,9 @@ class AsyncEngine:
             num_tokens = sum(len(c.token_ids) for c in output.outputs)
             if stream.first_token_time is None and num_tokens > 0:
                 stream.first_token_time = now
-                self.metrics.observe_first_token(now - stream.arrival)
+                self.metrics.observe_first_token(
+                    now - stream.arrival, len(output.prompt_token_ids or ())
+                )
             elif stream.last_token_time is not None and num_tokens > stream.num_tokens:
                 self.metrics.observe_tokens(
                     now - stream.last_token_time, num_tokens - stream.num_tokens

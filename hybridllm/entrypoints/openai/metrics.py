@@ -9,6 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hybridllm.entrypoints.openai.live_stats import LiveStats
+
 PREFIX = "hybridllm:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -162,9 +164,11 @@ class ServerMetrics:
         )
         self._engine = _EngineStatsCollector()
         reg.register(self._engine)
+        self.live = LiveStats()  # the same events as a time series, for the web page
 
-    def observe_first_token(self, seconds: float) -> None:
+    def observe_first_token(self, seconds: float, prompt_tokens: int = 0) -> None:
         self.ttft.observe(seconds)
+        self.live.record_first_token(seconds, prompt_tokens)
 
     def observe_tokens(self, seconds: float, num_tokens: int) -> None:
         """`num_tokens` new tokens arrived `seconds` after the previous ones."""
@@ -172,6 +176,7 @@ class ServerMetrics:
             per_token = seconds / num_tokens
             for _ in range(num_tokens):
                 self.itl.observe(per_token)
+            self.live.record_tokens(num_tokens, per_token)
 
     def observe_queued(self, seconds: float) -> None:
         self.queue_time.observe(seconds)

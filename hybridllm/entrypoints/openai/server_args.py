@@ -27,6 +27,13 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $HYBRIDLLM_API_KEY)",
     )
     g.add_argument(
+        "--no-ui",
+        dest="ui",
+        action="store_false",
+        help="serve no web page at / (the page: chat, the placement plan and live rates; its "
+        "data comes from /v1/*, behind --api-key)",
+    )
+    g.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,

@@ -147,3 +147,26 @@ def test_plan_shows_where_cpu_stages_stream_and_the_crossover(capsys, monkeypatc
         capsys, monkeypatch, cache_dir, llama8b_folder, *args, "--stream-threshold", "-1"
     )
     assert code == 0 and "streaming to" not in out
+
+
+def test_plan_json_and_svg_describe_the_same_plan_as_the_text(
+    capsys, monkeypatch, cache_dir, llama8b_folder, tmp_path
+):
+    flags = [llama8b_folder, "--fake-gpu", "H100:80", "--gpu-layers", "10"]
+    code, text, _ = run_plan(capsys, monkeypatch, cache_dir, *flags)
+    assert code == 0
+    picture = tmp_path / "plan.svg"
+    code, out, _ = run_plan(capsys, monkeypatch, cache_dir, *flags, "--json", "--svg", str(picture))
+    assert code == 0
+    report = json.loads(out)  # --json prints JSON only
+    # the same plan (the free RAM, and so the KV capacity, may move between the two runs)
+    assert stage_devices(report["text"]) == stage_devices(text) == ["cpu", "cuda:0"]
+    stages = [
+        (s["layer_start"], s["layer_end"], s["workers"][0]["device"]) for s in report["stages"]
+    ]
+    assert stages == [(0, 22, "cpu"), (22, 32, "cuda:0")]
+    assert [d["device"] for d in report["devices"]] == ["cpu", "cuda:0"]
+    assert report["hardware"]["gpus"][0]["simulated"] is True
+    assert report["prediction"]["decode"][0]["batch"] == 1
+    svg = picture.read_text()
+    assert svg.count('class="layer cpu"') == 22 and svg.count('class="layer gpu"') == 10

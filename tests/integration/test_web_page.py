@@ -311,3 +311,37 @@ def test_failures_are_clear_and_the_page_stays_usable(browser):
             errors = page.errors
             page.context.close()
         assert not errors, errors
+
+
+def test_stored_replies_render_code_as_code_and_markup_as_text(page):
+    hostile = (
+        '<img src=x onerror="window.pwned=1"> see ```python\nprint("<b>hi</b>")\n``` and `x<y`'
+    )
+    conversation = {
+        "id": "c1",
+        "title": "<b>title</b>",
+        "messages": [
+            {"role": "user", "content": "show me code"},
+            {
+                "role": "assistant",
+                "content": hostile,
+                "reasoning": "<script>window.pwned=2</script>",
+            },
+        ],
+    }
+    page.evaluate(
+        "c => localStorage.setItem('hybridllm.conversations', JSON.stringify([c]))", conversation
+    )
+    page.reload()
+    reply = page.locator(".message.assistant")
+    reply.wait_for()
+    assert reply.locator("img, script, b").count() == 0  # markup stays text
+    code = reply.locator("pre code")
+    assert code.get_attribute("data-lang") == "python"
+    assert code.text_content() == 'print("<b>hi</b>")\n'
+    assert reply.locator("p code").text_content() == "x<y"
+    assert (
+        reply.locator("details.reasoning div").text_content() == "<script>window.pwned=2</script>"
+    )
+    assert page.locator("#conversation-list li span").text_content() == "<b>title</b>"
+    assert page.evaluate("window.pwned") is None

@@ -179,8 +179,8 @@ class KernelConfig:
         )
 
 
-SUPPORTED_SPECULATIVE_METHODS = ("ngram", "draft_model")
-# keys of `speculative_config`, as vLLM names them ("mtp" is recognised to refuse)
+SUPPORTED_SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
+# keys of `speculative_config`, as vLLM names them
 _SPECULATIVE_KEYS = (
     "method",
     "model",
@@ -197,7 +197,9 @@ class SpeculativeConfig:
     """Speculative decoding: each decode step also verifies up to `num_speculative_tokens`
     drafted tokens, so one pass over the weights may yield several tokens (spec_decode/)."""
 
-    method: str = "ngram"  # or "draft_model": a small model with the same vocabulary drafts
+    # "ngram"; "draft_model": a small model with the same vocabulary drafts; "mtp": the
+    # checkpoint's own multi-token-prediction layer (DeepSeek-V3, GLM-4.5) drafts one token
+    method: str = "ngram"
     num_speculative_tokens: int = 4
     model: str | None = None  # draft_model: the draft's checkpoint (a GGUF file or HF folder)
     quantization: str | None = None  # draft_model: the draft's --quantization (None: auto)
@@ -233,6 +235,12 @@ class SpeculativeConfig:
                 raise ValueError(
                     f"speculative_config {name} must be an integer in [1, 64], got {value!r}"
                 )
+        if self.method == "mtp" and self.num_speculative_tokens != 1:
+            raise ValueError(
+                "speculative_config method 'mtp' drafts one token a step (the checkpoint's MTP "
+                f"layer predicts one token ahead); num_speculative_tokens must be 1, got "
+                f"{self.num_speculative_tokens}"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
@@ -264,12 +272,7 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in values:
             raise ValueError("speculative_config needs num_speculative_tokens")
         # as vLLM: a draft model given without a method means method "draft_model"
-        method = values.setdefault("method", "draft_model" if "model" in values else "ngram")
-        if method == "mtp":
-            raise ValueError(
-                "speculative_config: method 'mtp' is not supported yet; use 'ngram' or a draft "
-                "'model'"
-            )
+        values.setdefault("method", "draft_model" if "model" in values else "ngram")
         # as vLLM: one of the two lookup bounds given sets the other
         given_max, given_min = values.get("prompt_lookup_max"), values.get("prompt_lookup_min")
         if isinstance(given_max, int) and given_min is None:

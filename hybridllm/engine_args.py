@@ -203,6 +203,8 @@ class EngineArgs:
                 "speculative decoding is not supported for models with linear-attention layers: "
                 "their recurrent state cannot take back a rejected draft"
             )
+        if config.method == "mtp":
+            self._check_mtp(hf_config)
         if config.method != "draft_model":
             return config
         draft = self.draft_engine_config(config, max_model_len, max_num_batched_tokens)
@@ -216,6 +218,29 @@ class EngineArgs:
                 min(draft_vocab, hf_config.vocab_size),
             )
         return dataclasses.replace(config, draft_config=draft)
+
+    def _check_mtp(self, hf_config) -> None:
+        """Method 'mtp' needs an architecture with an MTP layer, a config that says the
+        checkpoint carries one, and the HF folder that holds it (GGUF conversions drop it)."""
+        from hybridllm.models.mtp import num_mtp_layers
+        from hybridllm.models.registry import get_model_class
+
+        arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
+        if not getattr(get_model_class(arch), "supports_mtp", False):
+            raise ValueError(
+                f"speculative_config method 'mtp': {arch} has no multi-token-prediction layer "
+                "hybridllm runs (DeepSeek-V2/V3, Kimi-K2, GLM-4.5 and GLM-4.7-Flash do)"
+            )
+        if num_mtp_layers(hf_config) < 1:
+            raise ValueError(
+                "speculative_config method 'mtp': the config's num_nextn_predict_layers is 0, so "
+                "the checkpoint carries no MTP layer; use 'ngram' or a draft 'model'"
+            )
+        if str(self.model or "").endswith(".gguf"):
+            raise ValueError(
+                "speculative_config method 'mtp' reads the MTP layer from an HF folder; a GGUF "
+                "file's MTP tensors are not loaded"
+            )
 
     def draft_engine_config(
         self, config: SpeculativeConfig, max_model_len: int, max_num_batched_tokens: int

@@ -104,3 +104,82 @@ def make_tiny_deepseek_model(arch: str, path: str | Path, seed: int = 0, **overr
     model.save_pretrained(path)
     make_tiny_tokenizer(model.config.vocab_size).save_pretrained(path)
     return path
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def make_tiny_mtp_model(arch: str, path: str | Path, seed: int = 0):
+    """A tiny `arch` checkpoint that carries an MTP layer (`model.layers.{N}.*`, with
+    `num_nextn_predict_layers: 1`) under `path`; returns (path, reference) where
+    `reference(tokens)` -> [len - 1, vocab] logits of the MTP at positions 0 .. len - 2
+    (row p reads the target's final hidden state at p and the token at p + 1), computed with
+    transformers' decoder layer: a one-layer HF model holding the MTP's layer, fed
+    eh_proj([enorm(embed(t[p+1])); hnorm(h_p)]) as input embeddings, its final norm the
+    MTP's shared_head.norm and its LM head shared_head.head."""
+    path = Path(path)
+    main_config = tiny_deepseek_config(arch)
+    n = main_config.num_hidden_layers
+    extra = {}
+    if getattr(main_config, "mlp_layer_types", None) is not None:
+        extra["mlp_layer_types"] = [*main_config.mlp_layer_types, "sparse"]
+    big = build_tiny_deepseek_model(arch, seed, num_hidden_layers=n + 1, **extra)
+    state = big.state_dict()
+    layer_prefix = f"model.layers.{n}."
+    main = random_eager_model(main_config)
+    main.load_state_dict({k: v for k, v in state.items() if not k.startswith(layer_prefix)})
+    main.config.num_nextn_predict_layers = 1
+    main.save_pretrained(path)
+    make_tiny_tokenizer(main_config.vocab_size).save_pretrained(path)
+
+    g = torch.Generator().manual_seed(seed + 1)
+    hidden, vocab, eps = main_config.hidden_size, main_config.vocab_size, main_config.rms_norm_eps
+    mtp = {k: v.clone() for k, v in state.items() if k.startswith(layer_prefix)}
+    extras = {
+        "enorm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
+        "hnorm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
+        "eh_proj.weight": 0.1 * torch.randn(hidden, 2 * hidden, generator=g),
+        "shared_head.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
+        "shared_head.head.weight": 0.1 * torch.randn(vocab, hidden, generator=g),
+        "embed_tokens.weight": state["model.embed_tokens.weight"].clone(),
+    }
+    mtp.update({layer_prefix + k: v for k, v in extras.items()})
+    from safetensors.torch import load_file, save_file
+
+    files = sorted(path.glob("*.safetensors"))
+    assert len(files) == 1, files
+    tensors = load_file(str(files[0]))
+    save_file({**tensors, **mtp}, str(files[0]), metadata={"format": "pt"})
+
+    # the reference: the MTP's decoder layer as layer 0 of a one-layer sparse model
+    ref_extra = {"num_hidden_layers": 1}
+    if "mlp_layer_types" in extra:
+        ref_extra["mlp_layer_types"] = ["sparse"]
+    else:
+        ref_extra["first_k_dense_replace"] = 0
+    ref = random_eager_model(tiny_deepseek_config(arch, **ref_extra))
+    ref_state = {
+        k.replace(layer_prefix, "model.layers.0."): v
+        for k, v in mtp.items()
+        if k.removeprefix(layer_prefix) not in extras
+    }
+    ref_state["model.norm.weight"] = extras["shared_head.norm.weight"]
+    ref_state["lm_head.weight"] = extras["shared_head.head.weight"]
+    ref_state["model.embed_tokens.weight"] = extras["embed_tokens.weight"]
+    ref.load_state_dict(ref_state)
+
+    @torch.no_grad()
+    def reference(tokens: list[int]) -> torch.Tensor:
+        ids = torch.tensor([tokens])
+        h = main.model(input_ids=ids[:, :-1]).last_hidden_state[0]  # [len - 1, hidden]
+        e = extras["embed_tokens.weight"][ids[0, 1:]]  # the token at p + 1
+        x = (
+            torch.cat(
+                (_rms(e, extras["enorm.weight"], eps), _rms(h, extras["hnorm.weight"], eps)), dim=-1
+            )
+            @ extras["eh_proj.weight"].T
+        )
+        return ref(inputs_embeds=x[None]).logits[0]
+
+    return path, reference

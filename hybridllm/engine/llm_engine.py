@@ -298,6 +298,8 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         """Feed one finished step back to the scheduler and turn its tokens into outputs."""
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.drafter is not None:
+            self.drafter.observe(runner_output, self.scheduler.requests)
         if runner_output is None:
             return self._process(updated, {}, {})
         logprobs = dict(zip(runner_output.req_ids, runner_output.logprobs, strict=True))
@@ -375,6 +377,10 @@ def _create_drafter(config: EngineConfig) -> Any:
         from hybridllm.spec_decode.ngram_drafter import NgramDrafter
 
         return NgramDrafter(spec)
+    if spec.method == "mtp":  # the last stage's MTP layer drafts; the drafter hands them on
+        from hybridllm.spec_decode.mtp_drafter import MtpDrafter
+
+        return MtpDrafter(spec)
     # Deferred: the draft model runs on torch, which the engine package does not import.
     from hybridllm.spec_decode.draft_model_drafter import DraftModelDrafter
     from hybridllm.worker.draft_runner import DraftModelRunner

@@ -89,3 +89,6 @@ class ModelRunnerOutput:
     # requests this step could not serve (their sampling failed): req_id -> why; the
     # scheduler finishes them with an error while the rest of the batch goes on
     failed: dict[str, str] = field(default_factory=dict)
+    # speculative decoding's "mtp" method: req_id -> the draft the model's MTP layer made
+    # after the request's last sampled token, for the next step to verify
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

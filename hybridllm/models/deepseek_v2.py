@@ -3,7 +3,8 @@ attention and DeepSeek's routed experts with shared ones, after `first_k_dense_r
 layers.
 
 MTP / NextN layers that checkpoints carry after the last decoder layer
-(`model.layers.{num_hidden_layers}.*`) are outside every stage's range and are skipped.
+(`model.layers.{num_hidden_layers}.*`) are outside every stage's range: the last stage loads
+them only as speculative decoding's drafter (models/mtp.py, method "mtp").
 """
 
 from __future__ import annotations
@@ -208,6 +209,7 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
     qk_rope_head_dim` values per layer); pipeline stages split it as any model's."""
 
     decoder_layer_class = DeepseekV2DecoderLayer
+    supports_mtp = True  # method "mtp" drafts with the checkpoint's MTP layer (models/mtp.py)
 
     def _rotary_embedding(
         self, hf_config: Any, head_dim: int, dtype: torch.dtype, device: torch.device

@@ -53,6 +53,7 @@ class Glm4MoeDecoderLayer(MoeDecoderLayer):
 
 class Glm4MoeForCausalLM(MoeForCausalLM):
     decoder_layer_class = Glm4MoeDecoderLayer
+    supports_mtp = True  # method "mtp" drafts with the checkpoint's MTP layer (models/mtp.py)
 
     def _attention_options(self, hf_config: Any) -> tuple[bool, bool, bool]:
         # q/k/v biased where the config says; o_proj never

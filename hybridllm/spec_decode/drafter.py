@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from hybridllm.config import SpeculativeConfig
 from hybridllm.engine.request import Request
@@ -66,6 +67,10 @@ class Drafter:
     def draft(self, batch: list[tuple[Request, int]]) -> list[list[int]]:
         """Up to k drafts for each (request, k) of `batch`."""
         raise NotImplementedError
+
+    def observe(self, output: Any, requests: Mapping[str, Request]) -> None:
+        """A step finished with `output` (a ModelRunnerOutput, or None); `requests`: the
+        scheduler's requests after it. Drafters that draft from the step's results keep them."""
 
     def shutdown(self) -> None:
         """Release what the drafter holds (a draft model's weights and KV cache)."""

@@ -21,6 +21,7 @@ from hybridllm.worker import kv_cache_sizing
 from hybridllm.worker.input_batch import (
     CachedRequestState,
     InputBatch,
+    SampleRow,
     StepInputs,
     previous_stage_inputs,
     profile_block_tables,
@@ -60,6 +61,12 @@ class ModelRunner:
         self.show_progress = show_progress
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        # speculative decoding's "mtp" method: the checkpoint's MTP layer on the last stage,
+        # with a KV cache of its own over the target's block tables
+        spec = config.speculative_config
+        self.uses_mtp = self.is_last_stage and spec is not None and spec.method == "mtp"
+        self.mtp: torch.nn.Module | None = None
+        self.mtp_kv_cache: torch.Tensor | None = None
         eos_token_ids = set(config.model_config.eos_token_ids)  # masked under min_tokens
         vocab_size = config.model_config.vocab_size
         self.input_batch = InputBatch(
@@ -127,6 +134,8 @@ class ModelRunner:
             raise ValueError(
                 f"{model_config.model}: weights missing from the checkpoint: {missing[:8]}"
             )
+        if self.uses_mtp:
+            self.mtp = self._load_mtp(model_class, source, keep, extra)
         # Dense copies for streaming are taken before the CPU repacks its weights.
         streamer = (
             build_weight_streamer(model, self.stage, self.dtype) if self.stage.streams else None
@@ -135,15 +144,48 @@ class ModelRunner:
         model.execution.attach_weight_streamer(streamer)
         self.model = model.eval()
 
+    def _load_mtp(self, model_class: type, source: Any, keep: Any, extra: dict) -> Any:
+        """The checkpoint's MTP layer (models/mtp.py) on this stage's device; its routed
+        experts on the host where the stage keeps some there."""
+        from hybridllm.loader.onload_quant import (
+            ONLOAD_TYPES,
+            QuantizedWeightCache,
+            checkpoint_key,
+            quantize_weights,
+        )
+        from hybridllm.models.mtp import MultiTokenPredictor
+
+        model_config = self.config.model_config
+        stage_kwargs = {"cpu_expert_layers": 1} if extra.get("cpu_expert_layers") else {}
+        with torch.device(self.device):
+            mtp = MultiTokenPredictor(
+                model_class, model_config.hf_config, self.dtype, self.device, **stage_kwargs
+            )
+        weights = source.iter_weights(mtp.owns_weight, keep)
+        host = torch.device("cpu") if stage_kwargs else self.device
+        if model_config.quantization in ONLOAD_TYPES and keep and host.type == "cpu":
+            cache = QuantizedWeightCache(checkpoint_key(source.weight_files()))
+            weights = quantize_weights(weights, mtp.quantize_role, model_config.quantization, cache)
+        mtp.load_weights(weights)
+        mtp.process_weights_after_loading(self.config.kernel_config)
+        return mtp.eval()
+
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes of `block_size` tokens over every layer of the stage."""
         return sum(self.kv_cache_group_bytes_per_block())
 
     def kv_cache_group_bytes_per_block(self) -> list[int]:
-        """Bytes of one block of each KV cache group over this stage's layers of the group."""
-        return kv_cache_sizing.group_bytes_per_block(
+        """Bytes of one block of each KV cache group over this stage's layers of the group
+        (and the MTP layer's, which shares the target's block tables)."""
+        sizes = kv_cache_sizing.group_bytes_per_block(
             self.model, self.block_size, self.kv_cache_dtype, self.kv_cache_groups
         )
+        if self.mtp is not None:
+            extra = kv_cache_sizing.group_bytes_per_block(
+                self.mtp.block, self.block_size, self.kv_cache_dtype, self.kv_cache_groups
+            )
+            sizes = [a + b for a, b in zip(sizes, extra)]
+        return sizes
 
     @property
     def kv_cache_groups(self) -> list[KVCacheGroupSpec]:
@@ -162,17 +204,23 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int | tuple[int, ...]) -> None:
         self.kv_caches = self._new_kv_cache(num_blocks)
+        if self.mtp is not None:
+            (self.mtp_kv_cache,) = self._new_kv_cache(num_blocks, self.mtp.block)
 
-    def _new_kv_cache(self, num_blocks: int | tuple[int, ...]) -> list[torch.Tensor]:
-        """One cache tensor per layer of the stage, of its KV cache group's block count (an
-        int: every group has that many): paged KV, or a linear-attention layer's state slots."""
+    def _new_kv_cache(
+        self, num_blocks: int | tuple[int, ...], model: torch.nn.Module | None = None
+    ) -> list[torch.Tensor]:
+        """One cache tensor per layer of the stage (or of `model`), of its KV cache group's
+        block count (an int: every group has that many): paged KV, or a linear-attention
+        layer's state slots."""
+        model = self.model if model is None else model
         specs = self.kv_cache_groups
         if isinstance(num_blocks, int):
             num_blocks = (num_blocks,) * len(specs)
         caches = []
-        for g in self.model.execution.layer_groups:
+        for g in model.execution.layer_groups:
             shape, dtype = kv_cache_sizing.layer_cache_layout(
-                self.model, specs[g], num_blocks[g], self.block_size, self.kv_cache_dtype
+                model, specs[g], num_blocks[g], self.block_size, self.kv_cache_dtype
             )
             caches.append(kv_zeros(shape, dtype, self.device))
         return caches
@@ -229,7 +277,14 @@ class ModelRunner:
                 num_rows = min(num_tokens, scheduler_config.max_num_seqs * rows_per_seq)
                 logits = self.model.compute_logits(hidden[-num_rows:])  # [num_rows, vocab]
                 self.sampler(logits, profile_sampling_metadata(num_rows, self.device))
+                if self.mtp is not None:  # the MTP layer runs on every row of a step
+                    ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+                    mtp_hidden = self.mtp(
+                        ids, hidden, inputs.positions, self.mtp_kv_cache, inputs.attn_metadata
+                    )
+                    self.mtp.compute_logits(mtp_hidden[-scheduler_config.max_num_seqs :])
         self.kv_caches = []
+        self.mtp_kv_cache = None
         return num_tokens
 
     # ---- one step -----------------------------------------------------------------------------
@@ -266,9 +321,23 @@ class ModelRunner:
 
         output = ModelRunnerOutput()
         self._prompt_logprobs(inputs, hidden, output)
+        rows, sampled_rows = self._sample(scheduler_output, inputs, hidden, output)
+        if self.mtp is not None:  # every step: the MTP layer's cache follows the target's
+            output.draft_token_ids = self._mtp_drafts(inputs, hidden, rows, sampled_rows, output)
+        return output
+
+    def _sample(
+        self,
+        scheduler_output: SchedulerOutput,
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+        output: ModelRunnerOutput,
+    ) -> tuple[list[SampleRow], dict[int, int]]:
+        """Sample the step's sampling rows into `output` (the kept tokens per request); returns
+        the rows sampled and each one's token by row."""
         rows = inputs.sampling_rows()
         if not rows:
-            return output
+            return [], {}
         batch = self.input_batch
         try:
             sampling_metadata = batch.sampling_metadata(rows)
@@ -276,7 +345,7 @@ class ModelRunner:
             # One request's parameters broke the batch: find it, fail it alone.
             rows = batch.drop_unsamplable(rows, output.failed)
             if not rows:
-                return output
+                return [], {}
             sampling_metadata = batch.sampling_metadata(rows)
         if scheduler_output.grammar_bitmask is not None:
             sampling_metadata = with_grammar_mask(
@@ -291,16 +360,57 @@ class ModelRunner:
         row_index = rows_on_device([row.row for row in rows], self.device)  # [num_rows]
         logits = self.model.compute_logits(hidden.index_select(0, row_index))  # [rows, vocab]
         sampled = self.sampler(logits, sampling_metadata)
+        sampled_ids = sampled.sampled_token_ids.tolist()
         req_ids = [row.state.req_id for row in rows]
-        tokens = group_by_request(req_ids, sampled.sampled_token_ids.tolist())
+        tokens = group_by_request(req_ids, sampled_ids)
         logprobs = group_by_request(req_ids, sampled.logprobs_list())
-        for req_id, sampled_ids in tokens.items():
-            kept = accepted_length(batch.requests[req_id].spec_token_ids, sampled_ids) + 1
+        for req_id, request_ids in tokens.items():
+            kept = accepted_length(batch.requests[req_id].spec_token_ids, request_ids) + 1
             output.req_ids.append(req_id)
-            output.sampled_token_ids.append(sampled_ids[:kept])
+            output.sampled_token_ids.append(request_ids[:kept])
             entries = logprobs[req_id][:kept]
             output.logprobs.append(None if entries[0] is None else entries)
-        return output
+        return rows, dict(zip((row.row for row in rows), sampled_ids))
+
+    def _mtp_drafts(
+        self,
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+        rows: list[SampleRow],
+        sampled_rows: dict[int, int],
+        output: ModelRunnerOutput,
+    ) -> dict[str, list[int]]:
+        """Run the MTP layer on every row of the step and draft, for each request that sampled,
+        the token after its last kept one. Row p reads the token at p + 1: the next known token,
+        else the one the row sampled (a rejected draft's row reads a token no one keeps; the
+        next step writes its position again)."""
+        next_ids = np.zeros(inputs.num_tokens, dtype=np.int64)
+        starts = inputs.attn_metadata.query_start_loc_cpu
+        for i, (state, (start, length, _)) in enumerate(zip(inputs.requests, inputs.spans)):
+            known = state.token_ids[start + 1 : start + 1 + length]
+            next_ids[starts[i] : starts[i] + len(known)] = known
+        for row, token in sampled_rows.items():
+            next_ids[row] = token
+        ids = torch.from_numpy(next_ids).to(self.device)
+        mtp_hidden = self.mtp(
+            ids, hidden, inputs.positions, self.mtp_kv_cache, inputs.attn_metadata
+        )  # [num_tokens, hidden]
+        # each request's draft comes from the row of its last kept token
+        rows_of: dict[str, list[int]] = {}
+        for row in rows:
+            rows_of.setdefault(row.state.req_id, []).append(row.row)
+        req_ids = output.req_ids
+        draft_rows = [
+            rows_of[r][len(kept) - 1] for r, kept in zip(req_ids, output.sampled_token_ids)
+        ]
+        if not draft_rows:
+            return {}
+        logits = self.mtp.compute_logits(
+            mtp_hidden.index_select(0, rows_on_device(draft_rows, self.device))
+        )  # [num_requests, vocab]
+        vocab = self.config.model_config.vocab_size
+        drafts = logits[:, :vocab].argmax(dim=-1).tolist()
+        return {req_id: [token] for req_id, token in zip(req_ids, drafts)}
 
     def _prompt_logprobs(
         self, inputs: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput

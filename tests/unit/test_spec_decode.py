@@ -99,8 +99,11 @@ def test_speculative_config_defaults_one_lookup_bound_from_the_other():
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == (5, 5)
     with pytest.raises(ValueError, match="JSON object"):
         SpeculativeConfig.from_dict(["ngram"])
-    with pytest.raises(ValueError, match="'mtp' is not supported yet"):
-        SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": 1})
+    assert (
+        SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": 1}).method == "mtp"
+    )
+    with pytest.raises(ValueError, match="num_speculative_tokens must be 1"):
+        SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": 3})
     with pytest.raises(ValueError, match="integer in"):
         SpeculativeConfig.from_dict({"num_speculative_tokens": True})
 
@@ -209,3 +212,18 @@ def test_draft_model_drafter_drafts_only_what_pays_for_its_forwards():
     request.num_computed_tokens = request.num_tokens - 1
     drafter.propose([request])
     assert drafter.runner.retained == {"a"} and request.spec_token_ids == [7] * 4
+
+
+def test_mtp_drafter_hands_on_only_drafts_that_follow_the_request_s_tokens():
+    from hybridllm.engine.scheduler_output import ModelRunnerOutput
+    from hybridllm.spec_decode.mtp_drafter import MtpDrafter
+
+    drafter = MtpDrafter(SpeculativeConfig(method="mtp", num_speculative_tokens=1))
+    a = Request("a", [1, 2, 3], SamplingParams(max_tokens=8), None)
+    b = Request("b", [4, 5], SamplingParams(max_tokens=8), None)
+    requests = {"a": a, "b": b}
+    drafter.observe(ModelRunnerOutput(draft_token_ids={"a": [7], "b": [8]}), requests)
+    b.append_output_token_ids([9])  # b moved on after its draft was made: stale
+    assert drafter.draft([(a, 1), (b, 1)]) == [[7], []]
+    drafter.observe(None, {"b": b})  # a finished: its draft is dropped
+    assert "a" not in drafter._drafts

@@ -179,7 +179,7 @@ def build_app(
         sampler = asyncio.create_task(sample_live_stats(engine))
         try:
             yield
-            sampler.cancel()
+            sampler.cancel()  # no samples while the engine drains
             logger.info(
                 "shutting down: finishing running requests (up to %.0f s)",
                 options.shutdown_timeout,

@@ -1,0 +1,103 @@
+"""Speculative decoding with the checkpoint's own MTP layer (method "mtp"): greedy output equal
+to plain decoding, and every draft the MTP layer made equal to transformers' computation of it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridllm import LLM
+from tests.deepseek_helpers import make_tiny_deepseek_model, make_tiny_mtp_model
+from tests.integration.test_moe_models_vs_hf import ENGINE_KWARGS, PARAMS, make_prompts
+
+pytestmark = pytest.mark.slow
+
+MTP = {"method": "mtp", "num_speculative_tokens": 1}
+# a draft is checked where the reference's best token leads by this much (no near-ties)
+TIE_MARGIN = 1e-3
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+def mtp_model(request, tmp_path_factory):
+    """(saved folder, MTP reference) for one MLA and one GQA architecture."""
+    return make_tiny_mtp_model(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def generate(path, record: list | None = None, **kwargs):
+    """Greedy tokens of every prompt, and the engine's stats; `record` collects (request's
+    tokens, draft) for every draft the MTP layer returned."""
+    llm = LLM(str(path), **{**ENGINE_KWARGS, **kwargs})
+    try:
+        drafter = llm.llm_engine.drafter
+        if record is not None:
+            observe = drafter.observe
+
+            def recording(output, requests):
+                for req_id, drafts in (output.draft_token_ids if output else {}).items():
+                    request = requests.get(req_id)
+                    if request is not None:
+                        record.append((list(request.all_token_ids), drafts))
+                observe(output, requests)
+
+            drafter.observe = recording
+        prompts = [{"prompt_token_ids": p} for p in make_prompts()]
+        outs = llm.generate(prompts, PARAMS)
+        return [list(o.outputs[0].token_ids) for o in outs], llm.llm_engine.get_stats()
+    finally:
+        llm.shutdown()
+
+
+def test_mtp_drafts_are_the_mtp_layers_and_greedy_output_is_unchanged(mtp_model):
+    path, reference = mtp_model
+    plain, _ = generate(path)
+    drafts: list = []
+    got, stats = generate(path, drafts, speculative_config=MTP)
+    assert got == plain
+    assert stats.spec_num_draft_tokens > 0  # drafts were verified, not only made
+    checked = 0
+    for tokens, (draft,) in drafts:
+        logits = reference(tokens)[-1]  # the MTP at the last position: the token after next
+        top2 = logits.topk(2).values
+        if top2[0] - top2[1] < TIE_MARGIN:
+            continue
+        assert draft == int(logits.argmax()), f"draft after {len(tokens)} tokens"
+        checked += 1
+    assert checked >= len(drafts) * 0.9 and checked > 20, (checked, len(drafts))
+
+
+def test_mtp_with_the_target_split_into_two_stages(mtp_model):
+    path, _ = mtp_model
+    plain, _ = generate(path)
+    got, stats = generate(
+        path,
+        speculative_config=MTP,
+        pipeline_parallel_size=2,
+        distributed_executor_backend="mp",
+    )
+    assert got == plain and stats.spec_num_draft_tokens > 0
+
+
+def test_mtp_refusals_name_the_problem(tmp_path):
+    plain = make_tiny_deepseek_model("deepseek_v3", tmp_path / "no_mtp")
+    config = json.loads((plain / "config.json").read_text())
+
+    def says_mtp_layers(n: int) -> None:
+        (plain / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": n}))
+
+    says_mtp_layers(0)
+    with pytest.raises(ValueError, match="num_nextn_predict_layers is 0"):
+        LLM(str(plain), **ENGINE_KWARGS, speculative_config=MTP)
+    with pytest.raises(ValueError, match="num_speculative_tokens must be 1"):
+        LLM(str(plain), **ENGINE_KWARGS, speculative_config={**MTP, "num_speculative_tokens": 2})
+    says_mtp_layers(1)  # the config says there is an MTP layer; the weights do not hold it
+    with pytest.raises(Exception, match="MTP layer is incomplete"):
+        LLM(str(plain), **ENGINE_KWARGS, speculative_config=MTP)
+
+
+def test_mtp_on_an_architecture_without_one_is_refused(tmp_path):
+    from tests.model_helpers import make_tiny_model
+
+    path = make_tiny_model("llama", tmp_path / "llama")
+    with pytest.raises(ValueError, match="has no multi-token-prediction layer"):
+        LLM(str(path), dtype="float32", speculative_config=MTP)

@@ -211,9 +211,12 @@ def test_server_errors_are_shown_as_the_server_said_them(page, server):
     page.fill("#input", "Hi again")
     page.click("#send")
     assert "The tools field is not JSON" in page.locator("#banner-text").inner_text()
+    assert page.locator(".message.user").count() == 1  # nothing was added or sent
+    assert page.input_value("#input") == "Hi again"  # the text is kept to send again
     # the page goes on working
     sampling(page, tools="")
     send(page, "Hi again")
+    assert page.locator(".message.user").count() == 2
     wait_idle(page)
     assert page.locator(".message.assistant").last.locator(".error").count() == 0
     screenshot(page, "errors")

@@ -239,6 +239,7 @@ function renderMessage(msg, index, conv) {
     if (msg.role === "user") actions.append(actionButton("Edit", () => editMessage(div, conv, index)));
     if (msg.role === "assistant" && index === conv.messages.length - 1) {
       actions.append(actionButton("Regenerate", () => {
+        if (!settingsOk()) return;
         conv.messages.splice(index, 1);
         generate(conv);
       }));
@@ -256,6 +257,7 @@ function editMessage(div, conv, index) {
   actions.className = "actions";
   actions.append(
     actionButton("Send", () => {
+      if (!settingsOk()) return;
       // the conversation from here on is replaced by the edited message's new reply
       conv.messages.splice(index, conv.messages.length - index, { role: "user", content: box.value });
       generate(conv);
@@ -310,16 +312,34 @@ function requestBody(conv) {
     const v = numberSetting(id);
     if (v !== undefined) body[key] = v;
   }
-  const tools = $("tools").value.trim();
-  if (tools) {
-    try {
-      body.tools = JSON.parse(tools);
-    } catch (e) {
-      throw new ApiError(`The tools field is not JSON: ${e.message}`, 0);
-    }
+  const tools = readTools();
+  if (tools !== undefined) {
+    body.tools = tools;
     body.tool_choice = $("tool-choice").value;
   }
   return body;
+}
+
+// The tools field: undefined when empty; throws naming the problem when it is not JSON.
+function readTools() {
+  const text = $("tools").value.trim();
+  if (!text) return undefined;
+  try {
+    return JSON.parse(text);
+  } catch (e) {
+    throw new ApiError(`The tools field is not JSON: ${e.message}`, 0);
+  }
+}
+
+// Whether a request can be built from the settings; if not, says why and changes nothing.
+function settingsOk() {
+  try {
+    readTools();
+    return true;
+  } catch (e) {
+    showBanner(e.message);
+    return false;
+  }
 }
 
 // Server-sent events: yields each `data:` payload; returns whether [DONE] arrived.
@@ -356,14 +376,7 @@ function applyDelta(reply, delta) {
 
 async function generate(conv) {
   const reply = { role: "assistant", content: "" };
-  let body;
-  try {
-    body = requestBody(conv);
-  } catch (e) {
-    showBanner(e.message);
-    renderAll();
-    return;
-  }
+  const body = requestBody(conv); // the callers checked settingsOk() first
   conv.messages.push(reply);
   state.controller = new AbortController();
   renderAll();
@@ -416,7 +429,7 @@ function sendFromComposer(ev) {
   ev?.preventDefault();
   if (state.controller) return;
   const text = $("input").value;
-  if (!text.trim()) return;
+  if (!text.trim() || !settingsOk()) return; // the text stays in the box
   const conv = currentConversation() || newConversation();
   conv.messages.push({ role: "user", content: text });
   $("input").value = "";

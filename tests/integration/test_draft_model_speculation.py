@@ -207,3 +207,31 @@ def test_a_draft_with_linear_attention_layers_is_refused(tmp_path):
     target = make_tiny_model("llama", tmp_path / "llama")
     with pytest.raises(ValueError, match="a draft with linear-attention layers"):
         EngineArgs(str(target), speculative_config=draft(linear)).create_engine_config()
+
+
+def test_server_with_a_draft_model_answers_as_plain_decoding(tmp_path):
+    # A tiny random draft with the embedded model's vocabulary: cheap enough that the drafter
+    # drafts (its guard pauses it soon, since it guesses badly), and the answer is plain
+    # decoding's whatever it guesses.
+    import json
+
+    from tests.integration.openai_server import RemoteServer
+
+    config = tiny_config("llama")
+    config.vocab_size = 49152
+    torch.manual_seed(0)
+    random_eager_model(config).save_pretrained(tmp_path / "draft")
+    prompt = "List the planets of the solar system in order:"
+    plain_llm = LLM(max_model_len=512, use_tqdm=False)
+    try:
+        want = plain_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32))
+    finally:
+        plain_llm.shutdown()
+    spec = json.dumps(draft(tmp_path / "draft", disable_by_batch_size=None))
+    args = ["--max-model-len", "512", "--speculative-config", spec]
+    with RemoteServer(args) as server:
+        client = server.client()
+        model = client.models.list().data[0].id
+        got = client.completions.create(model=model, prompt=prompt, max_tokens=32, temperature=0)
+        assert got.choices[0].text == want[0].outputs[0].text
+        assert server.metrics()["hybridllm:spec_decode_num_draft_tokens_total"] >= 3

@@ -194,8 +194,9 @@ FLAGS: tuple[Flag, ...] = (
         "4}' drafts each request's next tokens from its own prompt and output (keys "
         'prompt_lookup_max, prompt_lookup_min, disable_by_batch_size); \'{"model": PATH, '
         '"num_speculative_tokens": 4}\' drafts with a smaller model of the same vocabulary (key '
-        "quantization: the draft's); greedy and seeded outputs stay those of plain decoding "
-        "(default: off)",
+        'quantization: the draft\'s); \'{"method": "mtp", "num_speculative_tokens": 1}\' '
+        "drafts with the checkpoint's own MTP layer (DeepSeek-V3, GLM-4.5 folders); greedy and "
+        "seeded outputs stay those of plain decoding (default: off)",
     ),
     _flag(
         "--pipeline-parallel-size",

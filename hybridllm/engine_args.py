@@ -204,7 +204,7 @@ class EngineArgs:
                 "their recurrent state cannot take back a rejected draft"
             )
         if config.method == "mtp":
-            self._check_mtp(hf_config)
+            self.check_mtp(hf_config)
         if config.method != "draft_model":
             return config
         draft = self.draft_engine_config(config, max_model_len, max_num_batched_tokens)
@@ -219,7 +219,7 @@ class EngineArgs:
             )
         return dataclasses.replace(config, draft_config=draft)
 
-    def _check_mtp(self, hf_config) -> None:
+    def check_mtp(self, hf_config) -> None:
         """Method 'mtp' needs an architecture with an MTP layer, a config that says the
         checkpoint carries one, and the HF folder that holds it (GGUF conversions drop it)."""
         from hybridllm.models.mtp import num_mtp_layers
@@ -321,6 +321,8 @@ class EngineArgs:
             stream_device=self.stream_device,
             cpu_moe=self.cpu_moe,
             n_cpu_moe=self.n_cpu_moe,
+            mtp=isinstance(self.speculative_config, dict)
+            and self.speculative_config.get("method") == "mtp",
         )
 
     def resolve_quantization(self, source: ModelSource) -> str:

@@ -190,6 +190,7 @@ FLAGS: tuple[Flag, ...] = (
         "--speculative-config",
         type=_speculative_config,
         metavar="JSON",
+        plan=True,  # method "mtp" puts the MTP layer beside the last stage
         help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": '
         "4}' drafts each request's next tokens from its own prompt and output (keys "
         'prompt_lookup_max, prompt_lookup_min, disable_by_batch_size); \'{"model": PATH, '

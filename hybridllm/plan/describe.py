@@ -11,6 +11,7 @@ from hybridllm.plan.memory_budget import (
     format_bytes,
     host_expert_bytes,
     host_resident,
+    mtp_experts_on_host,
     stream_sent_layer_bytes,
     worker_shard,
     worker_weight_bytes,
@@ -88,6 +89,8 @@ def describe_plan(
             )
         if stage.cpu_expert_layers:
             lines.append(_cpu_experts_text(stage, size))
+        if stage.has_lm_head and size.mtp_layers:
+            lines.append(_mtp_text(stage, size))
         if stage.stream_device is not None:
             lines.append(_streaming_text(stage, size, prediction))
     if size.moe is not None:
@@ -165,6 +168,20 @@ def _cpu_experts_text(stage: StagePlan, size: ModelSize) -> str:
             f"attention of those layers on {stage.workers[0].device}; hidden states cross per layer"
         )
     return text
+
+
+def _mtp_text(stage: StagePlan, size: ModelSize) -> str:
+    """The MTP layer speculative decoding drafts with, beside the last stage."""
+    worker = stage.workers[0]
+    on_host = mtp_experts_on_host(stage)
+    view = size.for_worker(stage, 0)
+    text = (
+        f"    + the MTP layer (speculative decoding's drafts) on {worker.device}: "
+        f"{format_bytes(view.mtp_bytes(routed=not on_host))} with its own embedding and LM head"
+    )
+    if on_host:
+        text += f", its routed experts on cpu ({format_bytes(size.cpu_view().routed_expert_bytes(size.num_layers))})"
+    return text + "; its KV counted in KV/token"
 
 
 def _experts_per_device(plan: Plan, size: ModelSize) -> str:

@@ -119,7 +119,14 @@ def worker_weight_bytes(size: ModelSize, stage: StagePlan, tp_rank: int) -> int:
     if stage.has_lm_head:
         total += size.final_norm_bytes
         total += int(size.head_matrix_bytes(stage.has_embedding) * vocab_share)
+        total += size.mtp_bytes(routed=not mtp_experts_on_host(stage, tp_rank))
     return total
+
+
+def mtp_experts_on_host(stage: StagePlan, tp_rank: int = 0) -> bool:
+    """Whether the MTP layer's routed experts live on the host beside a GPU last stage: where
+    the stage's last layer's do (worker/model_runner.py places them so)."""
+    return not stage.workers[tp_rank].is_cpu and stage.experts_on_cpu(stage.layer_end - 1)
 
 
 def host_expert_bytes(size: ModelSize, stage: StagePlan) -> int:
@@ -129,7 +136,9 @@ def host_expert_bytes(size: ModelSize, stage: StagePlan) -> int:
         return 0  # a CPU worker counts its experts among its own weights
     cpu = size.cpu_view()
     end = stage.layer_start + stage.cpu_expert_layers
-    return sum(cpu.routed_expert_bytes(i) for i in range(stage.layer_start, end))
+    mtp = stage.has_lm_head and mtp_experts_on_host(stage)
+    mtp_layers = range(size.num_layers, size.num_layers + size.mtp_layers) if mtp else ()
+    return sum(cpu.routed_expert_bytes(i) for i in (*range(stage.layer_start, end), *mtp_layers))
 
 
 def worker_kv_bytes_per_token(size: ModelSize, stage: StagePlan, tp_rank: int) -> int:
@@ -137,6 +146,8 @@ def worker_kv_bytes_per_token(size: ModelSize, stage: StagePlan, tp_rank: int) -
     cache's dtype); sliding-window layers cost a bounded amount instead (below)."""
     per_head = size.for_worker(stage, tp_rank).kv_bytes_per_token_per_layer // size.num_kv_heads
     layers = size.full_attention_layers(stage.layer_start, stage.layer_end)
+    if stage.has_lm_head:
+        layers += size.mtp_layers  # the MTP layer's own cache, on the same block tables
     return layers * worker_shard(size, stage, tp_rank).kv_heads * per_head
 
 

@@ -68,6 +68,8 @@ class ModelSize:
     linear_attention_params: int = 0
     linear_other_bytes: int = 0  # a linear layer's norms, conv taps and decay parameters
     state_bytes_per_layer: int = 0
+    # speculative decoding's "mtp" method: MTP layers the last stage holds beside its own
+    mtp_layers: int = 0
 
     @property
     def dtype_bytes(self) -> int:
@@ -163,6 +165,21 @@ class ModelSize:
         per_param = self.matmul_bytes_per_param or self.dtype_bytes
         other = self.linear_other_bytes if self.is_linear(layer) else self.layer_other_bytes
         return round(self.layer_matmul_params(layer, routed) * per_param) + other
+
+    def mtp_bytes(self, routed: bool = True) -> int:
+        """What the MTP layers beside the last stage hold (0 without them): each a decoder
+        layer sized as the model's layer of its index (its routed experts unless `routed` is
+        False), its three norms, the [hidden, 2 x hidden] projection, and an embedding and an
+        LM head of its own (as DeepSeek's checkpoints carry them)."""
+        per_param = self.matmul_bytes_per_param or self.dtype_bytes
+        own = 3 * self.hidden_size * self.dtype_bytes + round(2 * self.hidden_size**2 * per_param)
+        return sum(
+            self.layer_weight_bytes(self.num_layers + i, routed)
+            + own
+            + self.embedding_bytes
+            + self.lm_head_bytes
+            for i in range(self.mtp_layers)
+        )
 
     def routed_expert_bytes(self, layer: int) -> int:
         """Bytes of every routed expert of `layer` (0 for dense layers and dense models)."""

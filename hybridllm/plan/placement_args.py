@@ -69,6 +69,8 @@ class PlacementArgs:
     # layer, or of the first N layers, on the CPU while the rest of those layers stays on the GPU
     cpu_moe: bool = False
     n_cpu_moe: int | None = None
+    # speculative decoding's "mtp" method: the last stage also holds the MTP layer and its KV
+    mtp: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in PLACEMENT_DEVICES:

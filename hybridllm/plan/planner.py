@@ -88,7 +88,14 @@ def plan_model_size(
     dtype = resolve_plan_dtype(args, hw)
     int8_blocks = cpu_blocks is not None and args.int8_blocks
     kv_dtype = cpu_kv_cache_dtype(args.kv_cache_dtype, dtype, int8_blocks)
-    return model_size(hf_config, dtype, cpu_blocks, kv_dtype)
+    size = model_size(hf_config, dtype, cpu_blocks, kv_dtype)
+    if args.mtp:  # the checkpoint's MTP layer drafts beside the last stage: an MoE layer
+        moe = size.moe
+        if moe is not None:
+            sparse = moe.sparse_layers | {size.num_layers}
+            moe = dataclasses.replace(moe, sparse_layers=sparse)
+        size = dataclasses.replace(size, mtp_layers=1, moe=moe)
+    return size
 
 
 @dataclasses.dataclass(frozen=True)

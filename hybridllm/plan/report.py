@@ -266,6 +266,8 @@ def build_plan_report(
     placement = engine_args.placement_args(max_model_len, batched, int8_blocks=int8_blocks)
     if kv_reserve_tokens is not None:
         placement = dataclasses.replace(placement, kv_reserve_tokens=kv_reserve_tokens)
+    if placement.mtp:
+        engine_args.check_mtp(hf_config)  # the plan counts an MTP layer only where there is one
     if placement_hook is not None:
         placement = placement_hook(placement, source, hf_config, cpu_blocks)
     cost = CostModel(profile, context_len=context_len)

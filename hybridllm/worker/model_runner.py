@@ -135,7 +135,7 @@ class ModelRunner:
                 f"{model_config.model}: weights missing from the checkpoint: {missing[:8]}"
             )
         if self.uses_mtp:
-            self.mtp = self._load_mtp(model_class, source, keep, extra)
+            self.mtp = self._load_mtp(model_class, source, keep)
         # Dense copies for streaming are taken before the CPU repacks its weights.
         streamer = (
             build_weight_streamer(model, self.stage, self.dtype) if self.stage.streams else None
@@ -144,9 +144,10 @@ class ModelRunner:
         model.execution.attach_weight_streamer(streamer)
         self.model = model.eval()
 
-    def _load_mtp(self, model_class: type, source: Any, keep: Any, extra: dict) -> Any:
+    def _load_mtp(self, model_class: type, source: Any, keep: Any) -> Any:
         """The checkpoint's MTP layer (models/mtp.py) on this stage's device; its routed
-        experts on the host where the stage keeps some there."""
+        experts on the host where the stage keeps its last layer's there (as the plan counts
+        them: plan/memory_budget.py's mtp_experts_on_host)."""
         from hybridllm.loader.onload_quant import (
             ONLOAD_TYPES,
             QuantizedWeightCache,
@@ -156,7 +157,8 @@ class ModelRunner:
         from hybridllm.models.mtp import MultiTokenPredictor
 
         model_config = self.config.model_config
-        stage_kwargs = {"cpu_expert_layers": 1} if extra.get("cpu_expert_layers") else {}
+        on_host = self.device.type != "cpu" and self.stage.experts_on_cpu(self.stage.layer_end - 1)
+        stage_kwargs = {"cpu_expert_layers": 1} if on_host else {}
         with torch.device(self.device):
             mtp = MultiTokenPredictor(
                 model_class, model_config.hf_config, self.dtype, self.device, **stage_kwargs

@@ -108,3 +108,51 @@ def test_plan_counts_host_experts_at_the_onload_type(
     assert match, out
     assert float(match.group(1)) == pytest.approx(expected_gib, abs=0.01)
     assert f"cpu: 48 layers x 128 ({match.group(1)} GiB)" in experts_line(out)
+
+
+# DeepSeek-V3's shape with fewer layers (planning reads the config alone)
+DEEPSEEK_V3 = dict(
+    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=7168,
+    intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
+    n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4, num_hidden_layers=8,
+    first_k_dense_replace=3, num_attention_heads=128, num_key_value_heads=128,
+    kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, vocab_size=129280, max_position_embeddings=163840, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, num_nextn_predict_layers=1, torch_dtype="bfloat16",
+)  # fmt: skip
+GiB = 1 << 30
+
+
+def test_plan_counts_the_mtp_layer_beside_the_last_stage(capsys, monkeypatch, cache_dir, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V3))
+    flags = [str(tmp_path), "--fake-gpu", "H100:80", "--fake-ram-gib", "512", "--cpu-moe"]
+    mtp = json.dumps({"method": "mtp", "num_speculative_tokens": 1})
+    _, plain, _ = run_plan(capsys, monkeypatch, cache_dir, *flags, "--json")
+    code, out, err = run_plan(capsys, monkeypatch, cache_dir, *flags, "--json",
+                              "--speculative-config", mtp)  # fmt: skip
+    assert code == 0, err
+    before, after = json.loads(plain), json.loads(out)
+    gpu = [d for d in after["devices"] if d["device"] == "cuda:0"][0]
+    gpu_before = [d for d in before["devices"] if d["device"] == "cuda:0"][0]
+    cpu = [d for d in after["devices"] if d["device"] == "cpu"][0]
+    cpu_before = [d for d in before["devices"] if d["device"] == "cpu"][0]
+    # its routed experts on the host, as the last layer's: 256 x 3 x 7168 x 2048 bf16
+    assert cpu["weight_bytes"] - cpu_before["weight_bytes"] == 256 * 3 * 7168 * 2048 * 2
+    # on the GPU its attention, router and shared expert, 3 norms, eh_proj, embedding and head
+    extra = gpu["weight_bytes"] - gpu_before["weight_bytes"]
+    own = 2 * 129280 * 7168 * 2 + 2 * 7168 * 7168 * 2
+    assert own < extra < own + 0.5 * GiB
+    # one more layer's latent a token: 576 values at bf16
+    assert gpu["kv_bytes_per_token"] - gpu_before["kv_bytes_per_token"] == 576 * 2
+    assert "+ the MTP layer (speculative decoding's drafts) on cuda:0" in after["text"]
+
+
+def test_plan_refuses_mtp_for_a_model_without_the_layer(capsys, monkeypatch, cache_dir, tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({**DEEPSEEK_V3, "num_nextn_predict_layers": 0})
+    )
+    mtp = json.dumps({"method": "mtp", "num_speculative_tokens": 1})
+    code, _, err = run_plan(
+        capsys, monkeypatch, cache_dir, str(tmp_path), "--speculative-config", mtp
+    )
+    assert code == 2 and "num_nextn_predict_layers is 0" in err

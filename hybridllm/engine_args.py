@@ -131,7 +131,7 @@ class EngineArgs:
         cpu_auto = self._cpu_auto_dtype(hf_config, cpu_blocks, quantization)
         int8_blocks = kernel_config.int8_over_blocks(cpu_blocks)
         plan = self._build_plan(
-            hf_config, batched, max_model_len, cpu_blocks, cpu_auto, int8_blocks
+            hf_config, batched, max_model_len, cpu_blocks, cpu_auto, int8_blocks, speculative_config
         )
         device = "cuda" if any(not w.is_cpu for w in plan.workers()) else "cpu"
         dtype = _resolve_dtype(self.dtype, device, cpu_auto)
@@ -295,11 +295,21 @@ class EngineArgs:
         max_num_batched_tokens: int,
         cpu_auto_dtype: str = "float32",
         int8_blocks: bool = False,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> PlacementArgs:
         """What the planner is asked (the engine and `hybridllm plan` alike): the flags, and the
         KV cache to reserve beside the weights, `max_num_seqs` sequences of a typical 256 tokens
-        up to one full context."""
+        up to one full context; a resolved `speculative_config`'s draft model is taken from the
+        host budget."""
+        from hybridllm.plan.draft_memory import draft_memory
+        from hybridllm.plan.memory_budget import format_bytes
+
         split = parse_layer_split(self.layer_split)
+        draft = (
+            None
+            if speculative_config is None
+            else draft_memory(speculative_config, self.max_num_seqs)
+        )
         return PlacementArgs(
             device=self.device,
             tensor_parallel_size=self.tensor_parallel_size,
@@ -323,6 +333,11 @@ class EngineArgs:
             n_cpu_moe=self.n_cpu_moe,
             mtp=isinstance(self.speculative_config, dict)
             and self.speculative_config.get("method") == "mtp",
+            host_reserved_bytes=0 if draft is None else draft.total_bytes,
+            host_reserved_note=""
+            if draft is None
+            else f"the draft model {draft.model} (weights {format_bytes(draft.weight_bytes)}, "
+            f"KV cache {format_bytes(draft.kv_cache_bytes)}) in the engine's process",
         )
 
     def resolve_quantization(self, source: ModelSource) -> str:
@@ -394,6 +409,7 @@ class EngineArgs:
         cpu_blocks=None,
         cpu_auto_dtype: str = "float32",
         int8_blocks: bool = False,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> Plan:
         """Place the model: the planner reads the flags, the hardware and (with a GPU) measured rates."""
         from hybridllm.plan.cost_model import CostModel
@@ -402,7 +418,7 @@ class EngineArgs:
         from hybridllm.platforms.discovery import discover_hardware
 
         placement = self.placement_args(
-            max_model_len, max_num_batched_tokens, cpu_auto_dtype, int8_blocks
+            max_model_len, max_num_batched_tokens, cpu_auto_dtype, int8_blocks, speculative_config
         )
         nodes = None
         if self.distributed_executor_backend == "ray":

@@ -382,12 +382,12 @@ def _create_drafter(config: EngineConfig) -> Any:
 
         return MtpDrafter(spec)
     # Deferred: the draft model runs on torch, which the engine package does not import.
+    from hybridllm.plan.draft_memory import draft_max_seqs
     from hybridllm.spec_decode.draft_model_drafter import DraftModelDrafter
     from hybridllm.worker.draft_runner import DraftModelRunner
 
     # the draft only runs for batches below disable_by_batch_size: KV for that many sequences
-    limit = spec.disable_by_batch_size or config.scheduler_config.max_num_seqs
-    max_seqs = min(limit, config.scheduler_config.max_num_seqs)
+    max_seqs = draft_max_seqs(spec, config.scheduler_config.max_num_seqs)
     runner = DraftModelRunner(
         spec.draft_config, spec.num_speculative_tokens, max_seqs, config.model_config.vocab_size
     )

@@ -118,6 +118,11 @@ def describe_plan(
         f"{budgets.kv_reserve_tokens:,} reserved), "
         + _kv_row_text(size.cpu_view() if all(w.is_cpu for w in plan.workers()) else size)
     )
+    if budgets.host_reserved_bytes:
+        lines.append(
+            f"  host: {format_bytes(budgets.host_reserved_bytes)} for "
+            f"{budgets.host_reserved_note}, outside the budget above"
+        )
     if host_kv_bytes is not None:
         cpu_workers = sum(w.is_cpu for stage in plan.stages for w in stage.workers)
         resident = host_resident(usage, cpu_workers, host_kv_bytes)

@@ -25,6 +25,8 @@ class MemoryBudgets:
     gpu_sources: tuple[str, ...] = ()  # why each GPU budget is what it is, for error messages
     cpu_source: str = ""
     max_num_seqs: int = 128  # sequences whose windows sliding-window layers hold at once
+    host_reserved_bytes: int = 0  # taken from the host before `cpu` (a draft model)
+    host_reserved_note: str = ""
 
     def budget_of(self, device: str) -> int:
         return self.cpu if device == "cpu" else self.gpus[_cuda_index(device)]
@@ -56,6 +58,11 @@ def memory_budgets(hw: HardwareInfo, args: PlacementArgs) -> MemoryBudgets:
     else:
         cpu = int(hw.available_ram * CPU_RAM_FRACTION)
         cpu_source = f"{CPU_RAM_FRACTION:g} x {format_bytes(hw.available_ram)} available RAM"
+    if args.host_reserved_bytes:
+        cpu = max(0, cpu - args.host_reserved_bytes)
+        cpu_source += (
+            f" less {format_bytes(args.host_reserved_bytes)} for {args.host_reserved_note}"
+        )
     return MemoryBudgets(
         tuple(gpus),
         cpu,
@@ -64,6 +71,8 @@ def memory_budgets(hw: HardwareInfo, args: PlacementArgs) -> MemoryBudgets:
         tuple(sources),
         cpu_source,
         args.max_num_seqs,
+        args.host_reserved_bytes,
+        args.host_reserved_note,
     )
 
 

@@ -71,6 +71,10 @@ class PlacementArgs:
     n_cpu_moe: int | None = None
     # speculative decoding's "mtp" method: the last stage also holds the MTP layer and its KV
     mtp: bool = False
+    # host bytes the engine's process holds outside the plan (a draft model's weights and KV),
+    # taken from the CPU budget; `host_reserved_note` says what they are
+    host_reserved_bytes: int = 0
+    host_reserved_note: str = ""
 
     def __post_init__(self) -> None:
         if self.device not in PLACEMENT_DEVICES:

@@ -263,7 +263,14 @@ def build_plan_report(
     batched = engine_args.resolve_max_num_batched_tokens(max_model_len)
     cpu_blocks = engine_args.kept_cpu_blocks(source, hf_config, kernels)
     int8_blocks = kernels.int8_over_blocks(cpu_blocks)
-    placement = engine_args.placement_args(max_model_len, batched, int8_blocks=int8_blocks)
+    speculative = None
+    spec = engine_args.speculative_config
+    if isinstance(spec, dict) and spec.get("model") is not None:
+        # a draft model runs on the host beside the plan: resolved to count it
+        speculative = engine_args.resolve_speculative_config(hf_config, max_model_len, batched)
+    placement = engine_args.placement_args(
+        max_model_len, batched, int8_blocks=int8_blocks, speculative_config=speculative
+    )
     if kv_reserve_tokens is not None:
         placement = dataclasses.replace(placement, kv_reserve_tokens=kv_reserve_tokens)
     if placement.mtp:

@@ -235,3 +235,29 @@ def test_server_with_a_draft_model_answers_as_plain_decoding(tmp_path):
         got = client.completions.create(model=model, prompt=prompt, max_tokens=32, temperature=0)
         assert got.choices[0].text == want[0].outputs[0].text
         assert server.metrics()["hybridllm:spec_decode_num_draft_tokens_total"] >= 3
+
+
+def test_the_plan_counts_the_draft_as_the_runner_allocates_it(models):
+    from hybridllm.plan.draft_memory import draft_max_seqs, draft_memory
+
+    args = EngineArgs(str(models[0]), max_model_len=256, speculative_config=draft(models[1]))
+    spec = args.create_engine_config().speculative_config
+    predicted = draft_memory(spec, args.max_num_seqs)
+    runner = DraftModelRunner(
+        spec.draft_config, spec.num_speculative_tokens, draft_max_seqs(spec, args.max_num_seqs)
+    )
+    try:
+        kv = sum(c.numel() * c.element_size() for c in runner.runner.kv_caches)
+        # the weights as loaded (not the rotary tables, nor the LM head's int8 copy)
+        weights = sum(
+            t.numel() * t.element_size()
+            for t in runner.runner.model.parameters()
+            if t.is_floating_point()
+        )
+    finally:
+        runner.shutdown()
+    assert predicted.kv_cache_bytes == kv
+    assert abs(predicted.weight_bytes - weights) <= 0.02 * weights, (predicted, weights)
+    # and `hybridllm plan`'s budget leaves it out of what the plan's CPU workers may use
+    placement = args.placement_args(256, 256, speculative_config=spec)
+    assert placement.host_reserved_bytes == predicted.total_bytes

@@ -180,6 +180,8 @@ class KernelConfig:
 
 
 SUPPORTED_SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
+# chained MTP drafts each cost a forward of the MTP layer and guess worse the further they go
+MAX_MTP_DRAFTS = 8
 # keys of `speculative_config`, as vLLM names them
 _SPECULATIVE_KEYS = (
     "method",
@@ -198,7 +200,8 @@ class SpeculativeConfig:
     drafted tokens, so one pass over the weights may yield several tokens (spec_decode/)."""
 
     # "ngram"; "draft_model": a small model with the same vocabulary drafts; "mtp": the
-    # checkpoint's own multi-token-prediction layer (DeepSeek-V3, GLM-4.5) drafts one token
+    # checkpoint's own multi-token-prediction layer (DeepSeek-V3, GLM-4.5) drafts, chained on
+    # its own output past the first draft
     method: str = "ngram"
     num_speculative_tokens: int = 4
     model: str | None = None  # draft_model: the draft's checkpoint (a GGUF file or HF folder)
@@ -235,11 +238,11 @@ class SpeculativeConfig:
                 raise ValueError(
                     f"speculative_config {name} must be an integer in [1, 64], got {value!r}"
                 )
-        if self.method == "mtp" and self.num_speculative_tokens != 1:
+        if self.method == "mtp" and self.num_speculative_tokens > MAX_MTP_DRAFTS:
             raise ValueError(
-                "speculative_config method 'mtp' drafts one token a step (the checkpoint's MTP "
-                f"layer predicts one token ahead); num_speculative_tokens must be 1, got "
-                f"{self.num_speculative_tokens}"
+                "speculative_config method 'mtp' chains the checkpoint's MTP layer on its own "
+                f"output for drafts past the first; num_speculative_tokens must be at most "
+                f"{MAX_MTP_DRAFTS}, got {self.num_speculative_tokens}"
             )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(

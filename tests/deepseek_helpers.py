@@ -113,11 +113,12 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def make_tiny_mtp_model(arch: str, path: str | Path, seed: int = 0):
     """A tiny `arch` checkpoint that carries an MTP layer (`model.layers.{N}.*`, with
     `num_nextn_predict_layers: 1`) under `path`; returns (path, reference) where
-    `reference(tokens)` -> [len - 1, vocab] logits of the MTP at positions 0 .. len - 2
-    (row p reads the target's final hidden state at p and the token at p + 1), computed with
+    `reference(tokens, drafts)` gives the logits of the MTP's drafts after `tokens` (the first
+    from the row at len - 2: the target's final hidden state there and the last token), computed with
     transformers' decoder layer: a one-layer HF model holding the MTP's layer, fed
     eh_proj([enorm(embed(t[p+1])); hnorm(h_p)]) as input embeddings, its final norm the
-    MTP's shared_head.norm and its LM head shared_head.head."""
+    MTP's shared_head.norm and its LM head shared_head.head. See `reference` for chained
+    drafts."""
     path = Path(path)
     main_config = tiny_deepseek_config(arch)
     n = main_config.num_hidden_layers
@@ -169,17 +170,39 @@ def make_tiny_mtp_model(arch: str, path: str | Path, seed: int = 0):
     ref_state["model.embed_tokens.weight"] = extras["embed_tokens.weight"]
     ref.load_state_dict(ref_state)
 
-    @torch.no_grad()
-    def reference(tokens: list[int]) -> torch.Tensor:
-        ids = torch.tensor([tokens])
-        h = main.model(input_ids=ids[:, :-1]).last_hidden_state[0]  # [len - 1, hidden]
-        e = extras["embed_tokens.weight"][ids[0, 1:]]  # the token at p + 1
-        x = (
+    def mtp_input(token_ids: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        """eh_proj([enorm(embed(token)); hnorm(state)]) per row."""
+        e = extras["embed_tokens.weight"][token_ids]
+        return (
             torch.cat(
-                (_rms(e, extras["enorm.weight"], eps), _rms(h, extras["hnorm.weight"], eps)), dim=-1
+                (_rms(e, extras["enorm.weight"], eps), _rms(states, extras["hnorm.weight"], eps)),
+                dim=-1,
             )
             @ extras["eh_proj.weight"].T
         )
-        return ref(inputs_embeds=x[None]).logits[0]
+
+    @torch.no_grad()
+    def reference(tokens: list[int], drafts: list[int] = ()) -> list[torch.Tensor]:
+        """Logits of each MTP draft after `tokens`: the first from the target's hidden states,
+        each later one from the MTP's own output state and the draft before it (teacher-forced
+        on `drafts`, the drafts being checked)."""
+        ids = torch.tensor([tokens])
+        h = main.model(input_ids=ids[:, :-1]).last_hidden_state[0]  # [len - 1, hidden]
+        x = mtp_input(ids[0, 1:], h)  # row p: the state at p and the token at p + 1
+        captured = {}
+
+        def keep_output(module, args, output):
+            captured["state"] = output[0] if isinstance(output, tuple) else output
+
+        hook = ref.model.layers[0].register_forward_hook(keep_output)
+        try:
+            logits = [ref(inputs_embeds=x[None]).logits[0, -1]]
+            for draft in drafts[: len(drafts) - 1]:
+                state = captured["state"][0, -1]  # the layer's output, before the final norm
+                x = torch.cat((x, mtp_input(torch.tensor([draft]), state[None])))
+                logits.append(ref(inputs_embeds=x[None]).logits[0, -1])
+        finally:
+            hook.remove()
+        return logits
 
     return path, reference

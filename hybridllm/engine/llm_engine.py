@@ -81,6 +81,7 @@ class LLMEngine:
             self.num_blocks_per_group,
             self.validator,
             kv_cache_groups(config.model_config.hf_config),
+            num_lookahead_tokens=_lookahead_tokens(config),
         )
         self.structured_output = StructuredOutputManager(
             self.tokenizer, config.model_config.vocab_size, config.model_config.eos_token_ids
@@ -366,6 +367,15 @@ class LLMEngine:
             self.structured_output.shutdown()
             if self.drafter is not None:
                 self.drafter.shutdown()
+
+
+def _lookahead_tokens(config: EngineConfig) -> int:
+    """Slots a request holds past its scheduled tokens: chained MTP drafts (k > 1) write the
+    MTP layer's KV up to k - 1 positions past the step's last token."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "mtp":
+        return 0
+    return spec.num_speculative_tokens - 1
 
 
 def _create_drafter(config: EngineConfig) -> Any:

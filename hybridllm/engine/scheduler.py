@@ -35,8 +35,12 @@ class Scheduler:
         num_blocks: int | Sequence[int],
         validator: InputValidator | None = None,
         kv_cache_groups: Sequence[KVCacheGroupSpec] = FULL_ATTENTION,
+        num_lookahead_tokens: int = 0,
     ) -> None:
+        """`num_lookahead_tokens`: slots each scheduled request also holds past its step's last
+        token, where the step may write ahead (speculative decoding's chained MTP drafts)."""
         self.scheduler_config = scheduler_config
+        self.num_lookahead_tokens = num_lookahead_tokens
         # The engine's (it knows the vocabulary); alone, the context length is all there is.
         self.validator = (
             validator if validator is not None else InputValidator(scheduler_config.max_model_len)
@@ -71,6 +75,18 @@ class Scheduler:
         self.spec_num_steps = 0
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
+
+    def _allocate(
+        self, request: Request, num_new: int, computed_blocks: Sequence = ()
+    ) -> list[int] | None:
+        """Slots for `num_new` more tokens, and the lookahead ones past them where the pool
+        has room (without them a step only writes what it schedules)."""
+        if self.num_lookahead_tokens:
+            ahead = num_new + self.num_lookahead_tokens
+            ids = self.block_manager.allocate_slots(request, ahead, computed_blocks)
+            if ids is not None:
+                return ids
+        return self.block_manager.allocate_slots(request, num_new, computed_blocks)
 
     # ----- requests in and out -----
     def add_request(self, request: Request) -> None:
@@ -187,10 +203,10 @@ class Scheduler:
                 continue
             num_new = min(num_new, budget)
             drafts = self._drafts_to_verify(request, num_new, budget)
-            new_block_ids = self.block_manager.allocate_slots(request, num_new + len(drafts))
+            new_block_ids = self._allocate(request, num_new + len(drafts))
             if new_block_ids is None and drafts:
                 drafts = []  # short of blocks: verify nothing rather than preempt for drafts
-                new_block_ids = self.block_manager.allocate_slots(request, num_new)
+                new_block_ids = self._allocate(request, num_new)
             while new_block_ids is None:
                 victim = self._latest_preemptable()
                 self._preempt(victim)
@@ -230,7 +246,7 @@ class Scheduler:
             if num_new > budget and not config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            new_block_ids = self.block_manager.allocate_slots(request, num_new, computed_blocks)
+            new_block_ids = self._allocate(request, num_new, computed_blocks)
             if new_block_ids is None:
                 break  # FCFS: no later request jumps the queue head
             self.waiting.popleft()

@@ -407,12 +407,49 @@ class ModelRunner:
         ]
         if not draft_rows:
             return {}
-        logits = self.mtp.compute_logits(
-            mtp_hidden.index_select(0, rows_on_device(draft_rows, self.device))
-        )  # [num_requests, vocab]
-        vocab = self.config.model_config.vocab_size
-        drafts = logits[:, :vocab].argmax(dim=-1).tolist()
-        return {req_id: [token] for req_id, token in zip(req_ids, drafts)}
+        draft_index = rows_on_device(draft_rows, self.device)
+        last_hidden = mtp_hidden.index_select(0, draft_index)  # [num_requests, hidden]
+        token = self._mtp_argmax(last_hidden)  # [num_requests]
+        drafts = {req_id: [t] for req_id, t in zip(req_ids, token.tolist())}
+        # Past the first draft the layer reads its own output in place of the target's hidden
+        # state, one position further each time, writing its KV into the request's lookahead
+        # slots (the scheduler holds k - 1 past the step's tokens; the next step writes those
+        # positions again from the target's real states).
+        states = {row.state.req_id: row.state for row in rows}
+        alive = list(req_ids)  # requests whose chain goes on
+        kept_at = (inputs.positions.index_select(0, draft_index) + 1).tolist()  # kept token's
+        for j in range(1, self.config.speculative_config.num_speculative_tokens):
+            keep = [i for i, r in enumerate(alive) if self._has_slot(states[r], kept_at[i] + j - 1)]
+            if not keep:
+                break
+            if len(keep) < len(alive):
+                index = rows_on_device(keep, self.device)
+                last_hidden, token = (
+                    last_hidden.index_select(0, index),
+                    token.index_select(0, index),
+                )
+                alive, kept_at = [alive[i] for i in keep], [kept_at[i] for i in keep]
+            # at position q + j - 1 (q: the kept token's): the previous state and draft j
+            spans = [(q + j - 1, 1, q + j) for q in kept_at]
+            groups = len(states[alive[0]].block_ids)
+            tables = [[states[r].block_ids[g] for r in alive] for g in range(groups)]
+            step = step_inputs(spans, tables, len(alive), self.block_size, self.device)
+            last_hidden = self.mtp(
+                token, last_hidden, step.positions, self.mtp_kv_cache, step.attn_metadata
+            )  # [len(alive), hidden]
+            token = self._mtp_argmax(last_hidden)
+            for r, t in zip(alive, token.tolist()):
+                drafts[r].append(t)
+        return drafts
+
+    def _mtp_argmax(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP layer's greedy token for each row [n], of the target's vocabulary."""
+        logits = self.mtp.compute_logits(mtp_hidden)  # [n, vocab]
+        return logits[:, : self.config.model_config.vocab_size].argmax(dim=-1)
+
+    def _has_slot(self, state: CachedRequestState, position: int) -> bool:
+        """Whether the request's blocks reach `position` (in every KV cache group)."""
+        return all(len(ids) * self.block_size > position for ids in state.block_ids)
 
     def _prompt_logprobs(
         self, inputs: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput

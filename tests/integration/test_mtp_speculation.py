@@ -48,22 +48,27 @@ def generate(path, record: list | None = None, **kwargs):
         llm.shutdown()
 
 
-def test_mtp_drafts_are_the_mtp_layers_and_greedy_output_is_unchanged(mtp_model):
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_drafts_are_the_mtp_layers_and_greedy_output_is_unchanged(mtp_model, k):
     path, reference = mtp_model
     plain, _ = generate(path)
     drafts: list = []
-    got, stats = generate(path, drafts, speculative_config=MTP)
+    got, stats = generate(path, drafts, speculative_config={**MTP, "num_speculative_tokens": k})
     assert got == plain
     assert stats.spec_num_draft_tokens > 0  # drafts were verified, not only made
-    checked = 0
-    for tokens, (draft,) in drafts:
-        logits = reference(tokens)[-1]  # the MTP at the last position: the token after next
-        top2 = logits.topk(2).values
-        if top2[0] - top2[1] < TIE_MARGIN:
-            continue
-        assert draft == int(logits.argmax()), f"draft after {len(tokens)} tokens"
-        checked += 1
+    checked = chained = 0
+    for tokens, made in drafts:
+        for j, logits in enumerate(reference(tokens, made)):
+            top2 = logits.topk(2).values
+            if top2[0] - top2[1] < TIE_MARGIN:
+                break  # the chain after a near-tie is not comparable
+            assert made[j] == int(logits.argmax()), f"draft {j + 1} after {len(tokens)} tokens"
+            checked += 1
+            chained += j > 0
     assert checked >= len(drafts) * 0.9 and checked > 20, (checked, len(drafts))
+    if k > 1:
+        assert sum(len(made) == k for _, made in drafts) >= 0.5 * len(drafts)  # chains of k
+        assert chained > 20
 
 
 def test_mtp_with_the_target_split_into_two_stages(mtp_model):
@@ -88,8 +93,8 @@ def test_mtp_refusals_name_the_problem(tmp_path):
     says_mtp_layers(0)
     with pytest.raises(ValueError, match="num_nextn_predict_layers is 0"):
         LLM(str(plain), **ENGINE_KWARGS, speculative_config=MTP)
-    with pytest.raises(ValueError, match="num_speculative_tokens must be 1"):
-        LLM(str(plain), **ENGINE_KWARGS, speculative_config={**MTP, "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="num_speculative_tokens must be at most 8"):
+        LLM(str(plain), **ENGINE_KWARGS, speculative_config={**MTP, "num_speculative_tokens": 9})
     says_mtp_layers(1)  # the config says there is an MTP layer; the weights do not hold it
     with pytest.raises(Exception, match="MTP layer is incomplete"):
         LLM(str(plain), **ENGINE_KWARGS, speculative_config=MTP)

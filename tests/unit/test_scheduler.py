@@ -144,6 +144,7 @@ def make_scheduler(
     enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True,
     kv_cache_groups=FULL_ATTENTION,
+    num_lookahead_tokens: int = 0,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -155,6 +156,7 @@ def make_scheduler(
         CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching),
         num_blocks,
         kv_cache_groups=kv_cache_groups,
+        num_lookahead_tokens=num_lookahead_tokens,
     )
 
 
@@ -593,3 +595,16 @@ def test_a_stop_token_inside_accepted_drafts_ends_the_request_there():
     assert request.output_token_ids == [30, 31, EOS]  # nothing after the stop token
     assert request.status == RequestStatus.FINISHED_STOPPED
     assert_no_leaks(scheduler)
+
+
+def test_lookahead_slots_are_held_where_the_pool_has_room():
+    # chained MTP drafts write k - 1 positions past a step's tokens: a 4-token prompt holds
+    # slots for 6 (two blocks); where only one block is free it runs without them
+    scheduler = make_scheduler(num_blocks=3, num_lookahead_tokens=2)
+    scheduler.add_request(make_request("a", [5, 6, 7, 8], max_tokens=4))
+    scheduler.schedule()
+    assert len(scheduler.block_manager.get_block_ids("a")[0]) == 2
+    scheduler.add_request(make_request("b", [5, 6, 7, 9], max_tokens=4))
+    output = scheduler.schedule()
+    assert output.num_scheduled_tokens.get("b") == 4  # admitted, with the last free block only
+    assert len(scheduler.block_manager.get_block_ids("b")[0]) == 1

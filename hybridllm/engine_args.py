@@ -220,8 +220,8 @@ class EngineArgs:
         return dataclasses.replace(config, draft_config=draft)
 
     def check_mtp(self, hf_config) -> None:
-        """Method 'mtp' needs an architecture with an MTP layer, a config that says the
-        checkpoint carries one, and the HF folder that holds it (GGUF conversions drop it)."""
+        """Method 'mtp' needs an architecture with an MTP layer and a checkpoint that carries
+        one (an HF folder, or a GGUF file whose converter kept it, as GLM-4.5's does)."""
         from hybridllm.models.mtp import num_mtp_layers
         from hybridllm.models.registry import get_model_class
 
@@ -232,14 +232,13 @@ class EngineArgs:
                 "hybridllm runs (DeepSeek-V2/V3, Kimi-K2, GLM-4.5 and GLM-4.7-Flash do)"
             )
         if num_mtp_layers(hf_config) < 1:
-            raise ValueError(
-                "speculative_config method 'mtp': the config's num_nextn_predict_layers is 0, so "
-                "the checkpoint carries no MTP layer; use 'ngram' or a draft 'model'"
+            where = (
+                "the GGUF file's nextn_predict_layers is 0: its converter dropped the MTP layer"
+                if str(self.model or "").endswith(".gguf")
+                else "the config's num_nextn_predict_layers is 0, so the checkpoint carries none"
             )
-        if str(self.model or "").endswith(".gguf"):
             raise ValueError(
-                "speculative_config method 'mtp' reads the MTP layer from an HF folder; a GGUF "
-                "file's MTP tensors are not loaded"
+                f"speculative_config method 'mtp': {where}; use 'ngram' or a draft 'model'"
             )
 
     def draft_engine_config(

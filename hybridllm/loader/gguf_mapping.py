@@ -219,6 +219,38 @@ def hf_tensor_name(
     raise ModelLoadError(f"{path}: GGUF tensor {gguf_name!r} has no Hugging Face equivalent")
 
 
+# llama.cpp's names of an MTP layer's own tensors (`blk.N.nextn.<kind>.weight`), as HF's
+_NEXTN_NAMES = {
+    "eh_proj": "eh_proj",
+    "enorm": "enorm",
+    "hnorm": "hnorm",
+    "shared_head_norm": "shared_head.norm",
+    "shared_head_head": "shared_head.head",
+    "embed_tokens": "embed_tokens",
+}
+_NEXTN_TENSOR_RE = re.compile(r"^blk\.(\d+)\.nextn\.(\w+)\.weight$")
+
+
+def mtp_tensor_name(
+    gguf_name: str, path: str, arch: GGUFArch | None, num_layers: int
+) -> str | None:
+    """The HF name of a tensor of the MTP layers llama.cpp's converter keeps after the decoder
+    layers (GLM-4.5's: `blk.N.*` with N >= num_layers, and `blk.N.nextn.*`); None for every
+    other tensor."""
+    m = _NEXTN_TENSOR_RE.match(gguf_name)
+    if m:
+        block, kind = m.groups()
+        if kind not in _NEXTN_NAMES:
+            raise ModelLoadError(
+                f"{path}: GGUF tensor {gguf_name!r} has no Hugging Face equivalent"
+            )
+        return f"model.layers.{block}.{_NEXTN_NAMES[kind]}.weight"
+    m = _BLOCK_RE.match(gguf_name)
+    if m is None or int(m.group(1)) < num_layers:
+        return None
+    return hf_tensor_name(gguf_name, path, arch)
+
+
 def kv_b_from_parts(k_b: torch.Tensor, v_b: torch.Tensor, path: str = "") -> torch.Tensor:
     """HF's kv_b_proj.weight [heads * (qk_nope + v_head), kv_lora] from llama.cpp's `attn_k_b`
     [heads, kv_lora, qk_nope] (each head's key rows, transposed) and `attn_v_b`

@@ -26,6 +26,7 @@ from hybridllm.loader.gguf_mapping import (
     hf_tensor_name,
     kv_b_from_parts,
     kv_b_shape,
+    mtp_tensor_name,
     rope_row_order,
 )
 from hybridllm.loader.gguf_mapping_linear import (
@@ -198,8 +199,23 @@ class GGUFSource(ModelSource):
             # Quantized blocks exist only in the GGUF file; the cache holds float32.
             yield from self._iter_gguf(owns, frozenset(quantized_types))
 
+    def iter_mtp_weights(
+        self, owns: WeightFilter = own_all, quantized_types: Collection[int] = ()
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        """The MTP layers' tensors, straight from the file (never through the cache, which
+        holds the decoder layers only)."""
+        num_layers = self.hf_config.num_hidden_layers
+
+        def mtp_name(gguf_name: str) -> str | None:
+            return mtp_tensor_name(gguf_name, self.path, self.arch, num_layers)
+
+        yield from self._iter_gguf(owns, frozenset(quantized_types), mtp_name)
+
     def _iter_gguf(
-        self, owns: WeightFilter, quantized_types: frozenset[int] = frozenset()
+        self,
+        owns: WeightFilter,
+        quantized_types: frozenset[int] = frozenset(),
+        hf_name: Callable[[str], str | None] | None = None,
     ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         """The owned tensors straight from the GGUF file, in file order: 2-D ones of
         `quantized_types` as QuantizedTensor, everything else dequantized.
@@ -209,8 +225,9 @@ class GGUFSource(ModelSource):
         dropped from the process's resident memory (`GGUFFile.release_pages`), so loading holds
         the copies and not also the whole mapped file."""
         gguf = self._gguf_file()
+        hf_name = hf_name or self._hf_name
         for info in gguf.tensors.values():
-            name = self._hf_name(info.name)
+            name = hf_name(info.name)
             if name is None or not owns(name):
                 continue
             if self._is_k_b(info):

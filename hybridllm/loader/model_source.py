@@ -65,6 +65,13 @@ class ModelSource(ABC):
         does) rather than keeping them, and never write to them.
         """
 
+    def iter_mtp_weights(
+        self, owns: WeightFilter = own_all, quantized_types: Collection[int] = ()
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        """As `iter_weights`, for the multi-token-prediction layers after the last decoder
+        layer (`model.layers.{num_hidden_layers}.*`); an HF folder stores them by those names."""
+        return self.iter_weights(owns, quantized_types)
+
     def weight_files(self) -> list[str]:
         """The files the weights are read from (a single-file format: its path)."""
         return [self.path]

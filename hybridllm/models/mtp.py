@@ -17,7 +17,7 @@ and slot mapping.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from hybridllm.layers.linear import Linear
 from hybridllm.layers.norm import RMSNorm
 from hybridllm.layers.tensor_parallel import lm_head, vocab_embedding
 from hybridllm.loader.hf_config import HFConfig
+from hybridllm.loader.quantized_tensor import QuantizedTensor
 from hybridllm.models.base import copy_loader, head_loader, linear_loaders, vocab_loader
 
 
@@ -104,8 +105,8 @@ class MultiTokenPredictor(nn.Module):
         self._fallbacks = {target: own for own, (target, _) in self._shared.items()}
 
     def owns_weight(self, name: str) -> bool:
-        if name in self._fallbacks:
-            return True
+        """The MTP layer's own tensors (the target's embedding and head come in `load_weights`'
+        second pass, only where the MTP has no copies)."""
         if not name.startswith(self.prefix):
             return False
         return name in self._own or name in self._shared or self.block.owns_weight(name)
@@ -117,25 +118,33 @@ class MultiTokenPredictor(nn.Module):
         return None
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        """Load the MTP layer; raise naming what the checkpoint lacks."""
-        block_weights, loaded, fallback = [], set(), {}
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, Any]],
+        target_weights: Callable[[set[str]], Iterable[tuple[str, Any]]],
+    ) -> None:
+        """Load the MTP layer from `weights`; the embedding and head it has no copies of from
+        `target_weights(names)` (the target's tensors of those names). Raises naming what the
+        checkpoint lacks."""
+        block_weights, loaded = [], set()
         for name, tensor in weights:
             if name in self._own:
+                if isinstance(tensor, QuantizedTensor):  # a GGUF file's: small, kept as floats
+                    tensor = tensor.dequantize()
                 self._own[name](tensor)
                 loaded.add(name)
             elif name in self._shared:
                 self._shared[name][1](tensor)
                 loaded.add(name)
-            elif name in self._fallbacks:
-                fallback[self._fallbacks[name]] = tensor  # used if the MTP has no copy
             else:
                 block_weights.append((name, tensor))
-        for own, (_, loader) in self._shared.items():
-            if own not in loaded and own in fallback:
-                loader(fallback[own])
-                loaded.add(own)
         loaded |= self.block.load_weights(block_weights)
+        wanted = {target for own, (target, _) in self._shared.items() if own not in loaded}
+        if wanted:
+            for name, tensor in target_weights(wanted):
+                own = self._fallbacks[name]
+                self._shared[own][1](tensor)
+                loaded.add(own)
         missing = sorted(
             (set(self._own) | set(self._shared) | self.block.expected_weight_names()) - loaded
         )

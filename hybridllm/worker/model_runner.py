@@ -163,12 +163,19 @@ class ModelRunner:
             mtp = MultiTokenPredictor(
                 model_class, model_config.hf_config, self.dtype, self.device, **stage_kwargs
             )
-        weights = source.iter_weights(mtp.owns_weight, keep)
         host = torch.device("cpu") if stage_kwargs else self.device
-        if model_config.quantization in ONLOAD_TYPES and keep and host.type == "cpu":
+        onload = model_config.quantization in ONLOAD_TYPES and keep and host.type == "cpu"
+
+        def quantized(weights):
+            if not onload:
+                return weights
             cache = QuantizedWeightCache(checkpoint_key(source.weight_files()))
-            weights = quantize_weights(weights, mtp.quantize_role, model_config.quantization, cache)
-        mtp.load_weights(weights)
+            return quantize_weights(weights, mtp.quantize_role, model_config.quantization, cache)
+
+        mtp.load_weights(
+            quantized(source.iter_mtp_weights(mtp.owns_weight, keep)),
+            lambda names: source.iter_weights(names.__contains__, keep),
+        )
         mtp.process_weights_after_loading(self.config.kernel_config)
         return mtp.eval()
 

@@ -106,3 +106,23 @@ def test_mtp_on_an_architecture_without_one_is_refused(tmp_path):
     path = make_tiny_model("llama", tmp_path / "llama")
     with pytest.raises(ValueError, match="has no multi-token-prediction layer"):
         LLM(str(path), dtype="float32", speculative_config=MTP)
+
+
+def test_mtp_from_a_gguf_file_drafts_as_from_its_folder():
+    # llama.cpp's converter keeps GLM-4.5's MTP layer (blk.3.*, blk.3.nextn.*): the F32 file
+    # drafts exactly what its folder does; its Q8_0 form computes the layer from its blocks
+    from tests.gguf_deepseek_helpers import converter_paths, tiny_files
+
+    if converter_paths() is None:
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py and llama-quantize are not built")
+    files = tiny_files("glm4_moe", quant="Q8_0")
+    spec = {**MTP, "num_speculative_tokens": 2}
+    from_folder: list = []
+    generate(files["hf"], from_folder, speculative_config=spec)
+    for type_name in ("F32", "Q8_0"):
+        plain, _ = generate(files[type_name])
+        drafts: list = []
+        got, stats = generate(files[type_name], drafts, speculative_config=spec)
+        assert got == plain and stats.spec_num_draft_tokens > 0, type_name
+        if type_name == "F32":
+            assert drafts == from_folder

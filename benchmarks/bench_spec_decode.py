@@ -147,6 +147,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="the engines' dtype")
     parser.add_argument("--llamacpp-bin", default=None, help="llama.cpp's bin folder")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--spec-extra",
+        type=json.loads,
+        default={},
+        help='more speculative_config keys, as JSON (e.g. \'{"prompt_lookup_min": 1}\')',
+    )
     args = parser.parse_args()
 
     spec_config = {"method": "ngram", "num_speculative_tokens": args.k}
@@ -154,6 +160,7 @@ def main() -> None:
     if args.draft_model:
         spec_config = {"model": args.draft_model, "num_speculative_tokens": args.k}
         spec = "draft"
+    spec_config.update(args.spec_extra)
     kwargs = {"use_tqdm": False, "max_model_len": 2048, "dtype": args.dtype}
     engines = {
         "plain": LLM(args.model, **kwargs),

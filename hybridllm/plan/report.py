@@ -15,6 +15,7 @@ from hybridllm.plan.memory_budget import (
     device_memory,
     host_expert_bytes,
     host_resident,
+    mtp_experts_on_host,
     stream_sent_layer_bytes,
     worker_shard,
     worker_weight_bytes,
@@ -110,7 +111,30 @@ class PlanReport:
                 "serving_bytes": int(resident.serving),
             },
             "prediction": _prediction_dict(self.prediction),
+            # speculative decoding's memory: the MTP layer beside the last stage, a draft
+            # model's weights and KV in the engine's process (taken from the host budget)
+            "mtp": self._mtp_dict(),
+            "host_reserved": None
+            if not self.budgets.host_reserved_bytes
+            else {
+                "bytes": int(self.budgets.host_reserved_bytes),
+                "note": self.budgets.host_reserved_note,
+            },
             "text": self.text(),
+        }
+
+    def _mtp_dict(self) -> dict[str, Any] | None:
+        size = self.size
+        if not size.mtp_layers:
+            return None
+        last = self.plan.stages[-1]
+        on_host = mtp_experts_on_host(last)
+        return {
+            "device": last.workers[0].device,
+            "weight_bytes": int(size.for_worker(last, 0).mtp_bytes(routed=not on_host)),
+            "cpu_expert_bytes": int(size.cpu_view().routed_expert_bytes(size.num_layers))
+            if on_host
+            else 0,
         }
 
     def _kv_cache_bytes(self, mem) -> int:

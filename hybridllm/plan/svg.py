@@ -171,6 +171,13 @@ def _stage(
         if threshold is not None:
             text += f" for steps >= {threshold} tokens"
         notes.append(("note stream", text if on else f"streaming to {stream['device']} off"))
+    mtp = report.get("mtp")
+    if mtp and stage.get("has_lm_head"):
+        text = f"+ the MTP layer (speculative drafts) on {mtp['device']}, "
+        text += format_bytes(mtp["weight_bytes"])
+        if mtp.get("cpu_expert_bytes"):
+            text += f"; its routed experts on cpu ({format_bytes(mtp['cpu_expert_bytes'])})"
+        notes.append(("note mtp", text))
     for cls, note in notes:
         out.append(_text(PAD, y + 10, note, 11, cls, fill=MUTED))
         y += 16
@@ -303,6 +310,11 @@ def plan_svg(report: dict[str, Any]) -> str:
     for dev in report.get("devices") or ():
         part, y = _memory(report, dev, y)
         body += part
+    reserved = report.get("host_reserved")
+    if reserved:  # outside the plan's budget, so not in the bars
+        text = f"host: {format_bytes(reserved['bytes'])} for {reserved['note']}"
+        body.append(_text(PAD, y + 12, text, 11, "note host-reserved", fill=MUTED))
+        y += 20
     if report.get("prediction"):
         body.append(_text(PAD, y + 14, _rates(report["prediction"]), 12, "prediction", fill=TEXT))
         y += 24

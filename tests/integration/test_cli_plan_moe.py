@@ -145,6 +145,12 @@ def test_plan_counts_the_mtp_layer_beside_the_last_stage(capsys, monkeypatch, ca
     # one more layer's latent a token: 576 values at bf16
     assert gpu["kv_bytes_per_token"] - gpu_before["kv_bytes_per_token"] == 576 * 2
     assert "+ the MTP layer (speculative decoding's drafts) on cuda:0" in after["text"]
+    assert after["mtp"] == {
+        "device": "cuda:0",
+        "weight_bytes": extra,
+        "cpu_expert_bytes": 256 * 3 * 7168 * 2048 * 2,
+    }
+    assert before["mtp"] is None
 
 
 def test_plan_refuses_mtp_for_a_model_without_the_layer(capsys, monkeypatch, cache_dir, tmp_path):

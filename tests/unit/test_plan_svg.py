@@ -233,3 +233,18 @@ def test_tensor_parallel_stage_streaming_and_unsized_device():
     assert bars == ["cuda:0", "cpu"]
     cells = [e for e in root.iter(NS + "rect") if e.get("class") is None and e.get("width")]
     assert all(float(c.get("x")) + float(c.get("width")) <= 960 for c in cells)
+
+
+def test_speculative_memory_is_noted():
+    rep = gpu_cpu_report()
+    rep["mtp"] = {"device": "cuda:0", "weight_bytes": 4 * GIB, "cpu_expert_bytes": 21 * GIB}
+    rep["host_reserved"] = {"bytes": GIB + GIB // 2, "note": "the draft model <d>.gguf"}
+    root = parse(plan_svg(rep))
+    (mtp,) = classed(root, "note mtp")
+    assert "".join(mtp.itertext()) == (
+        "+ the MTP layer (speculative drafts) on cuda:0, 4.00 GiB; its routed experts on cpu "
+        "(21.00 GiB)"
+    )
+    (host,) = classed(root, "note host-reserved")
+    assert "".join(host.itertext()).endswith("host: 1.50 GiB for the draft model <d>.gguf")
+    assert not classed(parse(plan_svg(gpu_cpu_report())), "note mtp")

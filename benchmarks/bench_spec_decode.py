@@ -151,7 +151,7 @@ def main() -> None:
         "--spec-extra",
         type=json.loads,
         default={},
-        help='more speculative_config keys, as JSON (e.g. \'{"prompt_lookup_min": 1}\')',
+        help="more speculative_config keys, as JSON (e.g. '{\"prompt_lookup_min\": 1}')",
     )
     args = parser.parse_args()
 

@@ -110,7 +110,7 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def make_tiny_mtp_model(arch: str, path: str | Path, seed: int = 0):
+def make_tiny_mtp_model(arch: str, path: str | Path, seed: int = 0, own_head: bool = True):
     """A tiny `arch` checkpoint that carries an MTP layer (`model.layers.{N}.*`, with
     `num_nextn_predict_layers: 1`) under `path`; returns (path, reference) where
     `reference(tokens, drafts)` gives the logits of the MTP's drafts after `tokens` (the first
@@ -145,7 +145,11 @@ def make_tiny_mtp_model(arch: str, path: str | Path, seed: int = 0):
         "shared_head.head.weight": 0.1 * torch.randn(vocab, hidden, generator=g),
         "embed_tokens.weight": state["model.embed_tokens.weight"].clone(),
     }
-    mtp.update({layer_prefix + k: v for k, v in extras.items()})
+    stored = dict(extras)
+    if not own_head:  # as GLM-4.5's: the MTP uses the model's embedding and LM head
+        extras["shared_head.head.weight"] = state["lm_head.weight"]
+        del stored["shared_head.head.weight"], stored["embed_tokens.weight"]
+    mtp.update({layer_prefix + k: v for k, v in stored.items()})
     from safetensors.torch import load_file, save_file
 
     files = sorted(path.glob("*.safetensors"))

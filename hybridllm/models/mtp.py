@@ -61,7 +61,8 @@ class MultiTokenPredictor(nn.Module):
     around it the MTP's norms, projection, embedding and head.
 
     The checkpoint's `model.layers.{N}.embed_tokens` and `shared_head.head` are read when
-    present; without them the MTP shares the target's (`model.embed_tokens`, `lm_head`).
+    present; without them the MTP shares the target's modules (`embed_tokens`, `lm_head`; a
+    last stage without the embedding reads `model.embed_tokens` into a copy).
     """
 
     def __init__(
@@ -122,10 +123,12 @@ class MultiTokenPredictor(nn.Module):
         self,
         weights: Iterable[tuple[str, Any]],
         target_weights: Callable[[set[str]], Iterable[tuple[str, Any]]],
+        target: nn.Module | None = None,
     ) -> None:
-        """Load the MTP layer from `weights`; the embedding and head it has no copies of from
-        `target_weights(names)` (the target's tensors of those names). Raises naming what the
-        checkpoint lacks."""
+        """Load the MTP layer from `weights`. Where it has no embedding or head of its own it
+        shares `target`'s modules (the same weights, held once), else reads the target's
+        tensors of those names from `target_weights(names)`. Raises naming what the checkpoint
+        lacks."""
         block_weights, loaded = [], set()
         for name, tensor in weights:
             if name in self._own:
@@ -139,6 +142,14 @@ class MultiTokenPredictor(nn.Module):
             else:
                 block_weights.append((name, tensor))
         loaded |= self.block.load_weights(block_weights)
+        for own, attr, target_attr in (
+            (f"{self.prefix}embed_tokens.weight", "embed_tokens", "embed_tokens"),
+            (f"{self.prefix}shared_head.head.weight", "head", "lm_head"),
+        ):
+            module = getattr(target, target_attr, None) if target is not None else None
+            if own not in loaded and module is not None:
+                setattr(self, attr, module)  # the target's own module, not a copy
+                loaded.add(own)
         wanted = {target for own, (target, _) in self._shared.items() if own not in loaded}
         if wanted:
             for name, tensor in target_weights(wanted):

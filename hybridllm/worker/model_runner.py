@@ -135,7 +135,7 @@ class ModelRunner:
                 f"{model_config.model}: weights missing from the checkpoint: {missing[:8]}"
             )
         if self.uses_mtp:
-            self.mtp = self._load_mtp(model_class, source, keep)
+            self.mtp = self._load_mtp(model_class, source, keep, model)
         # Dense copies for streaming are taken before the CPU repacks its weights.
         streamer = (
             build_weight_streamer(model, self.stage, self.dtype) if self.stage.streams else None
@@ -144,7 +144,7 @@ class ModelRunner:
         model.execution.attach_weight_streamer(streamer)
         self.model = model.eval()
 
-    def _load_mtp(self, model_class: type, source: Any, keep: Any) -> Any:
+    def _load_mtp(self, model_class: type, source: Any, keep: Any, target: Any) -> Any:
         """The checkpoint's MTP layer (models/mtp.py) on this stage's device; its routed
         experts on the host where the stage keeps its last layer's there (as the plan counts
         them: plan/memory_budget.py's mtp_experts_on_host)."""
@@ -175,6 +175,7 @@ class ModelRunner:
         mtp.load_weights(
             quantized(source.iter_mtp_weights(mtp.owns_weight, keep)),
             lambda names: source.iter_weights(names.__contains__, keep),
+            target,
         )
         mtp.process_weights_after_loading(self.config.kernel_config)
         return mtp.eval()

@@ -126,3 +126,23 @@ def test_mtp_from_a_gguf_file_drafts_as_from_its_folder():
         assert got == plain and stats.spec_num_draft_tokens > 0, type_name
         if type_name == "F32":
             assert drafts == from_folder
+
+
+def test_an_mtp_layer_without_its_own_head_shares_the_models(tmp_path):
+    # GLM-4.5's MTP layer carries no embedding or LM head: it uses the model's own modules
+    # (held once), and drafts as transformers computes them with those
+    path, reference = make_tiny_mtp_model("deepseek_v3", tmp_path, own_head=False)
+    llm = LLM(str(path), **ENGINE_KWARGS, speculative_config={**MTP, "num_speculative_tokens": 2})
+    try:
+        runner = llm.llm_engine.executor.workers[0].model_runner
+        assert runner.mtp.head is runner.model.lm_head
+        assert runner.mtp.embed_tokens is runner.model.embed_tokens
+    finally:
+        llm.shutdown()
+    drafts: list = []
+    got, _ = generate(path, drafts, speculative_config={**MTP, "num_speculative_tokens": 2})
+    assert got == generate(path)[0]
+    for tokens, made in drafts[:20]:
+        logits = reference(tokens, made)[0]
+        if logits.topk(2).values.diff().abs() > TIE_MARGIN:
+            assert made[0] == int(logits.argmax())

@@ -129,13 +129,14 @@ def run_plan(args: argparse.Namespace) -> int:
         nodes=nodes,
         placement_hook=auto_dtype,
     )
+    data = report.to_dict() if args.svg or args.json else None
     if args.svg:
         from hybridllm.plan.svg import plan_svg
 
         with open(args.svg, "w", encoding="utf-8") as f:
-            f.write(plan_svg(report.to_dict()))
+            f.write(plan_svg(data))
     if args.json:
-        print(json.dumps(report.to_dict(), indent=1))
+        print(json.dumps(data, indent=1))
         return 0
     if nodes is not None:
         print(describe_cluster(nodes))

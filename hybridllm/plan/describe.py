@@ -11,7 +11,7 @@ from hybridllm.plan.memory_budget import (
     format_bytes,
     host_expert_bytes,
     host_resident,
-    mtp_experts_on_host,
+    mtp_memory,
     stream_sent_layer_bytes,
     worker_shard,
     worker_weight_bytes,
@@ -177,15 +177,13 @@ def _cpu_experts_text(stage: StagePlan, size: ModelSize) -> str:
 
 def _mtp_text(stage: StagePlan, size: ModelSize) -> str:
     """The MTP layer speculative decoding drafts with, beside the last stage."""
-    worker = stage.workers[0]
-    on_host = mtp_experts_on_host(stage)
-    view = size.for_worker(stage, 0)
+    mtp = mtp_memory(size, stage)
     text = (
-        f"    + the MTP layer (speculative decoding's drafts) on {worker.device}: "
-        f"{format_bytes(view.mtp_bytes(routed=not on_host))} with its own embedding and LM head"
+        f"    + the MTP layer (speculative decoding's drafts) on {mtp.device}: "
+        f"{format_bytes(mtp.weight_bytes)} with its own embedding and LM head"
     )
-    if on_host:
-        text += f", its routed experts on cpu ({format_bytes(size.cpu_view().routed_expert_bytes(size.num_layers))})"
+    if mtp.host_expert_bytes:
+        text += f", its routed experts on cpu ({format_bytes(mtp.host_expert_bytes)})"
     return text + "; its KV counted in KV/token"
 
 

@@ -138,6 +138,30 @@ def mtp_experts_on_host(stage: StagePlan, tp_rank: int = 0) -> bool:
     return not stage.workers[tp_rank].is_cpu and stage.experts_on_cpu(stage.layer_end - 1)
 
 
+@dataclass(frozen=True)
+class MtpMemory:
+    """What the MTP layers beside the last stage hold: on the stage's device, and (their routed
+    experts, where the last layer's are there) on the host."""
+
+    device: str
+    weight_bytes: int
+    host_expert_bytes: int
+
+
+def mtp_memory(size: ModelSize, stage: StagePlan) -> MtpMemory | None:
+    """The MTP layers' bytes beside `stage` (None: no MTP layers, or not the last stage)."""
+    if not (stage.has_lm_head and size.mtp_layers):
+        return None
+    on_host = mtp_experts_on_host(stage)
+    layers = range(size.num_layers, size.num_layers + size.mtp_layers)
+    cpu = size.cpu_view()
+    return MtpMemory(
+        stage.workers[0].device,
+        size.for_worker(stage, 0).mtp_bytes(routed=not on_host),
+        sum(cpu.routed_expert_bytes(i) for i in layers) if on_host else 0,
+    )
+
+
 def host_expert_bytes(size: ModelSize, stage: StagePlan) -> int:
     """Bytes of the routed experts a GPU stage keeps on the host CPU (as a CPU worker holds
     them: GGUF blocks where kept)."""
@@ -145,9 +169,9 @@ def host_expert_bytes(size: ModelSize, stage: StagePlan) -> int:
         return 0  # a CPU worker counts its experts among its own weights
     cpu = size.cpu_view()
     end = stage.layer_start + stage.cpu_expert_layers
-    mtp = stage.has_lm_head and mtp_experts_on_host(stage)
-    mtp_layers = range(size.num_layers, size.num_layers + size.mtp_layers) if mtp else ()
-    return sum(cpu.routed_expert_bytes(i) for i in (*range(stage.layer_start, end), *mtp_layers))
+    mtp = mtp_memory(size, stage)
+    layers = sum(cpu.routed_expert_bytes(i) for i in range(stage.layer_start, end))
+    return layers + (mtp.host_expert_bytes if mtp is not None else 0)
 
 
 def worker_kv_bytes_per_token(size: ModelSize, stage: StagePlan, tp_rank: int) -> int:

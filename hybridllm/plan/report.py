@@ -15,7 +15,7 @@ from hybridllm.plan.memory_budget import (
     device_memory,
     host_expert_bytes,
     host_resident,
-    mtp_experts_on_host,
+    mtp_memory,
     stream_sent_layer_bytes,
     worker_shard,
     worker_weight_bytes,
@@ -25,6 +25,7 @@ from hybridllm.plan.plan import Plan, StagePlan
 from hybridllm.platforms.discovery import HardwareInfo
 
 if TYPE_CHECKING:
+    from hybridllm.config import SpeculativeConfig
     from hybridllm.engine_args import EngineArgs
 
 REPORT_VERSION = 1  # bumped when a field changes meaning; readers check it
@@ -124,17 +125,13 @@ class PlanReport:
         }
 
     def _mtp_dict(self) -> dict[str, Any] | None:
-        size = self.size
-        if not size.mtp_layers:
+        mtp = mtp_memory(self.size, self.plan.stages[-1])
+        if mtp is None:
             return None
-        last = self.plan.stages[-1]
-        on_host = mtp_experts_on_host(last)
         return {
-            "device": last.workers[0].device,
-            "weight_bytes": int(size.for_worker(last, 0).mtp_bytes(routed=not on_host)),
-            "cpu_expert_bytes": int(size.cpu_view().routed_expert_bytes(size.num_layers))
-            if on_host
-            else 0,
+            "device": mtp.device,
+            "weight_bytes": int(mtp.weight_bytes),
+            "cpu_expert_bytes": int(mtp.host_expert_bytes),
         }
 
     def _kv_cache_bytes(self, mem) -> int:
@@ -266,10 +263,12 @@ def build_plan_report(
     plan: Plan | None = None,
     nodes: list | None = None,
     placement_hook=None,
+    speculative_config: SpeculativeConfig | None = None,
 ) -> PlanReport:
     """The report of `engine_args`' model on `hw`: the plan the planner makes, or `plan` (a
     running engine's) with the sizes, budgets and predictions around it. `nodes`: the Ray
-    cluster's nodes, which the planned stages are assigned to.
+    cluster's nodes, which the planned stages are assigned to. `speculative_config`: the
+    running engine's, resolved already (else a draft model is resolved here, to count it).
 
     `placement_hook`: applied to the placement args before planning (the CLI's auto dtype)."""
     from hybridllm.loader import default_model_path, open_model_source
@@ -287,9 +286,9 @@ def build_plan_report(
     batched = engine_args.resolve_max_num_batched_tokens(max_model_len)
     cpu_blocks = engine_args.kept_cpu_blocks(source, hf_config, kernels)
     int8_blocks = kernels.int8_over_blocks(cpu_blocks)
-    speculative = None
+    speculative = speculative_config
     spec = engine_args.speculative_config
-    if isinstance(spec, dict) and spec.get("model") is not None:
+    if speculative is None and isinstance(spec, dict) and spec.get("model") is not None:
         # a draft model runs on the host beside the plan: resolved to count it
         speculative = engine_args.resolve_speculative_config(hf_config, max_model_len, batched)
     placement = engine_args.placement_args(

@@ -88,12 +88,6 @@ class ModelRunner:
     def load_model(self) -> None:
         from hybridllm.layers.gguf_linear import gguf_kernel_types
         from hybridllm.loader import open_model_source
-        from hybridllm.loader.onload_quant import (
-            ONLOAD_TYPES,
-            QuantizedWeightCache,
-            checkpoint_key,
-            quantize_weights,
-        )
         from hybridllm.models.registry import get_model_class
 
         model_config = self.config.model_config
@@ -117,13 +111,9 @@ class ModelRunner:
             if model_config.quantization != "none"
             else ()
         )
-        weights = source.iter_weights(model.owns_weight, keep)
-        if model_config.quantization in ONLOAD_TYPES and keep and host.type == "cpu":
-            # float linears into blocks the native op reads (cached on disk per checkpoint)
-            cache = QuantizedWeightCache(checkpoint_key(source.weight_files()))
-            weights = quantize_weights(
-                weights, model.quantize_role, model_config.quantization, cache
-            )
+        weights = self._quantized_at_load(
+            source.iter_weights(model.owns_weight, keep), model.quantize_role, source, keep, host
+        )
         if self.show_progress:
             from tqdm import tqdm
 
@@ -144,36 +134,48 @@ class ModelRunner:
         model.execution.attach_weight_streamer(streamer)
         self.model = model.eval()
 
-    def _load_mtp(self, model_class: type, source: Any, keep: Any, target: Any) -> Any:
-        """The checkpoint's MTP layer (models/mtp.py) on this stage's device; its routed
-        experts on the host where the stage keeps its last layer's there (as the plan counts
-        them: plan/memory_budget.py's mtp_experts_on_host)."""
+    def _quantized_at_load(
+        self, weights: Any, quantize_role: Any, source: Any, keep: Any, host: torch.device
+    ) -> Any:
+        """`weights`, with `--quantization q8_0|q4_0|q4_1` applied where the tensors land on a
+        CPU with the native kernels: float linears into blocks the native op reads (cached on
+        disk per checkpoint)."""
         from hybridllm.loader.onload_quant import (
             ONLOAD_TYPES,
             QuantizedWeightCache,
             checkpoint_key,
             quantize_weights,
         )
-        from hybridllm.models.mtp import MultiTokenPredictor
 
-        model_config = self.config.model_config
-        on_host = self.device.type != "cpu" and self.stage.experts_on_cpu(self.stage.layer_end - 1)
+        quantization = self.config.model_config.quantization
+        if quantization not in ONLOAD_TYPES or not keep or host.type != "cpu":
+            return weights
+        cache = QuantizedWeightCache(checkpoint_key(source.weight_files()))
+        return quantize_weights(weights, quantize_role, quantization, cache)
+
+    def _load_mtp(self, model_class: type, source: Any, keep: Any, target: Any) -> Any:
+        """The checkpoint's MTP layer (models/mtp.py) on this stage's device; its routed
+        experts on the host where the stage keeps its last layer's there (as the plan counts
+        them)."""
+        from hybridllm.models.mtp import MultiTokenPredictor
+        from hybridllm.plan.memory_budget import mtp_experts_on_host
+
+        on_host = mtp_experts_on_host(self.stage)
         stage_kwargs = {"cpu_expert_layers": 1} if on_host else {}
         with torch.device(self.device):
             mtp = MultiTokenPredictor(
-                model_class, model_config.hf_config, self.dtype, self.device, **stage_kwargs
-            )
-        host = torch.device("cpu") if stage_kwargs else self.device
-        onload = model_config.quantization in ONLOAD_TYPES and keep and host.type == "cpu"
-
-        def quantized(weights):
-            if not onload:
-                return weights
-            cache = QuantizedWeightCache(checkpoint_key(source.weight_files()))
-            return quantize_weights(weights, mtp.quantize_role, model_config.quantization, cache)
-
+                model_class, self.config.model_config.hf_config, self.dtype, self.device,
+                **stage_kwargs,
+            )  # fmt: skip
+        host = torch.device("cpu") if on_host else self.device
         mtp.load_weights(
-            quantized(source.iter_mtp_weights(mtp.owns_weight, keep)),
+            self._quantized_at_load(
+                source.iter_mtp_weights(mtp.owns_weight, keep),
+                mtp.quantize_role,
+                source,
+                keep,
+                host,
+            ),  # fmt: skip
             lambda names: source.iter_weights(names.__contains__, keep),
             target,
         )

@@ -299,12 +299,14 @@ def served_model_names(
     return (os.path.basename(model_path.rstrip("/")) or model_path,)
 
 
-def served_plan_report(engine_args: EngineArgs, plan: Any) -> dict[str, Any]:
-    """The report of the running engine's plan on this machine, as `hybridllm plan --json`."""
+def served_plan_report(engine_args: EngineArgs, config: Any) -> dict[str, Any]:
+    """The report of the running engine's `config` (its plan, its resolved speculative
+    config) on this machine, as `hybridllm plan --json`."""
     from hybridllm.plan.hardware_profile import load_or_measure_profile
     from hybridllm.plan.report import build_plan_report
     from hybridllm.platforms.discovery import discover_hardware
 
+    plan = config.plan
     if any(stage.node is not None for stage in plan.stages):
         from hybridllm.executor import ray_cluster
         from hybridllm.plan.cluster import cluster_hardware
@@ -314,7 +316,15 @@ def served_plan_report(engine_args: EngineArgs, plan: Any) -> dict[str, Any]:
     else:
         nodes, hw = None, discover_hardware()
     profile = load_or_measure_profile(hw)
-    report = build_plan_report(engine_args, hw, profile, context_len=1024, plan=plan, nodes=nodes)
+    report = build_plan_report(
+        engine_args,
+        hw,
+        profile,
+        context_len=1024,
+        plan=plan,
+        nodes=nodes,
+        speculative_config=config.speculative_config,
+    )
     return report.to_dict()
 
 
@@ -364,7 +374,7 @@ def run_server(
         model,
         options,
         enforce_tool_choice,
-        plan_report=lambda: served_plan_report(engine_args, engine.config.plan),
+        plan_report=lambda: served_plan_report(engine_args, engine.config),
     )
     logger.info(
         "listening on http://%s:%d (model '%s')", options.host, options.port, model.names[0]

@@ -19,7 +19,6 @@ PERCENTILES = (50, 90, 99)
 class _Second:
     """What happened in one sampling interval."""
 
-    time: float
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     num_itl_seen: int = 0  # ITL samples offered
@@ -32,7 +31,7 @@ class LiveStats:
     def __init__(self, history_s: int = HISTORY_S) -> None:
         self._generated = 0  # tokens since the last sample
         self._prompt = 0
-        self._current = _Second(0.0)
+        self._current = _Second()
         self._seconds: deque[_Second] = deque(maxlen=PERCENTILE_WINDOW_S)
         self.points: deque[dict[str, Any]] = deque(maxlen=history_s)
         self._last_time: float | None = None
@@ -59,11 +58,10 @@ class LiveStats:
         EngineStats, or None when it cannot answer."""
         elapsed = None if self._last_time is None else now - self._last_time
         self._last_time = now
-        self._current.time = now
         self._seconds.append(self._current)
         generated, prompt = self._generated, self._prompt
         self._generated = self._prompt = 0
-        self._current = _Second(now)
+        self._current = _Second()
         if not elapsed or elapsed <= 0:
             return  # the first call only starts the clock
         ttft = sorted(v for s in self._seconds for v in s.ttft)

@@ -41,6 +41,7 @@ SOURCES = [
         "gguf_q8_gemm_cpu.cpp",
         "gguf_dequantize_cpu.cpp",
         "gguf_x8_cpu.cpp",
+        "gguf_x8_code_cpu.cpp",
         "rms_norm_cpu.cpp",
         "activation_cpu.cpp",
         "argmax_cpu.cpp",

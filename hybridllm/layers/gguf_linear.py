@@ -58,14 +58,16 @@ def default_activations() -> int:
     return ACTIVATIONS[envs.read(envs.GGUF_ACTIVATIONS)]
 
 
-# Not GGML types: Q4_K / Q5_K / Q6_K rows repacked in groups of 8 for the int8 kernels
-# (csrc/gguf_x8.h), which read them faster from DRAM at one row of x than the types' own layouts
-# (Q4_K 15-20%, a 1B's Q6_K down projections ~12%).
-GGML_Q4_K_X8, GGML_Q5_K_X8, GGML_Q6_K_X8 = 112, 113, 114
+# Not GGML types: Q4_K / Q5_K / Q6_K / Q2_K / Q3_K rows repacked in groups of 8 for the int8
+# kernels (csrc/gguf_x8.h), which read them faster from DRAM at one row of x than the types' own
+# layouts (Q4_K 15-20%, a 1B's Q6_K down projections ~12%).
+GGML_Q4_K_X8, GGML_Q5_K_X8, GGML_Q6_K_X8, GGML_Q2_K_X8, GGML_Q3_K_X8 = 112, 113, 114, 115, 116
 X8_TYPES = {
     int(GGMLQuantizationType.Q4_K): GGML_Q4_K_X8,
     int(GGMLQuantizationType.Q5_K): GGML_Q5_K_X8,
     int(GGMLQuantizationType.Q6_K): GGML_Q6_K_X8,
+    int(GGMLQuantizationType.Q2_K): GGML_Q2_K_X8,
+    int(GGMLQuantizationType.Q3_K): GGML_Q3_K_X8,
 }
 X8_SOURCE_TYPES = {x8: source for source, x8 in X8_TYPES.items()}
 

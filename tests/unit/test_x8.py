@@ -1,4 +1,4 @@
-"""K-quant weights repacked in groups of 8 rows (ggml_types 112 / 113 / 114, csrc/gguf_x8.h): the
+"""K-quant weights repacked in groups of 8 rows (ggml_types 112-116, csrc/gguf_x8.h): the
 repacking round trip, gguf_linear and fused_moe on them against the source type's own int8 path
 and the dequantized weights, Linear's and the expert stacks' repacking, and the errors."""
 
@@ -7,15 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
 
 from hybridllm.layers.expert_weights import StackedExpertWeight
 from hybridllm.layers.gguf_linear import INT8_ACTIVATIONS, X8_TYPES, repack_x8, unpack_x8
 from hybridllm.layers.linear import Linear
 from hybridllm.layers.vocab_embedding import LMHead, VocabEmbedding
 from hybridllm.loader.quantized_tensor import QuantizedTensor
+from tests.gguf_random_blocks import random_blocks as random_code_blocks
 from tests.kernel_helpers import require_cpu_kernels
 from tests.unit.test_gguf_int8_kernel import check_int8
-from tests.unit.test_gguf_linear_kernel import random_blocks
+from tests.unit.test_gguf_linear_kernel import random_blocks as random_k_blocks
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -25,8 +27,20 @@ def _kernels():
         pytest.skip("this build has no x8 kernels (AVX512-VNNI)")
 
 
-K_QUANTS = pytest.mark.parametrize("fmt", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda f: f.name)
-ROW_BYTES = {Q.Q4_K: 148, Q.Q5_K: 180, Q.Q6_K: 210}  # a row's x8 bytes per 256 weights
+K_QUANTS = pytest.mark.parametrize(
+    "fmt", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K], ids=lambda f: f.name
+)
+# a row's x8 bytes per 256 weights
+ROW_BYTES = {Q.Q4_K: 148, Q.Q5_K: 180, Q.Q6_K: 210, Q.Q2_K: 84, Q.Q3_K: 110}
+
+
+def random_blocks(fmt, n, k, seed=0):
+    """Random valid blocks [n, bytes] of `fmt` (every code, scale and min pattern) and their fp32
+    weights [n, k]."""
+    if fmt in (Q.Q2_K, Q.Q3_K):  # their fp16 fields are elsewhere than the K-quants'
+        blocks = random_code_blocks(fmt, n, k, torch.Generator().manual_seed(seed))
+        return blocks, torch.from_numpy(dequantize(blocks.numpy(), fmt).reshape(n, k))
+    return random_k_blocks(fmt, n, k, seed)
 
 
 @K_QUANTS

@@ -1,8 +1,9 @@
-// Q4_K, Q5_K and Q6_K weights repacked for the int8 kernels in groups of 8 rows (ggml_types
-// kQ4_KX8, kQ5_KX8 and kQ6_KX8, not ggml types): the integer dot products then run with the 8
+// Q4_K, Q5_K, Q6_K, Q2_K and Q3_K weights repacked for the int8 kernels in groups of 8 rows
+// (ggml_types kQ4_KX8 ... kQ3_KX8, not ggml types): the integer dot products then run with the 8
 // rows in the vector lanes, so a super-block's scale and min arithmetic is done once for 8 rows
 // instead of once a row, and no horizontal sums are needed. Q4_K / Q5_K take the type's bytes
-// plus 4 a row per 256 weights (the 6-bit scales and mins stored as bytes); Q6_K its own 210.
+// plus 4 a row per 256 weights (the 6-bit scales and mins stored as bytes); Q6_K, Q2_K and Q3_K
+// their own 210, 84 and 110.
 //
 // Group g (rows 8g .. 8g + 7), super-block s (weights 256 s ..) takes the B bytes below at
 // (g * K / 256 + s) * B in the weight, which is [N, K / 256 * B / 8] uint8 like any rows.
@@ -27,12 +28,34 @@
 //                last 16; the nibble of code byte i = 16 G + t has them at bits 2 G, 2 G + 1 of
 //                byte t (one 16-byte run for each 128-bit lane).
 //   Weight = d * scale * (code - 32), as in Q6_K.
+// Q2_K and Q3_K (gguf_x8_code_cpu.cpp) keep 2-bit codes, chunk pair p (units 2 p, 2 p + 1) in 64
+// bytes: bits 2 f, 2 f + 1 of byte 4 L + b (lane L = 8 h + r) hold row r's code of weight
+// 16 (2 p + f / 2) + 8 (f % 2) + 4 h + b. Unit u's scale (and min) of row r is the group's
+// scale j = 16 (u / 2) + 2 r + u % 2.
+// Q2_K (672 bytes):
+//   [0, 16)      d of rows 0-7, fp16
+//   [16, 32)     dmin of rows 0-7, fp16
+//   [32, 160)    scale j: Q2_K's byte, the scale in its low nibble and the min in the high one
+//   [160, 672)   chunk pair p's codes at 160 + 64 p
+//   Weight = d * scale * code - dmin * min, as in Q2_K.
+// Q3_K (880 bytes):
+//   [0, 16)      d of rows 0-7, fp16
+//   [16, 80)     the low 4 bits of 6-bit scale j: nibble j / 64 of byte 16 + j % 64
+//   [80, 112)    its top 2 bits: bits 2 (j / 32) of byte 80 + j % 32
+//   [112, 880)   chunk pair p at 112 + 96 p: its 64 code bytes (q, Q3_K's low 2 bits), then 8
+//                bytes each field f: bit i set where code byte i's field has Q3_K's high bit set
+//   Weight = d * (scale - 32) * (q - 4 where the high bit is clear), as in Q3_K.
 #pragma once
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
 #include "gguf_blocks.h"
+#include "gguf_prefetch.h"
+#include "gguf_q8_simd.h"
 
 namespace hybridllm_gguf {
 
@@ -53,12 +76,73 @@ bool x8_linear_grouped(int64_t type, const float* x, const int64_t* starts, int6
 
 // Group `group`'s 8 rows unpacked for the int8 GEMM, as its source type's unpack gives them:
 // codes [8][K] (rows `code_stride` apart); Q4_K / Q5_K: scales d * sc and 6-bit min codes m
-// [8][K / 32], and min scales -dmin [8][K / 256]; Q6_K: scales d * scale [8][K / 16], no mins
-// (rows `unit_stride` apart).
+// [8][K / 32], and min scales -dmin [8][K / 256]; Q6_K: scales d * scale [8][K / 16], no mins;
+// Q2_K / Q3_K: codes + 128, scales d * scale [8][K / 16], and Q2_K's 4-bit min codes [8][K / 16]
+// and -dmin [8][K / 256] (rows `unit_stride` apart).
 void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* codes,
                      int64_t code_stride, float* scales, int16_t* min_codes, float* min_scales,
                      int64_t unit_stride);
 
 bool x8_kernels_built();
+
+// Below this many (256-weight super-block x row of x) products one thread does it all.
+constexpr int64_t kX8SerialSuperBlocks = 256;
+// How far ahead the x8 kernels prefetch at most: each thread reads one contiguous run, which the
+// hardware prefetchers follow. On the 1B Q4_K_M-like file (2-core Zen 5, one process switching
+// between the two), its q, gate and down GEMVs streamed at 0.91, 0.96, 0.95 of torch.sum's rate
+// at 32 KB against 0.77, 0.93, 0.90 at the row kernels' 128 KB, and decode won 14 of 20 pairs.
+constexpr int64_t kX8MaxPrefetchBytes = 32 * 1024;
+
+// The row groups of products p = 0 .. groups - 1 (rows [starts[p], starts[p + 1]) of x times
+// weights[p], N rows of group_bytes a group of 8), one product's after the other, split among
+// the threads in contiguous runs: body(p, g0, g1, window) for groups [g0, g1) of product p.
+template <class Body>
+void for_x8_row_groups(const int64_t* starts, int64_t groups, int64_t K,
+                       const uint8_t* const* weights, int64_t N, int64_t group_bytes, Body body) {
+  const int64_t M = starts[groups];
+  const int64_t row_groups = N / kX8GroupRows, total = groups * row_groups;
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain =
+      K / 256 * M * N < kX8SerialSuperBlocks ? total : (total + threads - 1) / threads;
+  // one row of x a product: each weight byte is read once (see start_prefetch)
+  bool streaming = true;
+  for (int64_t p = 0; p < groups; ++p) streaming = streaming && starts[p + 1] - starts[p] <= 1;
+  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin / row_groups; p < groups && p * row_groups < end; ++p) {
+      const int64_t g0 = std::max(begin, p * row_groups) - p * row_groups;
+      const int64_t g1 = std::min(end, (p + 1) * row_groups) - p * row_groups;
+      if (starts[p + 1] == starts[p]) continue;
+      body(p, g0, g1,
+           start_prefetch(weights[p] + g0 * group_bytes, (g1 - g0) * group_bytes,
+                          kX8MaxPrefetchBytes, streaming));
+    }
+  });
+}
+
+#if defined(HYBRIDLLM_Q8_AVX512)
+// x's values that the code vector of a 16-weight chunk's `half` (0: its low nibbles or first
+// fields, 1: the next) meets, from the chunk's 16 int8 values: lanes 0-7 values 8 half .. + 3,
+// lanes 8-15 the next 4. Built as the kernel goes: stored as vectors, 16 times x's bytes, a long
+// row (K = 8192: 64 KB) did not stay in L1, and a down projection read 15% slower than a gate's.
+inline __m512i x_quads(const int8_t* chunk, int half) {
+  const __m512i v =
+      _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk)));
+  const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  return _mm512_permutexvar_epi32(_mm512_add_epi32(halves, _mm512_set1_epi32(2 * half)), v);
+}
+#endif
+
+// Q2_K and Q3_K's groups (gguf_x8_code_cpu.cpp; source_type kQ2_K or kQ3_K): `nsb` super-blocks
+// of 8 source rows (src, rows nsb super-blocks apart) into one group (repack), or back.
+void code_x8_convert(int64_t source_type, const uint8_t* src, int64_t nsb, uint8_t* dst,
+                     bool repack);
+#if defined(HYBRIDLLM_Q8_AVX512)
+void code_x8_linear_grouped(int64_t source_type, const float* x, const int64_t* starts,
+                            int64_t groups, int64_t K, const uint8_t* const* weights, int64_t N,
+                            float* y);
+void code_x8_unpack_group(int64_t source_type, const uint8_t* group, int64_t K, uint8_t* codes,
+                          int64_t code_stride, float* scales, int16_t* min_codes,
+                          float* min_scales, int64_t unit_stride);
+#endif
 
 }  // namespace hybridllm_gguf

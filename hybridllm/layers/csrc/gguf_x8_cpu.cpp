@@ -52,14 +52,12 @@ inline int chunk_weight(int c, int h, int b) { return 16 * c + 4 * h + b; }
 // A source super-block's bytes, and where its 4-bit codes start (Q5_K: its 32 high-bit bytes
 // first, bit j of byte v weight v's of sub-block j).
 template <int64_t kType>
-constexpr int64_t kSourceBytes = kType == kQ4_K   ? kSuperBytes
-                                 : kType == kQ5_K ? kQ5SuperBytes
-                                                  : kQ6SuperBytes;
+constexpr int64_t kSourceBytes = gguf_type_info(kType).unit_bytes;
 template <int64_t kType>
 constexpr int64_t kSourceNibbles = kType == kQ4_K ? 16 : 48;
 // A group super-block's bytes, and where its code nibbles start.
 template <int64_t kType>
-constexpr int64_t kGroupBytes = kType == kQ4_K ? 1184 : kType == kQ5_K ? 1440 : 1680;
+constexpr int64_t kGroupBytes = 8 * gguf_type_info(x8_type_of(kType)).unit_bytes;
 template <int64_t kType>
 constexpr int64_t kGroupCodes = kType == kQ6_K ? 144 : 160;
 // Where chunk q's 64 code bytes start in a group super-block; Q5_K's 16 bytes of fifth bits and
@@ -215,7 +213,7 @@ std::pair<int64_t, int64_t> group_shape(const at::Tensor& blocks, int64_t super_
   return {rows / kX8GroupRows, bytes / super_bytes};
 }
 
-// `blocks` of ggml_type `type` (Q4_K, Q5_K, Q6_K) into x8 groups (repack) or back (unpack).
+// `blocks` of ggml_type `type` (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K) into x8 groups (repack) or back (unpack).
 at::Tensor convert(const at::Tensor& blocks, int64_t type, bool repack) {
   const char* op = repack ? "repack_x8" : "unpack_x8";
   return dispatch_gguf_type<kX8Kernels>(
@@ -232,7 +230,10 @@ at::Tensor convert(const at::Tensor& blocks, int64_t type, bool repack) {
         at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
           for (int64_t g = begin; g < end; ++g) {
             const int64_t rows = g * 8 * nsb * source, x8 = g * nsb * group;  // byte offsets
-            if constexpr (kType == kQ6_K) {
+            if constexpr (is_code_block_type(kType)) {
+              if (repack) code_x8_convert(kType, src + rows, nsb, dst + x8, true);
+              else code_x8_convert(kType, src + x8, nsb, dst + rows, false);
+            } else if constexpr (kType == kQ6_K) {
               if (repack) repack_q6_group(src + rows, nsb, dst + x8);
               else unpack_q6_group(src + x8, nsb, dst + rows);
             } else {
@@ -244,7 +245,7 @@ at::Tensor convert(const at::Tensor& blocks, int64_t type, bool repack) {
         return out;
       },
       [&]() -> at::Tensor {
-        TORCH_CHECK(false, op, ": ggml_type must be Q4_K (12), Q5_K (13) or Q6_K (14), got ",
+        TORCH_CHECK(false, op, ": ggml_type must be Q4_K (12), Q5_K (13), Q6_K (14), Q2_K (10) or Q3_K (11), got ",
                     type);
         return {};
       });
@@ -312,17 +313,6 @@ X8Rows prepare_rows(const float* x, int64_t M, int64_t K) {
     }
   }
   return {q8.q, q8.d, mins, offsets, q8.q_stride, q8.g_stride, mins_stride, offsets_stride};
-}
-
-// x's values that the code vector of a chunk's `half` (0: its low nibbles, 1: high) meets, from
-// the chunk's 16 int8 values: lanes 0-7 values 8 half .. + 3, lanes 8-15 the next 4. Built as the
-// kernel goes: stored as vectors, 16 times x's bytes, a long row (K = 8192: 64 KB) did not stay
-// in L1, and a down projection read 15% slower than a gate's.
-inline __m512i x_quads(const int8_t* chunk, int half) {
-  const __m512i v =
-      _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk)));
-  const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  return _mm512_permutexvar_epi32(_mm512_add_epi32(halves, _mm512_set1_epi32(2 * half)), v);
 }
 
 // Lanes 0-7 p[0], lanes 8-15 p[1]: two broadcasts, the second from a general register. Q6_K's
@@ -434,39 +424,16 @@ void x8_groups(const X8Rows& x, int64_t M, int64_t K, const uint8_t* w, float* y
   }
 }
 
-// Below this many (256-weight super-block x row of x) products one thread does it all.
-constexpr int64_t kSerialSuperBlocks = 256;
-// How far ahead these kernels prefetch at most: each thread reads one contiguous run, which the
-// hardware prefetchers follow. On the 1B Q4_K_M-like file (2-core Zen 5, one process switching
-// between the two), its q, gate and down GEMVs streamed at 0.91, 0.96, 0.95 of torch.sum's rate
-// at 32 KB against 0.77, 0.93, 0.90 at the row kernels' 128 KB, and decode won 14 of 20 pairs.
-constexpr int64_t kX8MaxPrefetchBytes = 32 * 1024;
-
 template <int64_t kType>
 void x8_grouped_typed(const float* x, const int64_t* starts, int64_t groups, int64_t K,
                       const uint8_t* const* weights, int64_t N, float* y) {
-  const int64_t M = starts[groups];
-  const X8Rows xr = prepare_rows<kType>(x, M, K);
-  const int64_t row_groups = N / kX8GroupRows, total = groups * row_groups;
-  const int64_t group_bytes = K / 256 * kGroupBytes<kType>;
-  const int64_t threads = at::get_num_threads();
-  const int64_t grain =
-      K / 256 * M * N < kSerialSuperBlocks ? total : (total + threads - 1) / threads;
-  // one row of x a product: each weight byte is read once (see start_prefetch)
-  bool streaming = true;
-  for (int64_t p = 0; p < groups; ++p) streaming = streaming && starts[p + 1] - starts[p] <= 1;
-  // every product's row groups one after the other, split among the threads in contiguous runs
-  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin / row_groups; p < groups && p * row_groups < end; ++p) {
-      const int64_t g0 = std::max(begin, p * row_groups) - p * row_groups;
-      const int64_t g1 = std::min(end, (p + 1) * row_groups) - p * row_groups;
-      const int64_t r0 = starts[p], m = starts[p + 1] - r0;
-      if (m == 0) continue;
-      x8_groups<kType>(xr.from(r0), m, K, weights[p], y + r0 * N, N, g0, g1,
-                       start_prefetch(weights[p] + g0 * group_bytes, (g1 - g0) * group_bytes,
-                                      kX8MaxPrefetchBytes, streaming));
-    }
-  });
+  const X8Rows xr = prepare_rows<kType>(x, starts[groups], K);
+  for_x8_row_groups(starts, groups, K, weights, N, K / 256 * kGroupBytes<kType>,
+                    [&](int64_t p, int64_t g0, int64_t g1, const PrefetchWindow& window) {
+                      const int64_t r0 = starts[p];
+                      x8_groups<kType>(xr.from(r0), starts[p + 1] - r0, K, weights[p],
+                                       y + r0 * N, N, g0, g1, window);
+                    });
 }
 
 template <int64_t kType>
@@ -530,7 +497,11 @@ bool x8_linear_grouped(int64_t type, const float* x, const int64_t* starts, int6
   return dispatch_gguf_type<kX8Kernels>(
       type,
       [&](auto source) {
-        x8_grouped_typed<decltype(source)::value>(x, starts, groups, K, weights, N, y);
+        constexpr int64_t kType = decltype(source)::value;
+        if constexpr (is_code_block_type(kType))
+          code_x8_linear_grouped(kType, x, starts, groups, K, weights, N, y);
+        else
+          x8_grouped_typed<kType>(x, starts, groups, K, weights, N, y);
         return true;
       },
       [] { return false; });
@@ -547,8 +518,13 @@ void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* cod
   const bool done = dispatch_gguf_type<kX8Kernels>(
       type,
       [&](auto source) {
-        x8_unpack_typed<decltype(source)::value>(group, K, codes, code_stride, scales, min_codes,
-                                                 min_scales, unit_stride);
+        constexpr int64_t kType = decltype(source)::value;
+        if constexpr (is_code_block_type(kType))
+          code_x8_unpack_group(kType, group, K, codes, code_stride, scales, min_codes, min_scales,
+                               unit_stride);
+        else
+          x8_unpack_typed<kType>(group, K, codes, code_stride, scales, min_codes, min_scales,
+                                 unit_stride);
         return true;
       },
       [] { return false; });

@@ -1,0 +1,353 @@
+// Q2_K and Q3_K rows repacked in groups of 8 (gguf_x8.h's Q2_KX8 and Q3_KX8): the layouts'
+// repacking, their int8 kernels for few rows of x, and their unpacking for the int8 GEMM.
+// As in the K-quants' x8 kernels (gguf_x8_cpu.cpp), one vpdpbusd multiplies 4 codes of each of the
+// 8 rows; here two 16-weight units' int32 sums fit int16 and meet the units' scales in one
+// vpdpwssd, and Q2_K's mins are a vpdpwssd of 8 rows' min pairs with x's unit sums. Against
+// the code-block kernels (a row at a time, gguf_q8_dot.h), a super-block of 8 rows takes about
+// half the instructions.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "gguf_blocks.h"
+#include "gguf_prefetch.h"
+#include "gguf_q8_quantize.h"
+#include "gguf_q8_simd.h"
+#include "gguf_x8.h"
+
+namespace hybridllm_gguf {
+namespace {
+
+template <int64_t kType>
+constexpr int64_t kSourceBytes = kType == kQ2_K ? 84 : 110;
+template <int64_t kType>
+constexpr int64_t kGroupBytes = 8 * kSourceBytes<kType>;
+// Where chunk pair p's 64 code bytes start (Q3_K: its 32 bytes of high bits follow them).
+template <int64_t kType>
+constexpr int64_t pair_offset(int p) {
+  return kType == kQ2_K ? 160 + 64 * p : 112 + 96 * p;
+}
+
+// Code byte i (0-63) of chunk pair p, bits 2 f, 2 f + 1 (f 0-3): row `row`'s code of `weight`.
+// Lane L = i / 4 is row L % 8; field f is chunk 2 p + f / 2, its weights 8 (f % 2) + 4 (L / 8) +
+// i % 4: the values gguf_x8.h's x_quads puts in lane L for that chunk's half f % 2.
+struct CodePlace {
+  int row, weight;
+};
+inline CodePlace code_place(int p, int i, int f) {
+  const int lane = i / 4;
+  return {lane % 8, 16 * (2 * p + f / 2) + 8 * (f % 2) + 4 * (lane / 8) + i % 4};
+}
+// Where unit u (16 weights) of row r keeps its scale (and Q2_K's min) among the group's 128:
+// the two units of a pair side by side for each row, as the kernel's int16 pairs take them.
+inline int unit_index(int u, int r) { return 16 * (u / 2) + 2 * r + u % 2; }
+
+// The source layouts' fields (gguf_code_decoders.h): 2-bit q of weight w, Q3_K's 6-bit scale k.
+inline int two_bit(const uint8_t* qs, int w) {
+  return (qs[32 * (w / 128) + w % 32] >> (2 * (w / 32 % 4))) & 3;
+}
+inline void or_two_bit(uint8_t* qs, int w, int v) {
+  qs[32 * (w / 128) + w % 32] |= static_cast<uint8_t>(v << (2 * (w / 32 % 4)));
+}
+inline int q3_scale(const uint8_t* s, int k) {
+  return ((s[k % 8] >> (4 * (k / 8))) & 15) | ((s[8 + k % 4] >> (2 * (k / 4))) & 3) << 4;
+}
+inline void or_q3_scale(uint8_t* s, int k, int v) {
+  s[k % 8] |= static_cast<uint8_t>((v & 15) << (4 * (k / 8)));
+  s[8 + k % 4] |= static_cast<uint8_t>((v >> 4) << (2 * (k / 4)));
+}
+// Q3_K x8's scale j (0-127, unit_index): low 4 bits in byte 16 + j % 64 (nibble j / 64), top 2
+// at bits 2 (j / 32) of byte 80 + j % 32.
+inline int x8_q3_scale(const uint8_t* o, int j) {
+  return ((o[16 + j % 64] >> (4 * (j / 64))) & 15) | ((o[80 + j % 32] >> (2 * (j / 32))) & 3) << 4;
+}
+
+template <int64_t kType>
+void repack_group(const uint8_t* rows, int64_t nsb, uint8_t* out) {
+  constexpr int64_t kSource = kSourceBytes<kType>, kGroup = kGroupBytes<kType>;
+  constexpr int64_t kQs = kType == kQ2_K ? 16 : 32;
+  std::memset(out, 0, nsb * kGroup);  // every field is or-ed in
+  for (int64_t s = 0; s < nsb; ++s) {
+    uint8_t* o = out + s * kGroup;
+    const auto source = [&](int r) { return rows + (r * nsb + s) * kSource; };
+    for (int r = 0; r < 8; ++r) {
+      const uint8_t* q = source(r);
+      if constexpr (kType == kQ2_K) {
+        std::memcpy(o + 2 * r, q + 80, 2);       // d
+        std::memcpy(o + 16 + 2 * r, q + 82, 2);  // dmin
+        for (int u = 0; u < 16; ++u) o[32 + unit_index(u, r)] = q[u];
+      } else {
+        std::memcpy(o + 2 * r, q + 108, 2);
+        for (int u = 0; u < 16; ++u) {
+          const int j = unit_index(u, r), v = q3_scale(q + 96, u);
+          o[16 + j % 64] |= static_cast<uint8_t>((v & 15) << (4 * (j / 64)));
+          o[80 + j % 32] |= static_cast<uint8_t>((v >> 4) << (2 * (j / 32)));
+        }
+      }
+    }
+    for (int p = 0; p < 8; ++p)
+      for (int i = 0; i < 64; ++i)
+        for (int f = 0; f < 4; ++f) {
+          const CodePlace c = code_place(p, i, f);
+          const uint8_t* q = source(c.row);
+          o[pair_offset<kType>(p) + i] |= static_cast<uint8_t>(two_bit(q + kQs, c.weight) << 2 * f);
+          if constexpr (kType == kQ3_K)
+            if ((q[c.weight % 32] >> (c.weight / 32)) & 1)
+              o[pair_offset<kType>(p) + 64 + 8 * f + i / 8] |= static_cast<uint8_t>(1 << (i % 8));
+        }
+  }
+}
+
+template <int64_t kType>
+void unpack_group(const uint8_t* group, int64_t nsb, uint8_t* rows) {
+  constexpr int64_t kSource = kSourceBytes<kType>, kGroup = kGroupBytes<kType>;
+  constexpr int64_t kQs = kType == kQ2_K ? 16 : 32;
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* o = group + s * kGroup;
+    const auto source = [&](int r) { return rows + (r * nsb + s) * kSource; };
+    for (int r = 0; r < 8; ++r) {
+      uint8_t* q = source(r);
+      std::memset(q, 0, kSource);  // every field is or-ed in
+      if constexpr (kType == kQ2_K) {
+        std::memcpy(q + 80, o + 2 * r, 2);
+        std::memcpy(q + 82, o + 16 + 2 * r, 2);
+        for (int u = 0; u < 16; ++u) q[u] = o[32 + unit_index(u, r)];
+      } else {
+        std::memcpy(q + 108, o + 2 * r, 2);
+        for (int u = 0; u < 16; ++u) or_q3_scale(q + 96, u, x8_q3_scale(o, unit_index(u, r)));
+      }
+    }
+    for (int p = 0; p < 8; ++p)
+      for (int i = 0; i < 64; ++i)
+        for (int f = 0; f < 4; ++f) {
+          const CodePlace c = code_place(p, i, f);
+          uint8_t* q = source(c.row);
+          or_two_bit(q + kQs, c.weight, (o[pair_offset<kType>(p) + i] >> 2 * f) & 3);
+          if constexpr (kType == kQ3_K)
+            if ((o[pair_offset<kType>(p) + 64 + 8 * f + i / 8] >> (i % 8)) & 1)
+              q[c.weight % 32] |= static_cast<uint8_t>(1 << (c.weight / 32));
+        }
+  }
+}
+
+#if defined(HYBRIDLLM_Q8_AVX512)
+// Chunk pair p's codes as unsigned bytes in the kernel's lanes, field f in v[f] (chunk 2 p + f / 2,
+// half f % 2): Q2_K's q, Q3_K's q + 4 where its high bit is set (its code + 4).
+template <int64_t kType>
+inline void pair_codes(const uint8_t* o, int p, __m512i v[4]) {
+  const uint8_t* c = o + pair_offset<kType>(p);
+  const __m512i bytes = _mm512_loadu_si512(c), three = _mm512_set1_epi8(3);
+  v[0] = _mm512_and_si512(bytes, three);
+  v[1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 2), three);
+  v[2] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), three);
+  v[3] = _mm512_and_si512(_mm512_srli_epi16(bytes, 6), three);
+  if constexpr (kType == kQ3_K)
+    for (int f = 0; f < 4; ++f) {
+      uint64_t high;
+      std::memcpy(&high, c + 64 + 8 * f, 8);
+      v[f] = _mm512_mask_add_epi8(v[f], _cvtu64_mask64(high), v[f], _mm512_set1_epi8(4));
+    }
+}
+
+// Q3_K's 128 scales of a group super-block, minus 32, as int8 at unit_index: j < 64 in lo, the
+// rest in hi.
+inline void q3_scales(const uint8_t* o, __m512i* lo, __m512i* hi) {
+  const __m512i low = _mm512_loadu_si512(o + 16), nibble = _mm512_set1_epi8(15);
+  const __m512i top =
+      _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 80)));
+  const auto top_bits = [&](int f) {  // fields f (scales 0-31 of the half), f + 1 (32-63)
+    const __m512i shifts = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<short>(2 * f)),
+                                              _mm256_set1_epi16(static_cast<short>(2 * f + 2)), 1);
+    // at most 3 a byte: shifted by 4 it stays in its byte
+    return _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(top, shifts), _mm512_set1_epi8(3)),
+                             4);
+  };
+  const __m512i bias = _mm512_set1_epi8(32);
+  *lo = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(low, nibble), top_bits(0)), bias);
+  *hi = _mm512_sub_epi8(
+      _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), nibble), top_bits(2)), bias);
+}
+
+// y[r * ldy + 8 g + i] = dot(x row r, weight row 8 g + i) for the groups [g0, g1) of `w` (the
+// weight's first group) and every row of x (quantized in groups of 256, with bsums).
+template <int64_t kType>
+void code_groups(const Q8Rows& x, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t ldy,
+                 int64_t g0, int64_t g1, const PrefetchWindow& prefetch) {
+  constexpr int64_t kBytes = kGroupBytes<kType>;
+  const int64_t nsb = K / 256, group_bytes = nsb * kBytes;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = w + g * group_bytes;
+    for (int64_t r = 0; r < M; ++r) {
+      const Q8Rows xr = x.row(r);
+      __m512 acc = _mm512_setzero_ps();     // lanes i and 8 + i: row i's two halves
+      __m256 minacc = _mm256_setzero_ps();  // Q2_K: row i's dmin * sum_u m_u B_u, in x's units
+      for (int64_t s = 0; s < nsb; ++s) {
+        const uint8_t* o = wg + s * kBytes;
+        if (r == 0) {  // the weights come from memory once, for the first row of x
+          const char* ahead = reinterpret_cast<const char*>(o) + prefetch.distance;
+          if (ahead < prefetch.stop)
+            for (int64_t b = 0; b < kBytes; b += 64) prefetch_line(ahead + b, prefetch.streaming);
+        }
+        const int8_t* xs = xr.q + 256 * s;
+        const int16_t* bsums = xr.bsums + 16 * s;  // x's sum over each 16-value unit
+        __m512i scale_lo, scale_hi;
+        if constexpr (kType == kQ3_K) q3_scales(o, &scale_lo, &scale_hi);
+        __m512i sums = _mm512_setzero_si512(), min_sums = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int p = 0; p < 8; ++p) {  // units (chunks) 2 p, 2 p + 1
+          __m512i v[4];
+          pair_codes<kType>(o, p, v);
+          // Q3_K's codes are code + 4: each unit starts at -4 times x's sum over it (lanes 0-7)
+          __m512i t0 = _mm512_setzero_si512(), t1 = t0;
+          if constexpr (kType == kQ3_K) {
+            t0 = _mm512_maskz_set1_epi32(0xFF, -4 * bsums[2 * p]);
+            t1 = _mm512_maskz_set1_epi32(0xFF, -4 * bsums[2 * p + 1]);
+          }
+          const int8_t *x0 = xs + 32 * p, *x1 = x0 + 16;
+          t0 = _mm512_dpbusd_epi32(t0, v[0], x_quads(x0, 0));
+          t0 = _mm512_dpbusd_epi32(t0, v[1], x_quads(x0, 1));
+          t1 = _mm512_dpbusd_epi32(t1, v[2], x_quads(x1, 0));
+          t1 = _mm512_dpbusd_epi32(t1, v[3], x_quads(x1, 1));
+          // |t| <= 8 * 7 * 127 + 4 * 16 * 127 < 2^15: the two units as one int16 pair a lane
+          const __m512i pair = _mm512_mask_blend_epi16(0xAAAAAAAAu, t0, _mm512_slli_epi32(t1, 16));
+          __m512i scales;  // int16 pairs (scale of unit 2 p, of 2 p + 1) of rows 0-7, twice
+          if constexpr (kType == kQ2_K) {
+            const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 32 + 16 * p))));
+            scales = _mm512_and_si512(bytes, _mm512_set1_epi16(15));
+            int32_t x_pair;  // bsums 2 p, 2 p + 1 as one int16 pair
+            std::memcpy(&x_pair, bsums + 2 * p, 4);
+            min_sums = _mm512_dpwssd_epi32(min_sums, _mm512_srli_epi16(bytes, 4),
+                                           _mm512_set1_epi32(x_pair));
+          } else {
+            // the 16 bytes of unit pair p (128-bit lane p % 4 of its half), twice
+            const __m512i lane = _mm512_permutexvar_epi32(
+                _mm512_add_epi32(_mm512_set1_epi32(4 * (p % 4)),
+                                 _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3)),
+                p < 4 ? scale_lo : scale_hi);
+            scales = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(lane));
+          }
+          // |sums| <= 8 * 2 * 2^15 * 32: int32
+          sums = _mm512_dpwssd_epi32(sums, pair, scales);
+        }
+        const __m512 xd = _mm512_set1_ps(xr.d[s]);
+        const __m512 d = _mm512_cvtph_ps(
+            _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o))));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, xd), acc);
+        if constexpr (kType == kQ2_K) {
+          const __m256 dmin =
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16)));
+          minacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm512_castsi512_si256(min_sums)),
+                                   _mm256_mul_ps(dmin, _mm512_castps512_ps256(xd)), minacc);
+        }
+      }
+      const __m256 halves = _mm256_add_ps(
+          _mm512_castps512_ps256(acc),
+          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
+      _mm256_storeu_ps(y + r * ldy + 8 * g, _mm256_sub_ps(halves, minacc));
+    }
+  }
+}
+
+template <int64_t kType>
+void grouped_typed(const float* x, const int64_t* starts, int64_t groups, int64_t K,
+                   const uint8_t* const* weights, int64_t N, float* y) {
+  thread_local std::vector<uint8_t> quantized;
+  const Q8Rows xq = quantize_rows<256>(x, starts[groups], K, quantized);
+  for_x8_row_groups(starts, groups, K, weights, N, K / 256 * kGroupBytes<kType>,
+                    [&](int64_t p, int64_t g0, int64_t g1, const PrefetchWindow& window) {
+                      const int64_t r0 = starts[p];
+                      code_groups<kType>(xq.row(r0), starts[p + 1] - r0, K, weights[p],
+                                         y + r0 * N, N, g0, g1, window);
+                    });
+}
+
+// The group's 8 rows as the int8 GEMM unpacks a code-block row (gguf_q8_gemm_cpu.cpp): codes +
+// 128, d * scale a unit, Q2_K's 4-bit mins as they are and -dmin a super-block.
+template <int64_t kType>
+void unpack_for_gemm(const uint8_t* group, int64_t K, uint8_t* codes, int64_t code_stride,
+                     float* scales, int16_t* min_codes, float* min_scales, int64_t unit_stride) {
+  // output dword 4 i + k: row i's codes 4k .. 4k + 3 of a 16-weight chunk (rows 0-3; +4: 4-7)
+  const __m512i rows03 =
+      _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
+  const __m512i rows47 = _mm512_add_epi32(rows03, _mm512_set1_epi32(4));
+  // code + 128: Q2_K's q + 128, Q3_K's (q + 4 or q) + 124
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(kType == kQ2_K ? 128 : 124));
+  for (int64_t s = 0; s < K / 256; ++s) {
+    const uint8_t* o = group + s * kGroupBytes<kType>;
+    for (int p = 0; p < 8; ++p) {
+      __m512i v[4];
+      pair_codes<kType>(o, p, v);
+      for (int half = 0; half < 2; ++half) {  // chunk 2 p + half: fields 2 half, 2 half + 1
+        const __m512i a = _mm512_add_epi8(
+            _mm512_permutex2var_epi32(v[2 * half], rows03, v[2 * half + 1]), bias);
+        const __m512i b = _mm512_add_epi8(
+            _mm512_permutex2var_epi32(v[2 * half], rows47, v[2 * half + 1]), bias);
+        uint8_t* dst = codes + s * 256 + 16 * (2 * p + half);
+        alignas(64) uint8_t parts[128];
+        _mm512_store_si512(parts, a);
+        _mm512_store_si512(parts + 64, b);
+        for (int r = 0; r < 8; ++r) std::memcpy(dst + r * code_stride, parts + 16 * r, 16);
+      }
+    }
+    for (int r = 0; r < 8; ++r) {
+      const float d = half_to_float(load_u16(o + 2 * r));
+      for (int u = 0; u < 16; ++u) {
+        const int j = unit_index(u, r);
+        float& scale = scales[r * unit_stride + 16 * s + u];
+        if constexpr (kType == kQ2_K) {
+          scale = d * static_cast<float>(o[32 + j] & 15);
+          min_codes[r * unit_stride + 16 * s + u] = static_cast<int16_t>(o[32 + j] >> 4);
+        } else {
+          scale = d * static_cast<float>(x8_q3_scale(o, j) - 32);
+        }
+      }
+      if constexpr (kType == kQ2_K)
+        min_scales[r * unit_stride + s] = -half_to_float(load_u16(o + 16 + 2 * r));
+    }
+  }
+}
+#endif
+
+template <class Body>
+void dispatch_code(int64_t source_type, Body body) {
+  if (source_type == kQ2_K)
+    body(std::integral_constant<int64_t, kQ2_K>{});
+  else
+    body(std::integral_constant<int64_t, kQ3_K>{});
+}
+
+}  // namespace
+
+void code_x8_convert(int64_t source_type, const uint8_t* src, int64_t nsb, uint8_t* dst,
+                     bool repack) {
+  dispatch_code(source_type, [&](auto type) {
+    constexpr int64_t kType = decltype(type)::value;
+    if (repack)
+      repack_group<kType>(src, nsb, dst);
+    else
+      unpack_group<kType>(src, nsb, dst);
+  });
+}
+
+#if defined(HYBRIDLLM_Q8_AVX512)
+void code_x8_linear_grouped(int64_t source_type, const float* x, const int64_t* starts,
+                            int64_t groups, int64_t K, const uint8_t* const* weights, int64_t N,
+                            float* y) {
+  dispatch_code(source_type, [&](auto type) {
+    grouped_typed<decltype(type)::value>(x, starts, groups, K, weights, N, y);
+  });
+}
+
+void code_x8_unpack_group(int64_t source_type, const uint8_t* group, int64_t K, uint8_t* codes,
+                          int64_t code_stride, float* scales, int16_t* min_codes,
+                          float* min_scales, int64_t unit_stride) {
+  dispatch_code(source_type, [&](auto type) {
+    unpack_for_gemm<decltype(type)::value>(group, K, codes, code_stride, scales, min_codes,
+                                           min_scales, unit_stride);
+  });
+}
+#endif
+
+}  // namespace hybridllm_gguf

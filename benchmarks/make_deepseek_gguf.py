@@ -28,7 +28,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.make_gguf_files import (  # noqa: E402
+    IMATRIX_CHUNKS,
+    IMATRIX_CTX,
     find_llamacpp_bin,
+    imatrix_text,
     llamacpp_source,
     log,
     run_tool,
@@ -191,9 +194,11 @@ def convert_and_quantize(
     bin_dir: Path,
     threads: int,
     convert_args: tuple[str, ...] = (),
+    importance_matrix: bool = False,
 ) -> None:
     """`folder` -> `out/prefix.BF16.gguf` (convert_hf_to_gguf.py) -> `out/prefix.TYPE.gguf`
-    for each of `types` (llama-quantize); a step whose output exists is skipped."""
+    for each of `types` (llama-quantize, with `llama-imatrix`'s importance matrix of the BF16
+    file where `importance_matrix`); a step whose output exists is skipped."""
     bf16 = out / f"{prefix}.BF16.gguf"
     if not bf16.is_file():
         log(f"convert_hf_to_gguf.py -> {bf16}")
@@ -202,13 +207,24 @@ def convert_and_quantize(
         cmd = [sys.executable, script, folder, "--outtype", "bf16", "--outfile", tmp, *convert_args]
         run_tool(cmd, bin_dir, out / "convert.log")
         tmp.rename(bf16)
+    imatrix = out / f"{prefix}.imatrix.gguf"
+    if importance_matrix and not imatrix.is_file():
+        text = imatrix_text(out / "imatrix-text.txt", IMATRIX_CHUNKS * IMATRIX_CTX * 6)
+        log(f"llama-imatrix ({IMATRIX_CHUNKS} chunks of {IMATRIX_CTX}) -> {imatrix}")
+        tmp = imatrix.with_name(imatrix.name + ".tmp.gguf")
+        cmd = [bin_dir / "llama-imatrix", "-m", bf16, "-f", text, "-o", tmp, "-c", IMATRIX_CTX]
+        cmd += ["--chunks", IMATRIX_CHUNKS, "-t", threads, "--no-ppl"]
+        run_tool(cmd, bin_dir, out / "imatrix.log")
+        tmp.rename(imatrix)
     for type_name in types:
         path = out / f"{prefix}.{type_name}.gguf"
         if path.is_file():
             continue
         log(f"llama-quantize {type_name} -> {path}")
         tmp = path.with_name(path.name + ".tmp")
-        cmd = [bin_dir / "llama-quantize", bf16, tmp, type_name, threads]
+        cmd = [bin_dir / "llama-quantize"]
+        cmd += ["--imatrix", imatrix] if importance_matrix else []
+        cmd += [bf16, tmp, type_name, threads]
         run_tool(cmd, bin_dir, out / f"quantize-{type_name}.log")
         tmp.rename(path)
         log(f"{path}: {path.stat().st_size / 2**30:.2f} GiB")

@@ -263,6 +263,18 @@ void grouped_typed(const float* x, const int64_t* starts, int64_t groups, int64_
                     });
 }
 
+// Word k of rows 0-3's unit scales in row order (row k / 8, unit pair k % 8) is the group's word
+// kRowWords.v[k]; rows 4-7's are 4 words on.
+struct RowWords {
+  alignas(64) uint16_t v[32];
+};
+constexpr RowWords row_words() {
+  RowWords w{};
+  for (int k = 0; k < 32; ++k) w.v[k] = static_cast<uint16_t>(8 * (k % 8) + k / 8);
+  return w;
+}
+constexpr RowWords kRowWords = row_words();
+
 // The group's 8 rows as the int8 GEMM unpacks a code-block row (gguf_q8_gemm_cpu.cpp): codes +
 // 128, d * scale a unit, Q2_K's 4-bit mins as they are and -dmin a super-block.
 template <int64_t kType>
@@ -291,20 +303,35 @@ void unpack_for_gemm(const uint8_t* group, int64_t K, uint8_t* codes, int64_t co
         for (int r = 0; r < 8; ++r) std::memcpy(dst + r * code_stride, parts + 16 * r, 16);
       }
     }
+    // the 128 scale bytes as 16 a row (unit order), rows 0-3 then 4-7: byte pair (units 2 p,
+    // 2 p + 1) of row r is the group's word 8 p + r
+    __m512i lo, hi;
+    if constexpr (kType == kQ2_K) {
+      lo = _mm512_loadu_si512(o + 32);
+      hi = _mm512_loadu_si512(o + 96);
+    } else {
+      q3_scales(o, &lo, &hi);
+    }
+    alignas(64) uint8_t by_row[128];
+    const __m512i words = _mm512_load_si512(kRowWords.v);
+    _mm512_store_si512(by_row, _mm512_permutex2var_epi16(lo, words, hi));
+    _mm512_store_si512(by_row + 64, _mm512_permutex2var_epi16(
+                                        lo, _mm512_add_epi16(words, _mm512_set1_epi16(4)), hi));
     for (int r = 0; r < 8; ++r) {
-      const float d = half_to_float(load_u16(o + 2 * r));
-      for (int u = 0; u < 16; ++u) {
-        const int j = unit_index(u, r);
-        float& scale = scales[r * unit_stride + 16 * s + u];
-        if constexpr (kType == kQ2_K) {
-          scale = d * static_cast<float>(o[32 + j] & 15);
-          min_codes[r * unit_stride + 16 * s + u] = static_cast<int16_t>(o[32 + j] >> 4);
-        } else {
-          scale = d * static_cast<float>(x8_q3_scale(o, j) - 32);
-        }
-      }
-      if constexpr (kType == kQ2_K)
+      const __m128i bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(by_row + 16 * r));
+      __m512i unit_scales;
+      if constexpr (kType == kQ2_K) {
+        const __m512i both = _mm512_cvtepu8_epi32(bytes);
+        unit_scales = _mm512_and_si512(both, _mm512_set1_epi32(15));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(min_codes + r * unit_stride + 16 * s),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(both, 4)));
         min_scales[r * unit_stride + s] = -half_to_float(load_u16(o + 16 + 2 * r));
+      } else {
+        unit_scales = _mm512_cvtepi8_epi32(bytes);  // scale - 32
+      }
+      _mm512_storeu_ps(scales + r * unit_stride + 16 * s,
+                       _mm512_mul_ps(_mm512_set1_ps(half_to_float(load_u16(o + 2 * r))),
+                                     _mm512_cvtepi32_ps(unit_scales)));
     }
   }
 }

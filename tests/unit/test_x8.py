@@ -64,8 +64,9 @@ def test_gguf_linear_equals_the_source_type(fmt, n, k):
     op = torch.ops.hybridllm.gguf_linear
     blocks, weight = random_blocks(fmt, n, k, seed=n)
     x8, x8_type = repack_x8(blocks, int(fmt))
-    # 1-7 rows: the x8 kernels; from 8 the int8 GEMM unpacking x8 groups (70: three tiles)
-    for m in [1, 2, 5, 7, 8, 17, 70]:
+    # the x8 kernels below 8 rows (K-quants) or 14 (Q2_K, Q3_K: tiles of 4 rows and a part),
+    # from there the int8 GEMM unpacking x8 groups (70: three tiles)
+    for m in [1, 2, 5, 7, 8, 13, 14, 17, 70]:
         x = torch.randn(m, k)
         ref = check_int8(op, x, blocks, weight, fmt, INT8_ACTIVATIONS)
         y = op(x, x8, x8_type, n, INT8_ACTIVATIONS)

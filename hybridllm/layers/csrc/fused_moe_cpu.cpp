@@ -32,7 +32,7 @@ using hybridllm_gguf::is_float_type;
 using hybridllm_gguf::is_x8_type;
 using hybridllm_gguf::kFp32Activations;
 using hybridllm_gguf::kQ8Avx512Vnni;
-using hybridllm_gguf::kQ8GemmMinRows;
+using hybridllm_gguf::int8_gemm_min_rows;
 using hybridllm_gguf::kX8GroupRows;
 using hybridllm_gguf::q8_linear_grouped;
 using hybridllm_ops::gguf_linear;
@@ -219,8 +219,10 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights,
     check_int8_experts(w13, w13_type, hidden, "w13");
     check_int8_experts(w2, w2_type, width2 / 2, "w2");
   }
+  // an expert's rows from which its two products take the int8 GEMM
+  const int64_t gemm_rows = std::min(int8_gemm_min_rows(w13_type), int8_gemm_min_rows(w2_type));
   auto few_rows = [&](int64_t count) {
-    return int8 && (count < kQ8GemmMinRows || activations > kQ8Avx512Vnni);
+    return int8 && (count < gemm_rows || activations > kQ8Avx512Vnni);
   };
   std::vector<int64_t> small_starts{0};  // rows of the experts computed together, in order
   std::vector<const uint8_t*> small_w13, small_w2;

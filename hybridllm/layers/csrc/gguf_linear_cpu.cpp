@@ -526,7 +526,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
   if (is_x8_type(ggml_type)) {
     const float* xp = xc.data_ptr<float>();
     float* yp = y.data_ptr<float>();
-    const bool done = M < kQ8GemmMinRows ? x8_linear(ggml_type, xp, M, K, qw, N, yp)
+    const bool done = M < int8_gemm_min_rows(ggml_type) ? x8_linear(ggml_type, xp, M, K, qw, N, yp)
                                          : q8_gemm(ggml_type, xp, M, K, qw, N, yp);
     TORCH_CHECK(done, "gguf_linear: this build has no kernels for x8 weights (AVX512-VNNI)");
     return y;

@@ -55,6 +55,7 @@
 
 #include "gguf_blocks.h"
 #include "gguf_prefetch.h"
+#include "gguf_q8_linear.h"
 #include "gguf_q8_simd.h"
 
 namespace hybridllm_gguf {
@@ -84,6 +85,15 @@ void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* cod
                      int64_t unit_stride);
 
 bool x8_kernels_built();
+
+// From this many rows of x the int8 GEMM runs for weights of `type` instead of the few-rows
+// kernels: kQ8GemmMinRows, except Q2_K and Q3_K in x8 groups, whose kernels take a tile of 4
+// rows of x a group: on the 1B Q2_K file's gate (8192 x 2048, Q2_K) and down (2048 x 8192, Q3_K),
+// 2 threads, they took 0.64 / 0.53 of the GEMM's time at 8 rows, 0.95 / 0.81 at 12, 1.25 / 1.07
+// at 16.
+inline int64_t int8_gemm_min_rows(int64_t type) {
+  return is_x8_type(type) && is_code_block_type(x8_source_type(type)) ? 14 : kQ8GemmMinRows;
+}
 
 // Below this many (256-weight super-block x row of x) products one thread does it all.
 constexpr int64_t kX8SerialSuperBlocks = 256;

@@ -140,6 +140,24 @@ inline __m512i x_quads(const int8_t* chunk, int half) {
   const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   return _mm512_permutexvar_epi32(_mm512_add_epi32(halves, _mm512_set1_epi32(2 * half)), v);
 }
+
+// The inverse, for the int8 GEMM's unpacking: a 16-weight chunk's codes from the vectors of its
+// two halves (`low`, `high`: lane 8 h + r holds row r's codes 8 half + 4 h .. + 3) stored as
+// 16 bytes a row in weight order, row r at dst + r * stride.
+inline void store_chunk_rows(__m512i low, __m512i high, uint8_t* dst, int64_t stride) {
+  // output dword 4 i + k: row i's codes 4k .. 4k + 3 (rows 0-3; +4: 4-7)
+  const __m512i rows03 =
+      _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
+  const __m512i a = _mm512_permutex2var_epi32(low, rows03, high);
+  const __m512i b =
+      _mm512_permutex2var_epi32(low, _mm512_add_epi32(rows03, _mm512_set1_epi32(4)), high);
+  const __m128i parts[8] = {_mm512_castsi512_si128(a),       _mm512_extracti32x4_epi32(a, 1),
+                            _mm512_extracti32x4_epi32(a, 2), _mm512_extracti32x4_epi32(a, 3),
+                            _mm512_castsi512_si128(b),       _mm512_extracti32x4_epi32(b, 1),
+                            _mm512_extracti32x4_epi32(b, 2), _mm512_extracti32x4_epi32(b, 3)};
+  for (int r = 0; r < 8; ++r)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + r * stride), parts[r]);
+}
 #endif
 
 // Q2_K and Q3_K's groups (gguf_x8_code_cpu.cpp; source_type kQ2_K or kQ3_K): `nsb` super-blocks

@@ -313,10 +313,6 @@ constexpr RowWords kRowWords = row_words();
 template <int64_t kType>
 void unpack_for_gemm(const uint8_t* group, int64_t K, uint8_t* codes, int64_t code_stride,
                      float* scales, int16_t* min_codes, float* min_scales, int64_t unit_stride) {
-  // output dword 4 i + k: row i's codes 4k .. 4k + 3 of a 16-weight chunk (rows 0-3; +4: 4-7)
-  const __m512i rows03 =
-      _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
-  const __m512i rows47 = _mm512_add_epi32(rows03, _mm512_set1_epi32(4));
   // code + 128: Q2_K's q + 128, Q3_K's (q + 4 or q) + 124
   const __m512i bias = _mm512_set1_epi8(static_cast<char>(kType == kQ2_K ? 128 : 124));
   for (int64_t s = 0; s < K / 256; ++s) {
@@ -324,17 +320,10 @@ void unpack_for_gemm(const uint8_t* group, int64_t K, uint8_t* codes, int64_t co
     for (int p = 0; p < 8; ++p) {
       __m512i v[4];
       pair_codes<kType>(o, p, v);
-      for (int half = 0; half < 2; ++half) {  // chunk 2 p + half: fields 2 half, 2 half + 1
-        const __m512i a = _mm512_add_epi8(
-            _mm512_permutex2var_epi32(v[2 * half], rows03, v[2 * half + 1]), bias);
-        const __m512i b = _mm512_add_epi8(
-            _mm512_permutex2var_epi32(v[2 * half], rows47, v[2 * half + 1]), bias);
-        uint8_t* dst = codes + s * 256 + 16 * (2 * p + half);
-        alignas(64) uint8_t parts[128];
-        _mm512_store_si512(parts, a);
-        _mm512_store_si512(parts + 64, b);
-        for (int r = 0; r < 8; ++r) std::memcpy(dst + r * code_stride, parts + 16 * r, 16);
-      }
+      for (int f = 0; f < 4; ++f) v[f] = _mm512_add_epi8(v[f], bias);
+      for (int half = 0; half < 2; ++half)  // chunk 2 p + half: fields 2 half, 2 half + 1
+        store_chunk_rows(v[2 * half], v[2 * half + 1], codes + s * 256 + 16 * (2 * p + half),
+                         code_stride);
     }
     // the 128 scale bytes as 16 a row (unit order), rows 0-3 then 4-7: byte pair (units 2 p,
     // 2 p + 1) of row r is the group's word 8 p + r

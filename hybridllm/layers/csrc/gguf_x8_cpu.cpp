@@ -442,24 +442,11 @@ void x8_grouped_typed(const float* x, const int64_t* starts, int64_t groups, int
 template <int64_t kType>
 void x8_unpack_typed(const uint8_t* group, int64_t K, uint8_t* codes, int64_t code_stride,
                      float* scales, int16_t* min_codes, float* min_scales, int64_t unit_stride) {
-  // output dword 4 i + k: row i's codes 4k .. 4k + 3 of a 16-weight chunk (rows 0-3; +4: 4-7)
-  const __m512i rows03 =
-      _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
-  const __m512i rows47 = _mm512_add_epi32(rows03, _mm512_set1_epi32(4));
   for (int64_t s = 0; s < K / 256; ++s) {
     const uint8_t* o = group + s * kGroupBytes<kType>;
-    for (int q = 0; q < 16; ++q) {  // chunk q: weights 16 q .. 16 q + 15
-      const __m512i low = chunk_codes<kType>(o, q, 0), high = chunk_codes<kType>(o, q, 1);
-      const __m512i a = _mm512_permutex2var_epi32(low, rows03, high);
-      const __m512i b = _mm512_permutex2var_epi32(low, rows47, high);
-      uint8_t* dst = codes + s * 256 + 16 * q;
-      const __m128i parts[8] = {_mm512_castsi512_si128(a),    _mm512_extracti32x4_epi32(a, 1),
-                                _mm512_extracti32x4_epi32(a, 2), _mm512_extracti32x4_epi32(a, 3),
-                                _mm512_castsi512_si128(b),    _mm512_extracti32x4_epi32(b, 1),
-                                _mm512_extracti32x4_epi32(b, 2), _mm512_extracti32x4_epi32(b, 3)};
-      for (int r = 0; r < 8; ++r)
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + r * code_stride), parts[r]);
-    }
+    for (int q = 0; q < 16; ++q)  // chunk q: weights 16 q .. 16 q + 15
+      store_chunk_rows(chunk_codes<kType>(o, q, 0), chunk_codes<kType>(o, q, 1),
+                       codes + s * 256 + 16 * q, code_stride);
     for (int r = 0; r < 8; ++r) {
       const float d = half_to_float(load_u16(o + 2 * r));
       if constexpr (kType == kQ6_K) {

@@ -65,44 +65,66 @@ def config(layers: int, experts: int, vocab: int, bos: int, eos: int):
     return c
 
 
+class RandomLayer:
+    """Seeded bf16 tensors of one random layer, drawn from `g` in call order: linears
+    N(0, 1/fan_in), the projections back into the residual stream scaled down by
+    sqrt(2 * layers), norms `norm_offset` + N(0, 0.1) (1 for a norm applied as w, 0 as 1 + w).
+    `tensors` collects them by checkpoint name."""
+
+    def __init__(self, g, hidden: int, layers: int, norm_offset: float = 1.0):
+        self.g, self.hidden, self.norm_offset = g, hidden, norm_offset
+        self.resid = 1.0 / math.sqrt(2 * layers)
+        self.tensors: dict = {}
+
+    def randn(self, rows: int, cols: int, std: float):
+        import torch
+
+        return (torch.randn(rows, cols, generator=self.g) * std).to(torch.bfloat16)
+
+    def linear(self, rows: int, cols: int):
+        return self.randn(rows, cols, 1 / math.sqrt(cols))
+
+    def residual(self, rows: int, cols: int):
+        return self.randn(rows, cols, self.resid / math.sqrt(cols))
+
+    def norm(self, n: int):
+        import torch
+
+        return (self.norm_offset + 0.1 * torch.randn(n, generator=self.g)).to(torch.bfloat16)
+
+    def mlp(self, prefix: str, width: int) -> None:
+        """A gated MLP's gate, up and down projections under `prefix`."""
+        self.tensors[prefix + "gate_proj.weight"] = self.linear(width, self.hidden)
+        self.tensors[prefix + "up_proj.weight"] = self.linear(width, self.hidden)
+        self.tensors[prefix + "down_proj.weight"] = self.residual(self.hidden, width)
+
+
 def layer_tensors(i: int, layers: int, experts: int, g):
     """Layer `i`'s tensors, name -> bf16, in the checkpoint's names."""
     import torch
 
-    resid = 1.0 / math.sqrt(2 * layers)
-
-    def randn(rows: int, cols: int, std: float) -> torch.Tensor:
-        return (torch.randn(rows, cols, generator=g) * std).to(torch.bfloat16)
-
-    def norm(n: int) -> torch.Tensor:
-        return (1.0 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16)
-
+    rl = RandomLayer(g, HIDDEN, layers)
     p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-    t = {
-        p + "input_layernorm.weight": norm(HIDDEN),
-        p + "post_attention_layernorm.weight": norm(HIDDEN),
-        a + "q_a_proj.weight": randn(Q_RANK, HIDDEN, 1 / math.sqrt(HIDDEN)),
-        a + "q_a_layernorm.weight": norm(Q_RANK),
-        a + "q_b_proj.weight": randn(HEADS * (NOPE + ROPE), Q_RANK, 1 / math.sqrt(Q_RANK)),
-        a + "kv_a_proj_with_mqa.weight": randn(KV_RANK + ROPE, HIDDEN, 1 / math.sqrt(HIDDEN)),
-        a + "kv_a_layernorm.weight": norm(KV_RANK),
-        a + "kv_b_proj.weight": randn(HEADS * (NOPE + V), KV_RANK, 1 / math.sqrt(KV_RANK)),
-        a + "o_proj.weight": randn(HIDDEN, HEADS * V, resid / math.sqrt(HEADS * V)),
-    }
-
-    def mlp(prefix: str, width: int) -> None:
-        t[prefix + "gate_proj.weight"] = randn(width, HIDDEN, 1 / math.sqrt(HIDDEN))
-        t[prefix + "up_proj.weight"] = randn(width, HIDDEN, 1 / math.sqrt(HIDDEN))
-        t[prefix + "down_proj.weight"] = randn(HIDDEN, width, resid / math.sqrt(width))
-
+    rl.tensors.update({
+        p + "input_layernorm.weight": rl.norm(HIDDEN),
+        p + "post_attention_layernorm.weight": rl.norm(HIDDEN),
+        a + "q_a_proj.weight": rl.linear(Q_RANK, HIDDEN),
+        a + "q_a_layernorm.weight": rl.norm(Q_RANK),
+        a + "q_b_proj.weight": rl.linear(HEADS * (NOPE + ROPE), Q_RANK),
+        a + "kv_a_proj_with_mqa.weight": rl.linear(KV_RANK + ROPE, HIDDEN),
+        a + "kv_a_layernorm.weight": rl.norm(KV_RANK),
+        a + "kv_b_proj.weight": rl.linear(HEADS * (NOPE + V), KV_RANK),
+        a + "o_proj.weight": rl.residual(HIDDEN, HEADS * V),
+    })  # fmt: skip
+    t = rl.tensors
     if i == 0:
-        mlp(p + "mlp.", DENSE_WIDTH)
+        rl.mlp(p + "mlp.", DENSE_WIDTH)
         return t
-    t[p + "mlp.gate.weight"] = randn(experts, HIDDEN, 1 / math.sqrt(HIDDEN))
+    t[p + "mlp.gate.weight"] = rl.linear(experts, HIDDEN)
     t[p + "mlp.gate.e_score_correction_bias"] = (0.01 * torch.randn(experts, generator=g)).float()
-    mlp(p + "mlp.shared_experts.", EXPERT_WIDTH)
+    rl.mlp(p + "mlp.shared_experts.", EXPERT_WIDTH)
     for e in range(experts):
-        mlp(f"{p}mlp.experts.{e}.", EXPERT_WIDTH)
+        rl.mlp(f"{p}mlp.experts.{e}.", EXPERT_WIDTH)
     return t
 
 

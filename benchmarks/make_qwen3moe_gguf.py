@@ -19,12 +19,12 @@ Idempotent: each step is skipped when its output exists.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.make_deepseek_gguf import (  # noqa: E402
+    RandomLayer,
     convert_and_quantize,
     write_random_folder,
 )
@@ -52,34 +52,22 @@ def config(layers: int, vocab: int, bos: int, eos: int):
 
 def layer_tensors(i: int, layers: int, g):
     """Layer `i`'s tensors, name -> bf16, in the checkpoint's names."""
-    import torch
-
-    resid = 1.0 / math.sqrt(2 * layers)
-
-    def randn(rows: int, cols: int, std: float) -> torch.Tensor:
-        return (torch.randn(rows, cols, generator=g) * std).to(torch.bfloat16)
-
-    def norm(n: int) -> torch.Tensor:
-        return (1.0 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16)
-
+    rl = RandomLayer(g, HIDDEN, layers)
     p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-    t = {
-        p + "input_layernorm.weight": norm(HIDDEN),
-        p + "post_attention_layernorm.weight": norm(HIDDEN),
-        a + "q_proj.weight": randn(HEADS * HEAD_DIM, HIDDEN, 1 / math.sqrt(HIDDEN)),
-        a + "k_proj.weight": randn(KV_HEADS * HEAD_DIM, HIDDEN, 1 / math.sqrt(HIDDEN)),
-        a + "v_proj.weight": randn(KV_HEADS * HEAD_DIM, HIDDEN, 1 / math.sqrt(HIDDEN)),
-        a + "o_proj.weight": randn(HIDDEN, HEADS * HEAD_DIM, resid / math.sqrt(HEADS * HEAD_DIM)),
-        a + "q_norm.weight": norm(HEAD_DIM),
-        a + "k_norm.weight": norm(HEAD_DIM),
-        p + "mlp.gate.weight": randn(EXPERTS, HIDDEN, 1 / math.sqrt(HIDDEN)),
-    }
+    rl.tensors.update({
+        p + "input_layernorm.weight": rl.norm(HIDDEN),
+        p + "post_attention_layernorm.weight": rl.norm(HIDDEN),
+        a + "q_proj.weight": rl.linear(HEADS * HEAD_DIM, HIDDEN),
+        a + "k_proj.weight": rl.linear(KV_HEADS * HEAD_DIM, HIDDEN),
+        a + "v_proj.weight": rl.linear(KV_HEADS * HEAD_DIM, HIDDEN),
+        a + "o_proj.weight": rl.residual(HIDDEN, HEADS * HEAD_DIM),
+        a + "q_norm.weight": rl.norm(HEAD_DIM),
+        a + "k_norm.weight": rl.norm(HEAD_DIM),
+        p + "mlp.gate.weight": rl.linear(EXPERTS, HIDDEN),
+    })  # fmt: skip
     for e in range(EXPERTS):
-        x = f"{p}mlp.experts.{e}."
-        t[x + "gate_proj.weight"] = randn(EXPERT_WIDTH, HIDDEN, 1 / math.sqrt(HIDDEN))
-        t[x + "up_proj.weight"] = randn(EXPERT_WIDTH, HIDDEN, 1 / math.sqrt(HIDDEN))
-        t[x + "down_proj.weight"] = randn(HIDDEN, EXPERT_WIDTH, resid / math.sqrt(EXPERT_WIDTH))
-    return t
+        rl.mlp(f"{p}mlp.experts.{e}.", EXPERT_WIDTH)
+    return rl.tensors
 
 
 def make_folder(folder: Path, layers: int, seed: int = 0) -> Path:

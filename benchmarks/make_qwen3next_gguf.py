@@ -20,12 +20,12 @@ Idempotent: each step is skipped when its output exists.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.make_deepseek_gguf import (  # noqa: E402
+    RandomLayer,
     convert_and_quantize,
     write_random_folder,
 )
@@ -58,52 +58,40 @@ def layer_tensors(i: int, layers: int, g):
     """Layer `i`'s tensors, name -> bf16, in the checkpoint's names."""
     import torch
 
-    resid = 1.0 / math.sqrt(2 * layers)
-
-    def randn(rows: int, cols: int, std: float) -> torch.Tensor:
-        return (torch.randn(rows, cols, generator=g) * std).to(torch.bfloat16)
-
-    def norm(n: int) -> torch.Tensor:  # applied as 1 + w
-        return (0.1 * torch.randn(n, generator=g)).to(torch.bfloat16)
-
+    rl = RandomLayer(g, HIDDEN, layers, norm_offset=0.0)  # norms applied as 1 + w
     p = f"model.layers.{i}."
-    t = {
-        p + "input_layernorm.weight": norm(HIDDEN),
-        p + "post_attention_layernorm.weight": norm(HIDDEN),
-    }
+    t = rl.tensors
+    t.update({
+        p + "input_layernorm.weight": rl.norm(HIDDEN),
+        p + "post_attention_layernorm.weight": rl.norm(HIDDEN),
+    })  # fmt: skip
     if (i + 1) % 4:  # Gated DeltaNet
         a = p + "linear_attn."
         key, value = K_HEADS * K_DIM, V_HEADS * V_DIM
         t.update({
-            a + "in_proj_qkvz.weight": randn(2 * key + 2 * value, HIDDEN, 1 / math.sqrt(HIDDEN)),
-            a + "in_proj_ba.weight": randn(2 * V_HEADS, HIDDEN, 1 / math.sqrt(HIDDEN)),
+            a + "in_proj_qkvz.weight": rl.linear(2 * key + 2 * value, HIDDEN),
+            a + "in_proj_ba.weight": rl.linear(2 * V_HEADS, HIDDEN),
             a + "conv1d.weight": (torch.randn(2 * key + value, 1, CONV, generator=g) * 0.5).bfloat16(),
             a + "A_log": torch.log(torch.empty(V_HEADS).uniform_(1, 16, generator=g)).bfloat16(),
             a + "dt_bias": torch.ones(V_HEADS, dtype=torch.bfloat16),
             a + "norm.weight": (1.0 + 0.1 * torch.randn(V_DIM, generator=g)).bfloat16(),
-            a + "out_proj.weight": randn(HIDDEN, value, resid / math.sqrt(value)),
+            a + "out_proj.weight": rl.residual(HIDDEN, value),
         })  # fmt: skip
     else:  # gated full attention: q_proj gives each head's query and output gate
         a = p + "self_attn."
         t.update({
-            a + "q_proj.weight": randn(2 * HEADS * HEAD_DIM, HIDDEN, 1 / math.sqrt(HIDDEN)),
-            a + "k_proj.weight": randn(KV_HEADS * HEAD_DIM, HIDDEN, 1 / math.sqrt(HIDDEN)),
-            a + "v_proj.weight": randn(KV_HEADS * HEAD_DIM, HIDDEN, 1 / math.sqrt(HIDDEN)),
-            a + "o_proj.weight": randn(HIDDEN, HEADS * HEAD_DIM, resid / math.sqrt(HEADS * HEAD_DIM)),
-            a + "q_norm.weight": norm(HEAD_DIM),
-            a + "k_norm.weight": norm(HEAD_DIM),
+            a + "q_proj.weight": rl.linear(2 * HEADS * HEAD_DIM, HIDDEN),
+            a + "k_proj.weight": rl.linear(KV_HEADS * HEAD_DIM, HIDDEN),
+            a + "v_proj.weight": rl.linear(KV_HEADS * HEAD_DIM, HIDDEN),
+            a + "o_proj.weight": rl.residual(HIDDEN, HEADS * HEAD_DIM),
+            a + "q_norm.weight": rl.norm(HEAD_DIM),
+            a + "k_norm.weight": rl.norm(HEAD_DIM),
         })  # fmt: skip
-
-    def mlp(prefix: str, width: int) -> None:
-        t[prefix + "gate_proj.weight"] = randn(width, HIDDEN, 1 / math.sqrt(HIDDEN))
-        t[prefix + "up_proj.weight"] = randn(width, HIDDEN, 1 / math.sqrt(HIDDEN))
-        t[prefix + "down_proj.weight"] = randn(HIDDEN, width, resid / math.sqrt(width))
-
-    t[p + "mlp.gate.weight"] = randn(EXPERTS, HIDDEN, 1 / math.sqrt(HIDDEN))
-    t[p + "mlp.shared_expert_gate.weight"] = randn(1, HIDDEN, 1 / math.sqrt(HIDDEN))
-    mlp(p + "mlp.shared_expert.", SHARED_WIDTH)
+    t[p + "mlp.gate.weight"] = rl.linear(EXPERTS, HIDDEN)
+    t[p + "mlp.shared_expert_gate.weight"] = rl.linear(1, HIDDEN)
+    rl.mlp(p + "mlp.shared_expert.", SHARED_WIDTH)
     for e in range(EXPERTS):
-        mlp(f"{p}mlp.experts.{e}.", EXPERT_WIDTH)
+        rl.mlp(f"{p}mlp.experts.{e}.", EXPERT_WIDTH)
     return t
 
 

@@ -51,22 +51,29 @@ constexpr bool code_block_mins() {
 // its super-block's -dmin, so their products with x's unit sums add up in integers, a super-block at
 // a time: 4 vpdpwssd where float mins took 8 FMAs. Code-block types: their signed codes + 128,
 // d * scale a unit, and their integer mins (if any) times dmin as the K-quants' are.
+// Q2_K and Q3_K (kScaledCodes): each code already times its 16-weight unit's integer scale
+// (scale_codes, gguf_x8.h), so the float scale is one a super-block (kUnit 256) and Q2_K's
+// integer mins keep units of their own (kMinUnit 16); Q3_K's products are 128 - scale * q.
 template <int64_t kType>
 struct GemmType {
   static constexpr bool kCodeBlocks = is_code_block_type(kType);
-  static constexpr int64_t kUnit = kType == kQ6_K || kCodeBlocks ? 16 : 32;
+  static constexpr bool kScaledCodes = kType == kQ2_K || kType == kQ3_K;
+  static constexpr int64_t kUnit = kScaledCodes                       ? 256
+                                   : kType == kQ6_K || kCodeBlocks ? 16
+                                                                   : 32;
   static constexpr int64_t kGroup = q8_group(kType);
   static constexpr bool kCodeMins = kType == kQ4_K || kType == kQ5_K || code_block_mins<kType>();
+  static constexpr int64_t kMinUnit = kScaledCodes ? 16 : kUnit;  // weights an integer min
   static constexpr bool kFloatMins = has_block_min(kType);
   // Q8_0's, IQ4_NL's, MXFP4's and the code blocks' signed weights as unsigned codes w + 128
+  // (Q2_K's scaled codes are unsigned as they are)
   static constexpr int32_t kOffset =
       kType == kQ4_0                                                  ? 8
       : kType == kQ5_0                                                ? 16
+      : kType == kQ2_K                                                ? 0
       : kType == kQ8_0 || is_table_nibble_type(kType) || kCodeBlocks ? 128
-      : kType == kQ6_K                                     ? 32
-                                                           : 0;
-  // both an offset and integer mins: the unit sums' pairs for the mins in a region of their own
-  static constexpr bool kSeparatePairs = kCodeMins && kOffset != 0;
+      : kType == kQ6_K                                                ? 32
+                                                                      : 0;
 };
 
 // Weight rows a micro-kernel call, so that its accumulators stay in registers: with groups of
@@ -74,14 +81,16 @@ struct GemmType {
 // live in the output tile); else 8 / kH, with integer sums, the totals and the temporaries of
 // the unit's scale, min and x scale.
 template <int64_t kType, int kH>
-constexpr int kCols = (GemmType<kType>::kGroup > GemmType<kType>::kUnit ? 12 : 8) / kH;
+constexpr int kCols =
+    (GemmType<kType>::kGroup > GemmType<kType>::kUnit || GemmType<kType>::kScaledCodes ? 12 : 8) /
+    kH;
 
 // Rows of x in tiles of R = kTileRows rows: tile t's int8 values [K / 4][R][4] (4 consecutive
 // values of each row a 32-bit lane, rows past M zero), its scales [K / kGroup][R] and, per unit
-// of weights, what the weights' offset or min multiplies: [K / kUnit][R] of int32
-// -kOffset * sum(q) (kOffset) or float sum(q) (Q4_1, Q5_1), and (kCodeMins) [K / kUnit / 2][R] of
-// the int16 pairs (sum(q) of unit 2i, of unit 2i + 1), in `pairs`: `unit` itself where the type
-// has no offset (both tile t's at t * K / kUnit * R 32-bit words).
+// of weights, what the weights' offset or min multiplies: in `unit`, [K / kUnit][R] of int32
+// -kOffset * sum(q) (kOffset) or float sum(q) (Q4_1, Q5_1) (tile t's at t * K / kUnit * R
+// 32-bit words), and (kCodeMins) in `pairs`, [K / kMinUnit / 2][R] of the int16 pairs (sum(q) of
+// min unit 2i, of min unit 2i + 1) (tile t's at t * K / kMinUnit / 2 * R).
 struct PackedX {
   const int8_t* q;
   const float* d;
@@ -100,12 +109,14 @@ inline int32_t sum32(const int8_t* q) {
 }
 
 // Sum of q over unit u of kUnit values: from the 16-value sums a 256-value group's quantization
-// keeps (bsums: K-quants, the only types with 16-value units), else added up.
+// keeps (bsums: K-quants, the only types with units other than 32), else added up.
 template <int64_t kUnit>
 inline int32_t unit_sum(const Q8Rows& row, int64_t u) {
-  static_assert(kUnit == 16 || kUnit == 32);
-  if (row.bsums == nullptr) return sum32(row.q + 32 * u);
-  return kUnit == 16 ? row.bsums[u] : row.bsums[2 * u] + row.bsums[2 * u + 1];
+  static_assert(kUnit % 16 == 0 && kUnit <= 256);
+  if (kUnit == 32 && row.bsums == nullptr) return sum32(row.q + 32 * u);
+  int32_t sum = 0;
+  for (int64_t j = 0; j < kUnit / 16; ++j) sum += row.bsums[kUnit / 16 * u + j];
+  return sum;
 }
 
 template <int64_t kType, int kH>
@@ -114,14 +125,15 @@ PackedX pack_x(const Q8Rows& rows, int64_t M, int64_t K, std::vector<uint8_t>& b
   constexpr int64_t kTileRows = hybridllm_gguf::kTileRows<kH>;
   const int64_t tiles = (M + kTileRows - 1) / kTileRows;
   const int64_t groups = K / T::kGroup, units = K / T::kUnit;
+  const int64_t pairs_a_row = T::kCodeMins ? K / T::kMinUnit / 2 : 0;
   const int64_t q_bytes = tiles * K * kTileRows, d_bytes = tiles * groups * kTileRows * 4;
   const int64_t unit_bytes = tiles * units * kTileRows * 4;
-  buffer.resize(q_bytes + d_bytes + (T::kSeparatePairs ? 2 : 1) * unit_bytes + 64);
+  buffer.resize(q_bytes + d_bytes + unit_bytes + tiles * pairs_a_row * kTileRows * 4 + 64);
   uint8_t* base = buffer.data() + (64 - reinterpret_cast<uintptr_t>(buffer.data()) % 64) % 64;
   int8_t* q = reinterpret_cast<int8_t*>(base);
   float* d = reinterpret_cast<float*>(base + q_bytes);
   uint8_t* unit = base + q_bytes + d_bytes;
-  uint8_t* pair_base = T::kSeparatePairs ? unit + unit_bytes : unit;
+  uint8_t* pair_base = unit + unit_bytes;
   // one task a half tile: 16 rows of x, whose 4-value dwords a 16 x 16 transpose interleaves
   at::parallel_for(0, tiles * kH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
@@ -130,7 +142,7 @@ PackedX pack_x(const Q8Rows& rows, int64_t M, int64_t K, std::vector<uint8_t>& b
       int8_t* qt = q + t * K * kTileRows + 4 * i0;
       float* dt = d + t * groups * kTileRows + i0;
       int32_t* ut = reinterpret_cast<int32_t*>(unit) + t * units * kTileRows + i0;
-      int32_t* pt = reinterpret_cast<int32_t*>(pair_base) + t * units * kTileRows + i0;
+      int32_t* pt = reinterpret_cast<int32_t*>(pair_base) + t * pairs_a_row * kTileRows + i0;
       const int8_t* src[16];
       for (int i = 0; i < 16; ++i) src[i] = i < live ? rows.row(r0 + i).q : nullptr;
       int64_t k = 0;
@@ -154,18 +166,19 @@ PackedX pack_x(const Q8Rows& rows, int64_t M, int64_t K, std::vector<uint8_t>& b
       for (int i = 0; i < 16; ++i) {
         if (!src[i]) {
           for (int64_t g = 0; g < groups; ++g) dt[g * kTileRows + i] = 0.f;
-          for (int64_t u = 0; u < units; ++u) ut[u * kTileRows + i] = pt[u * kTileRows + i] = 0;
+          for (int64_t u = 0; u < units; ++u) ut[u * kTileRows + i] = 0;
+          for (int64_t p = 0; p < pairs_a_row; ++p) pt[p * kTileRows + i] = 0;
           continue;
         }
         const Q8Rows row = rows.row(r0 + i);
         for (int64_t g = 0; g < groups; ++g) dt[g * kTileRows + i] = row.d[g];
         if constexpr (T::kCodeMins) {  // |sum| <= 32 * 127: an int16
           int16_t* pairs = reinterpret_cast<int16_t*>(pt);
-          for (int64_t u = 0; u < units; ++u)
+          for (int64_t u = 0; u < 2 * pairs_a_row; ++u)
             pairs[2 * ((u / 2) * kTileRows + i) + u % 2] =
-                static_cast<int16_t>(unit_sum<T::kUnit>(row, u));
-          if constexpr (!T::kSeparatePairs) continue;
+                static_cast<int16_t>(unit_sum<T::kMinUnit>(row, u));
         }
+        if constexpr (T::kOffset == 0 && !T::kFloatMins) continue;
         for (int64_t u = 0; u < units; ++u) {
           const int32_t sum = unit_sum<T::kUnit>(row, u);
           if constexpr (T::kFloatMins) {
@@ -182,9 +195,9 @@ PackedX pack_x(const Q8Rows& rows, int64_t M, int64_t K, std::vector<uint8_t>& b
 }
 
 // A panel of weight rows unpacked: codes [rows][K], and per unit of kUnit weights scales
-// [rows][units] and mins: Q4_1's and Q5_1's [rows][units]; a K-quant's 6-bit codes min_codes
-// [rows][units] and -dmin in mins [rows][super-blocks]. Rows `units` apart; rows past N have
-// zero codes and scales.
+// [rows][K / kUnit] and mins: Q4_1's and Q5_1's [rows][K / kUnit]; a K-quant's integer mins
+// min_codes [rows][K / kMinUnit] and -dmin in mins [rows][super-blocks]. Rows `units` apart (at
+// least K / kMinUnit); rows past N have zero codes and scales.
 struct Panel {
   uint8_t* codes;
   float* scales;
@@ -199,19 +212,27 @@ void unpack_row(const uint8_t* row, int64_t K, uint8_t* codes, float* scales, fl
   using S = Avx512Vnni;
   const int64_t nb = K / kBlock;
   if constexpr (is_code_block_type(kType)) {
-    // codes + 128; d * scale a unit; the integer mins as they are and dmin a super-block
+    // codes + 128; d * scale a unit (Q2_K, Q3_K: scaled codes and d or -d a super-block); the
+    // integer mins as they are and dmin a super-block
     constexpr int64_t kSuper = gguf_type_info(kType).unit_bytes;
     CodeBlock cb;
     for (int64_t sb = 0; sb < K / kCodeBlockWeights; ++sb) {
       CodeBlockDecoder<kType>::decode(row + sb * kSuper, &cb);
+      uint8_t* super_codes = codes + sb * kCodeBlockWeights;
       for (int z = 0; z < 4; ++z)
-        _mm512_storeu_si512(codes + sb * kCodeBlockWeights + 64 * z,
+        _mm512_storeu_si512(super_codes + 64 * z,
                             _mm512_xor_si512(_mm512_load_si512(cb.codes + 64 * z),
                                              _mm512_set1_epi8(static_cast<char>(0x80))));
-      const __m256i unit_scales = _mm256_load_si256(reinterpret_cast<const __m256i*>(cb.scales));
-      _mm512_storeu_ps(scales + 16 * sb,
-                       _mm512_mul_ps(_mm512_set1_ps(cb.d),
-                                     _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(unit_scales))));
+      if constexpr (GemmType<kType>::kScaledCodes) {
+        scale_codes<kType>(super_codes, cb.scales);
+        scales[sb] = kType == kQ3_K ? -cb.d : cb.d;
+      } else {
+        const __m256i unit_scales =
+            _mm256_load_si256(reinterpret_cast<const __m256i*>(cb.scales));
+        _mm512_storeu_ps(scales + 16 * sb,
+                         _mm512_mul_ps(_mm512_set1_ps(cb.d),
+                                       _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(unit_scales))));
+      }
       if constexpr (GemmType<kType>::kCodeMins) {
         std::memcpy(min_codes + 16 * sb, cb.mins, sizeof(cb.mins));
         mins[sb] = cb.dmin;
@@ -287,7 +308,8 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
   const int8_t* xq = x.q + t * K * kTileRows;
   const float* xd = x.d + t * groups * kTileRows;
   const int32_t* xu = static_cast<const int32_t*>(x.unit) + t * units * kTileRows;
-  const int32_t* xp = x.pairs + t * units * kTileRows;
+  constexpr int64_t pairs_a_group = T::kGroup / T::kMinUnit / 2;
+  const int32_t* xp = x.pairs + t * groups * pairs_a_group * kTileRows;
   const uint8_t* codes[kCols];
   const float *scales[kCols], *mins[kCols];
   const int16_t* min_codes[kCols];
@@ -298,8 +320,8 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
     min_codes[c] = w.min_codes + (c0 + c) * w.units;
   }
   // The totals: in registers where a group is one unit (Q4_0, Q4_1, Q8_0: part is then only a
-  // temporary), else in out (L1), updated once a group.
-  constexpr bool kTotalsInRegisters = kUnitsPerGroup == 1;
+  // temporary), else in out (L1), updated once a group (as for the scaled codes' 12 columns).
+  constexpr bool kTotalsInRegisters = kUnitsPerGroup == 1 && !T::kScaledCodes;
   __m512 acc[kCols][kH];
   for (int c = 0; c < kCols; ++c)
     for (int h = 0; h < kH; ++h) acc[c][h] = _mm512_setzero_ps();
@@ -313,7 +335,7 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
       __m512i min_sum[kCols][kH];
       for (int c = 0; c < kCols; ++c)
         for (int h = 0; h < kH; ++h) min_sum[c][h] = _mm512_setzero_si512();
-      for (int64_t p = g * kUnitsPerGroup / 2; p < (g + 1) * kUnitsPerGroup / 2; ++p) {
+      for (int64_t p = g * pairs_a_group; p < (g + 1) * pairs_a_group; ++p) {
         __m512i pairs[kH];
         for (int h = 0; h < kH; ++h) pairs[h] = _mm512_load_si512(xp + p * kTileRows + 16 * h);
         for (int c = 0; c < kCols; ++c) {
@@ -422,7 +444,7 @@ void q8_gemm_typed(const float* x, int64_t M, int64_t K, const uint8_t* qw, int6
   const Q8Rows rows = quantize_rows<T::kGroup>(x, M, K, quantized);
   const PackedX px = pack_x<kType, kH>(rows, M, K, packed);
   constexpr int64_t kWeightType = kX8 ? x8_type_of(kType) : kType;
-  const int64_t row_bytes = row_bytes_of(kWeightType, K), units = K / T::kUnit;
+  const int64_t row_bytes = row_bytes_of(kWeightType, K);
   // rows a panel: a multiple of kCols (and of an x8 group), at least one micro-kernel's
   constexpr int64_t kStep = kX8 ? std::lcm<int64_t>(kX8GroupRows, kCols) : kCols;
   const int64_t threads = at::get_num_threads();
@@ -433,7 +455,7 @@ void q8_gemm_typed(const float* x, int64_t M, int64_t K, const uint8_t* qw, int6
   const int64_t panel_rows = std::max<int64_t>(1, kPanelCodeBytes / K / kStep) * kStep;
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     // block_scales writes whole 16-wide vectors: a row's scales and mins padded to 16
-    const int64_t units_padded = (units + 15) / 16 * 16 + 16;
+    const int64_t units_padded = (K / T::kMinUnit + 15) / 16 * 16 + 16;
     thread_local std::vector<uint8_t> codes_buffer;
     thread_local std::vector<float> scale_buffer;
     codes_buffer.resize(panel_rows * K + 64);

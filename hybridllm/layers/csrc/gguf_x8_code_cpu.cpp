@@ -308,8 +308,9 @@ constexpr RowWords row_words() {
 }
 constexpr RowWords kRowWords = row_words();
 
-// The group's 8 rows as the int8 GEMM unpacks a code-block row (gguf_q8_gemm_cpu.cpp): codes +
-// 128, d * scale a unit, Q2_K's 4-bit mins as they are and -dmin a super-block.
+// The group's 8 rows as the int8 GEMM unpacks a Q2_K / Q3_K row (gguf_q8_gemm_cpu.cpp): the
+// scaled codes (scale_codes), d or -d a super-block, Q2_K's 4-bit mins as they are and -dmin a
+// super-block.
 template <int64_t kType>
 void unpack_for_gemm(const uint8_t* group, int64_t K, uint8_t* codes, int64_t code_stride,
                      float* scales, int16_t* min_codes, float* min_scales, int64_t unit_stride) {
@@ -351,9 +352,12 @@ void unpack_for_gemm(const uint8_t* group, int64_t K, uint8_t* codes, int64_t co
       } else {
         unit_scales = _mm512_cvtepi8_epi32(bytes);  // scale - 32
       }
-      _mm512_storeu_ps(scales + r * unit_stride + 16 * s,
-                       _mm512_mul_ps(_mm512_set1_ps(half_to_float(load_u16(o + 2 * r))),
-                                     _mm512_cvtepi32_ps(unit_scales)));
+      alignas(32) int16_t row_scales[16];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(row_scales),
+                         _mm512_cvtepi32_epi16(unit_scales));
+      scale_codes<kType>(codes + r * code_stride + s * 256, row_scales);
+      const float d = half_to_float(load_u16(o + 2 * r));
+      scales[r * unit_stride + s] = kType == kQ3_K ? -d : d;
     }
   }
 }

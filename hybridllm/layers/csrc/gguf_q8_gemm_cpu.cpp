@@ -329,9 +329,11 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
     for (int i = 0; i < kCols * kTileRows; i += 16) _mm512_store_ps(out + i, _mm512_setzero_ps());
   for (int64_t g = 0; g < groups; ++g) {
     __m512 part[kCols][kH];  // this group's sums in units of x's scale
-    if constexpr (T::kCodeMins) {
-      // the mins' share to start with: -dmin * sum over units of m * sum(q), the products of
-      // two units at a time (vpdpwssd) added in integers (|total| < 8 * 63 * 32 * 127)
+    // The mins' share: -dmin * sum over min units of m * sum(q), the products of two units at a
+    // time (vpdpwssd) added in integers (|total| < 8 * 63 * 32 * 127). First for the K-quants;
+    // after the codes for the scaled codes, whose loop over a whole group then keeps only its
+    // sums live (with part live too, GCC copied every sum between registers each step).
+    const auto add_mins = [&](auto first) {
       __m512i min_sum[kCols][kH];
       for (int c = 0; c < kCols; ++c)
         for (int h = 0; h < kH; ++h) min_sum[c][h] = _mm512_setzero_si512();
@@ -348,9 +350,17 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
       }
       for (int c = 0; c < kCols; ++c) {
         const __m512 min_scale = _mm512_set1_ps(mins[c][g]);
-        for (int h = 0; h < kH; ++h)
-          part[c][h] = _mm512_mul_ps(_mm512_cvtepi32_ps(min_sum[c][h]), min_scale);
+        for (int h = 0; h < kH; ++h) {
+          const __m512 share = _mm512_cvtepi32_ps(min_sum[c][h]);
+          if constexpr (decltype(first)::value)
+            part[c][h] = _mm512_mul_ps(share, min_scale);
+          else
+            part[c][h] = _mm512_fmadd_ps(share, min_scale, part[c][h]);
+        }
       }
+    };
+    if constexpr (T::kCodeMins && !T::kScaledCodes) {
+      add_mins(std::true_type{});
     } else {
       for (int c = 0; c < kCols; ++c)
         for (int h = 0; h < kH; ++h) part[c][h] = _mm512_setzero_ps();
@@ -363,26 +373,33 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
                                               : _mm512_setzero_si512();
         for (int c = 0; c < kCols; ++c) sum[c][h] = start;
       }
-      // a compile-time trip count: written as k from u * kUnit to (u + 1) * kUnit the loop got a
-      // remainder dispatch and register copies around it every unit
-      const int64_t k0 = u * T::kUnit;
+      // Compile-time trip counts of at most 8 steps, unrolled whole: written as k from u * kUnit
+      // to (u + 1) * kUnit the loop got a remainder dispatch and register copies around it every
+      // unit, and a 64-step loop (the scaled codes' 256) was not unrolled and copied every sum
+      // between two registers each step.
+      constexpr int64_t kStretch = std::min<int64_t>(T::kUnit, 32);
+      for (int64_t k0 = u * T::kUnit; k0 < (u + 1) * T::kUnit; k0 += kStretch) {
 #pragma GCC unroll 8
-      for (int kk = 0; kk < T::kUnit; kk += 4) {
-        const int64_t k = k0 + kk;
-        __m512i xv[kH];
-        for (int h = 0; h < kH; ++h)  // once for the kCols rows
-          xv[h] = in_register(_mm512_load_si512(xq + k * kTileRows + 64 * h));
-        for (int c = 0; c < kCols; ++c) {
-          int32_t four;
-          std::memcpy(&four, codes[c] + k, 4);
-          const __m512i wv = _mm512_set1_epi32(four);
-          for (int h = 0; h < kH; ++h) sum[c][h] = _mm512_dpbusd_epi32(sum[c][h], wv, xv[h]);
+        for (int kk = 0; kk < kStretch; kk += 4) {
+          const int64_t k = k0 + kk;
+          __m512i xv[kH];
+          for (int h = 0; h < kH; ++h)  // once for the kCols rows
+            xv[h] = in_register(_mm512_load_si512(xq + k * kTileRows + 64 * h));
+          for (int c = 0; c < kCols; ++c) {
+            int32_t four;
+            std::memcpy(&four, codes[c] + k, 4);
+            const __m512i wv = _mm512_set1_epi32(four);
+            for (int h = 0; h < kH; ++h) sum[c][h] = _mm512_dpbusd_epi32(sum[c][h], wv, xv[h]);
+          }
         }
       }
       for (int c = 0; c < kCols; ++c) {
         const __m512 scale = _mm512_set1_ps(scales[c][u]);
-        for (int h = 0; h < kH; ++h)
-          part[c][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[c][h]), scale, part[c][h]);
+        for (int h = 0; h < kH; ++h) {
+          const __m512 total = _mm512_cvtepi32_ps(sum[c][h]);
+          part[c][h] = T::kScaledCodes ? _mm512_mul_ps(total, scale)
+                                       : _mm512_fmadd_ps(total, scale, part[c][h]);
+        }
         if constexpr (T::kFloatMins) {
           const __m512 min = _mm512_set1_ps(mins[c][u]);
           for (int h = 0; h < kH; ++h)
@@ -392,6 +409,7 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
         }
       }
     }
+    if constexpr (T::kScaledCodes && T::kCodeMins) add_mins(std::false_type{});
     for (int h = 0; h < kH; ++h) {
       const __m512 dx = _mm512_load_ps(xd + g * kTileRows + 16 * h);
       for (int c = 0; c < kCols; ++c) {

@@ -78,8 +78,8 @@ bool x8_linear_grouped(int64_t type, const float* x, const int64_t* starts, int6
 // Group `group`'s 8 rows unpacked for the int8 GEMM, as its source type's unpack gives them:
 // codes [8][K] (rows `code_stride` apart); Q4_K / Q5_K: scales d * sc and 6-bit min codes m
 // [8][K / 32], and min scales -dmin [8][K / 256]; Q6_K: scales d * scale [8][K / 16], no mins;
-// Q2_K / Q3_K: the scaled codes (scale_codes), scales d or -d [8][K / 256], and Q2_K's 4-bit min
-// codes [8][K / 16] and -dmin [8][K / 256] (rows `unit_stride` apart).
+// Q2_K / Q3_K: the scaled codes (the GEMM's scale_codes), scales d or -d [8][K / 256], and
+// Q2_K's 4-bit min codes [8][K / 16] and -dmin [8][K / 256] (rows `unit_stride` apart).
 void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* codes,
                      int64_t code_stride, float* scales, int16_t* min_codes, float* min_scales,
                      int64_t unit_stride);
@@ -157,27 +157,6 @@ inline void store_chunk_rows(__m512i low, __m512i high, uint8_t* dst, int64_t st
                             _mm512_extracti32x4_epi32(b, 2), _mm512_extracti32x4_epi32(b, 3)};
   for (int r = 0; r < 8; ++r)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + r * stride), parts[r]);
-}
-
-// The int8 GEMM's codes for Q2_K and Q3_K (kType): a super-block's 256 codes + 128 rewritten in
-// place as one unsigned byte a weight that carries its 16-weight unit's integer scale too: Q2_K's
-// scale * q (scale 0..15, q 0..3: at most 45), Q3_K's 128 - scale * q (scale -32..31, q -4..3:
-// 0..252). A super-block's products with x then add up in integers and meet one float scale,
-// d (Q2_K) or -d (Q3_K), instead of a conversion and an FMA every 16 weights.
-template <int64_t kType>
-inline void scale_codes(uint8_t* codes, const int16_t* unit_scales) {
-  static_assert(kType == kQ2_K || kType == kQ3_K);
-  for (int j = 0; j < 8; ++j) {  // units 2 j and 2 j + 1
-    uint8_t* two = codes + 32 * j;
-    const __m512i q = _mm512_sub_epi16(
-        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(two))),
-        _mm512_set1_epi16(128));
-    const __m512i scale = _mm512_inserti64x4(_mm512_set1_epi16(unit_scales[2 * j]),
-                                             _mm256_set1_epi16(unit_scales[2 * j + 1]), 1);
-    __m512i product = _mm512_mullo_epi16(q, scale);
-    if constexpr (kType == kQ3_K) product = _mm512_sub_epi16(_mm512_set1_epi16(128), product);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(two), _mm512_cvtepi16_epi8(product));
-  }
 }
 #endif
 

@@ -169,6 +169,28 @@ inline void q3_scales(const uint8_t* o, __m512i* lo, __m512i* hi) {
       _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), nibble), top_bits(2)), bias);
 }
 
+// Unit pair p's integer scales as int16 pairs (unit 2 p's, 2 p + 1's) of rows 0-7, twice (words
+// 2 r and 2 r + 1 of each 256-bit half), and Q2_K's 4-bit mins alike in *mins. Q3_K's from
+// q3_scales' lo and hi.
+template <int64_t kType>
+inline __m512i pair_scales(const uint8_t* o, int p, __m512i scale_lo, __m512i scale_hi,
+                           __m512i* mins) {
+  if constexpr (kType == kQ2_K) {
+    const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 32 + 16 * p))));
+    *mins = _mm512_srli_epi16(bytes, 4);
+    return _mm512_and_si512(bytes, _mm512_set1_epi16(15));
+  } else {
+    (void)o, (void)mins;
+    // the 16 bytes of unit pair p (128-bit lane p % 4 of its half), twice
+    const __m512i lane = _mm512_permutexvar_epi32(
+        _mm512_add_epi32(_mm512_set1_epi32(4 * (p % 4)),
+                         _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3)),
+        p < 4 ? scale_lo : scale_hi);
+    return _mm512_cvtepi8_epi16(_mm512_castsi512_si256(lane));
+  }
+}
+
 // Rows of x a tile: each group super-block's codes are unpacked once for all of them. On the 1B
 // Q2_K file's gate (8192 x 2048), 4 rows took 2.8 times one row's time a row at a time.
 constexpr int kTileRows = 4;
@@ -192,7 +214,7 @@ void code_group_tile(const Q8Rows& x, int64_t K, const uint8_t* wg, float* y, in
       if (ahead < prefetch.stop)
         for (int64_t b = 0; b < kBytes; b += 64) prefetch_line(ahead + b, prefetch.streaming);
     }
-    __m512i scale_lo, scale_hi;
+    __m512i scale_lo = _mm512_setzero_si512(), scale_hi = scale_lo;
     if constexpr (kType == kQ3_K) q3_scales(o, &scale_lo, &scale_hi);
     __m512i sums[kRows], min_sums[kRows];
     for (int r = 0; r < kRows; ++r) sums[r] = min_sums[r] = _mm512_setzero_si512();
@@ -200,20 +222,8 @@ void code_group_tile(const Q8Rows& x, int64_t K, const uint8_t* wg, float* y, in
     for (int p = 0; p < 8; ++p) {  // units (chunks) 2 p, 2 p + 1
       __m512i v[4];
       pair_codes<kType>(o, p, v);
-      __m512i scales, mins;  // int16 pairs (unit 2 p's, 2 p + 1's) of rows 0-7, twice
-      if constexpr (kType == kQ2_K) {
-        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 32 + 16 * p))));
-        scales = _mm512_and_si512(bytes, _mm512_set1_epi16(15));
-        mins = _mm512_srli_epi16(bytes, 4);
-      } else {
-        // the 16 bytes of unit pair p (128-bit lane p % 4 of its half), twice
-        const __m512i lane = _mm512_permutexvar_epi32(
-            _mm512_add_epi32(_mm512_set1_epi32(4 * (p % 4)),
-                             _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3)),
-            p < 4 ? scale_lo : scale_hi);
-        scales = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(lane));
-      }
+      __m512i mins;
+      const __m512i scales = pair_scales<kType>(o, p, scale_lo, scale_hi, &mins);
       for (int r = 0; r < kRows; ++r) {
         const Q8Rows xr = x.row(r);
         const int16_t* bsums = xr.bsums + 16 * s;  // x's sum over each 16-value unit
@@ -308,54 +318,72 @@ constexpr RowWords row_words() {
 }
 constexpr RowWords kRowWords = row_words();
 
+// One field's codes (pair_codes) as the int8 GEMM's scaled codes (gguf_q8_gemm_cpu.cpp's
+// scale_codes), in the kernel's lanes: `scale` holds each 32-bit lane's row's unit scale in both of its words. Q2_K's s * q
+// (at most 45) stays in its byte, so one 16-bit product serves a word's two codes; Q3_K's
+// 128 - s * (v - 4) = 128 + 4 s - s * v (v = q + 4) is exact in bytes taken mod 256, the odd
+// bytes multiplied apart so that no borrow crosses from the even ones.
+template <int64_t kType>
+inline __m512i scaled_field(__m512i v, __m512i scale) {
+  if constexpr (kType == kQ2_K) {
+    return _mm512_mullo_epi16(v, scale);
+  } else {
+    const __m512i base = _mm512_add_epi16(_mm512_slli_epi16(scale, 2), _mm512_set1_epi16(128));
+    const __m512i even = _mm512_sub_epi16(base, _mm512_mullo_epi16(v, scale));
+    const __m512i odd = _mm512_sub_epi16(base, _mm512_mullo_epi16(_mm512_srli_epi16(v, 8), scale));
+    // even's low bytes, odd's low bytes moved up
+    return _mm512_mask_blend_epi8(0xAAAAAAAAAAAAAAAAull, even, _mm512_slli_epi16(odd, 8));
+  }
+}
+
 // The group's 8 rows as the int8 GEMM unpacks a Q2_K / Q3_K row (gguf_q8_gemm_cpu.cpp): the
-// scaled codes (scale_codes), d or -d a super-block, Q2_K's 4-bit mins as they are and -dmin a
-// super-block.
+// scaled codes (as scale_codes makes them), d or -d a super-block, Q2_K's 4-bit mins as they are
+// and -dmin a super-block. The codes are scaled in the kernel's lanes, 8 rows at a time: row by
+// row after they were stored (scale_codes) the unpacking took as long as a 16-row tile's
+// products.
 template <int64_t kType>
 void unpack_for_gemm(const uint8_t* group, int64_t K, uint8_t* codes, int64_t code_stride,
                      float* scales, int16_t* min_codes, float* min_scales, int64_t unit_stride) {
-  // code + 128: Q2_K's q + 128, Q3_K's (q + 4 or q) + 124
-  const __m512i bias = _mm512_set1_epi8(static_cast<char>(kType == kQ2_K ? 128 : 124));
+  // word w of a 32-bit lane's unit scale: pair_scales' word 2 (lane % 8) + unit (0: 2 p,
+  // 1: 2 p + 1)
+  alignas(64) int16_t unit_words[2][32];
+  for (int w = 0; w < 32; ++w)
+    for (int j = 0; j < 2; ++j) unit_words[j][w] = static_cast<int16_t>(2 * ((w / 2) % 8) + j);
+  const __m512i first_unit = _mm512_load_si512(unit_words[0]);
+  const __m512i second_unit = _mm512_load_si512(unit_words[1]);
   for (int64_t s = 0; s < K / 256; ++s) {
     const uint8_t* o = group + s * kGroupBytes<kType>;
+    __m512i scale_lo = _mm512_setzero_si512(), scale_hi = scale_lo;
+    if constexpr (kType == kQ3_K) q3_scales(o, &scale_lo, &scale_hi);
     for (int p = 0; p < 8; ++p) {
-      __m512i v[4];
+      __m512i v[4], mins;
       pair_codes<kType>(o, p, v);
-      for (int f = 0; f < 4; ++f) v[f] = _mm512_add_epi8(v[f], bias);
+      const __m512i pair = pair_scales<kType>(o, p, scale_lo, scale_hi, &mins);
+      const __m512i unit_scale[2] = {_mm512_permutexvar_epi16(first_unit, pair),
+                                     _mm512_permutexvar_epi16(second_unit, pair)};
+      for (int f = 0; f < 4; ++f) v[f] = scaled_field<kType>(v[f], unit_scale[f / 2]);
       for (int half = 0; half < 2; ++half)  // chunk 2 p + half: fields 2 half, 2 half + 1
         store_chunk_rows(v[2 * half], v[2 * half + 1], codes + s * 256 + 16 * (2 * p + half),
                          code_stride);
     }
-    // the 128 scale bytes as 16 a row (unit order), rows 0-3 then 4-7: byte pair (units 2 p,
-    // 2 p + 1) of row r is the group's word 8 p + r
-    __m512i lo, hi;
     if constexpr (kType == kQ2_K) {
-      lo = _mm512_loadu_si512(o + 32);
-      hi = _mm512_loadu_si512(o + 96);
-    } else {
-      q3_scales(o, &lo, &hi);
-    }
-    alignas(64) uint8_t by_row[128];
-    const __m512i words = _mm512_load_si512(kRowWords.v);
-    _mm512_store_si512(by_row, _mm512_permutex2var_epi16(lo, words, hi));
-    _mm512_store_si512(by_row + 64, _mm512_permutex2var_epi16(
-                                        lo, _mm512_add_epi16(words, _mm512_set1_epi16(4)), hi));
-    for (int r = 0; r < 8; ++r) {
-      const __m128i bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(by_row + 16 * r));
-      __m512i unit_scales;
-      if constexpr (kType == kQ2_K) {
-        const __m512i both = _mm512_cvtepu8_epi32(bytes);
-        unit_scales = _mm512_and_si512(both, _mm512_set1_epi32(15));
+      // the 128 scale bytes as 16 a row (unit order), rows 0-3 then 4-7: byte pair (units 2 p,
+      // 2 p + 1) of row r is the group's word 8 p + r; their high nibbles are the mins
+      const __m512i lo = _mm512_loadu_si512(o + 32), hi = _mm512_loadu_si512(o + 96);
+      alignas(64) uint8_t by_row[128];
+      const __m512i words = _mm512_load_si512(kRowWords.v);
+      _mm512_store_si512(by_row, _mm512_permutex2var_epi16(lo, words, hi));
+      _mm512_store_si512(by_row + 64, _mm512_permutex2var_epi16(
+                                          lo, _mm512_add_epi16(words, _mm512_set1_epi16(4)), hi));
+      for (int r = 0; r < 8; ++r) {
+        const __m128i bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(by_row + 16 * r));
+        const __m512i high = _mm512_srli_epi32(_mm512_cvtepu8_epi32(bytes), 4);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(min_codes + r * unit_stride + 16 * s),
-                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(both, 4)));
+                            _mm512_cvtepi32_epi16(high));
         min_scales[r * unit_stride + s] = -half_to_float(load_u16(o + 16 + 2 * r));
-      } else {
-        unit_scales = _mm512_cvtepi8_epi32(bytes);  // scale - 32
       }
-      alignas(32) int16_t row_scales[16];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(row_scales),
-                         _mm512_cvtepi32_epi16(unit_scales));
-      scale_codes<kType>(codes + r * code_stride + s * 256, row_scales);
+    }
+    for (int r = 0; r < 8; ++r) {
       const float d = half_to_float(load_u16(o + 2 * r));
       scales[r * unit_stride + s] = kType == kQ3_K ? -d : d;
     }

@@ -319,10 +319,10 @@ constexpr RowWords row_words() {
 constexpr RowWords kRowWords = row_words();
 
 // One field's codes (pair_codes) as the int8 GEMM's scaled codes (gguf_q8_gemm_cpu.cpp's
-// scale_codes), in the kernel's lanes: `scale` holds each 32-bit lane's row's unit scale in both of its words. Q2_K's s * q
-// (at most 45) stays in its byte, so one 16-bit product serves a word's two codes; Q3_K's
-// 128 - s * (v - 4) = 128 + 4 s - s * v (v = q + 4) is exact in bytes taken mod 256, the odd
-// bytes multiplied apart so that no borrow crosses from the even ones.
+// scale_codes), in the kernel's lanes: `scale` holds each 32-bit lane's row's unit scale in both
+// of its words. Q2_K's s * q (at most 45) stays in its byte, so one 16-bit product serves a
+// word's two codes; Q3_K's 128 - s * (v - 4) = 128 + 4 s - s * v (v = q + 4) is exact in bytes
+// taken mod 256, the odd bytes multiplied apart so that no borrow crosses from the even ones.
 template <int64_t kType>
 inline __m512i scaled_field(__m512i v, __m512i scale) {
   if constexpr (kType == kQ2_K) {
@@ -330,7 +330,8 @@ inline __m512i scaled_field(__m512i v, __m512i scale) {
   } else {
     const __m512i base = _mm512_add_epi16(_mm512_slli_epi16(scale, 2), _mm512_set1_epi16(128));
     const __m512i even = _mm512_sub_epi16(base, _mm512_mullo_epi16(v, scale));
-    const __m512i odd = _mm512_sub_epi16(base, _mm512_mullo_epi16(_mm512_srli_epi16(v, 8), scale));
+    const __m512i odd =
+        _mm512_sub_epi16(base, _mm512_mullo_epi16(_mm512_srli_epi16(v, 8), scale));
     // even's low bytes, odd's low bytes moved up
     return _mm512_mask_blend_epi8(0xAAAAAAAAAAAAAAAAull, even, _mm512_slli_epi16(odd, 8));
   }

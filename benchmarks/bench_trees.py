@@ -3,6 +3,8 @@
 For a refactor that must not change speed: each round runs `hybridllm bench latency` once from
 every tree (a fresh process each, `PYTHONPATH=TREE`), in turn, so both meet the machine's drifts
 alike; the best and the median per tree and their ratio are printed (JSON with `--json`).
+`bench latency` repeats its prompts, so the prefix cache serves them from its second run on: add
+`--fresh-prompts` after `--` to time their prefill too.
 A model argument of `1b:TYPE` writes the random 1B-shaped Llama GGUF of bench_cpu_gguf.py.
 
     python benchmarks/bench_trees.py --tree /work/baseline --tree . --rounds 5 \

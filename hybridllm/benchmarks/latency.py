@@ -26,6 +26,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--num-iters-warmup", type=int, default=1, help="untimed runs first (default 1)")
     g.add_argument("--num-iters", type=int, default=5, help="timed runs (default 5)")
+    g.add_argument(
+        "--fresh-prompts",
+        action="store_true",
+        help="new random prompts every run, so the prefix cache serves none of their tokens "
+        "(default: the same prompts every run; from the second on the prefix cache serves "
+        "their full blocks, and the runs time mostly decode)",
+    )
     g.add_argument("--output-json", default=None, help="write the results to this JSON file")
 
 
@@ -33,7 +40,7 @@ def main(args: argparse.Namespace) -> int:
     if min(args.batch_size, args.input_len, args.output_len, args.num_iters) < 1:
         raise ValueError("--batch-size, --input-len, --output-len and --num-iters must be >= 1")
     llm = build_llm(args)
-    latencies = []
+    latencies, cached = [], []
     try:
         prompts = random_token_prompts(llm, args.batch_size, args.input_len, args.seed)
         params = SamplingParams(
@@ -43,6 +50,8 @@ def main(args: argparse.Namespace) -> int:
         for i in range(args.num_iters_warmup + args.num_iters):
             if i == args.num_iters_warmup:
                 spec_before = SpecDecodeStats.of_engine(llm)
+            if args.fresh_prompts and i > 0:
+                prompts = random_token_prompts(llm, args.batch_size, args.input_len, args.seed + i)
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             elapsed = time.perf_counter() - start
@@ -51,6 +60,7 @@ def main(args: argparse.Namespace) -> int:
                 raise ValueError(f"{len(failed)} prompts failed, first: {failed[0].error}")
             if i >= args.num_iters_warmup:
                 latencies.append(elapsed)
+                cached.append(sum(o.num_cached_tokens for o in outputs))
         spec = SpecDecodeStats.of_engine(llm).since(spec_before)
     finally:
         llm.shutdown()
@@ -62,6 +72,9 @@ def main(args: argparse.Namespace) -> int:
         "latencies_s": latencies,
         "percentiles_s": {str(p): percentile(latencies, p) for p in PERCENTILES},
         "output_tokens_per_s": args.batch_size * args.output_len / statistics.fmean(latencies),
+        "fresh_prompts": args.fresh_prompts,
+        # prompt tokens of each timed run that the prefix cache served
+        "cached_prompt_tokens": cached,
     }
     if args.speculative_config is not None:
         record.update(spec.as_dict())
@@ -72,6 +85,11 @@ def main(args: argparse.Namespace) -> int:
     )
     for p, value in record["percentiles_s"].items():
         print(f"{p}% percentile latency: {value:.3f} s")
+    print(
+        f"Prompt tokens served by the prefix cache: {max(cached)} of "
+        f"{args.batch_size * args.input_len} a run at most"
+        + ("" if args.fresh_prompts else " (--fresh-prompts draws new prompts every run)")
+    )
     if args.speculative_config is not None:
         print(spec.report())
     save_json(args.output_json, record)

@@ -192,24 +192,31 @@ def test_offline_throughput_and_latency_benches(tmp_path):
     assert "output tokens/s" in result.stdout
     record = json.loads(out.read_text())
     assert record["num_prompts"] == 4 and record["output_tokens_per_s"] > 0
-    out = tmp_path / "latency.json"
-    result = run_cli(
-        "bench",
-        "latency",
-        "--batch-size",
-        "2",
-        "--input-len",
-        "8",
-        "--output-len",
-        "4",
-        "--num-iters",
-        "2",
-        "--num-iters-warmup",
-        "1",
-        "--output-json",
-        str(out),
-        *TINY_ENGINE,
-    )
-    assert result.returncode == 0, result.stderr
-    record = json.loads(out.read_text())
-    assert len(record["latencies_s"]) == 2 and record["avg_latency_s"] > 0
+    # 40-token prompts: two full KV blocks each, which the prefix cache serves from the second
+    # run on unless every run draws fresh prompts
+    for fresh in (False, True):
+        out = tmp_path / f"latency-{fresh}.json"
+        result = run_cli(
+            "bench",
+            "latency",
+            "--batch-size",
+            "2",
+            "--input-len",
+            "40",
+            "--output-len",
+            "4",
+            "--num-iters",
+            "2",
+            "--num-iters-warmup",
+            "1",
+            "--output-json",
+            str(out),
+            *(["--fresh-prompts"] if fresh else []),
+            *TINY_ENGINE,
+        )
+        assert result.returncode == 0, result.stderr
+        record = json.loads(out.read_text())
+        assert len(record["latencies_s"]) == 2 and record["avg_latency_s"] > 0
+        assert record["fresh_prompts"] is fresh
+        cached = record["cached_prompt_tokens"]
+        assert cached == [0, 0] if fresh else all(c >= 2 * 32 for c in cached), cached

@@ -52,7 +52,7 @@ constexpr bool code_block_mins() {
 // a time: 4 vpdpwssd where float mins took 8 FMAs. Code-block types: their signed codes + 128,
 // d * scale a unit, and their integer mins (if any) times dmin as the K-quants' are.
 // Q2_K and Q3_K (kScaledCodes): each code already times its 16-weight unit's integer scale
-// (scale_codes below), so the float scale is one a super-block (kUnit 256) and Q2_K's
+// (store_scaled_codes below), so the float scale is one a super-block (kUnit 256) and Q2_K's
 // integer mins keep units of their own (kMinUnit 16); Q3_K's products are 128 - scale * q.
 template <int64_t kType>
 struct GemmType {
@@ -194,24 +194,22 @@ PackedX pack_x(const Q8Rows& rows, int64_t M, int64_t K, std::vector<uint8_t>& b
   return {q, d, unit, reinterpret_cast<const int32_t*>(pair_base), tiles};
 }
 
-// The int8 GEMM's codes for Q2_K and Q3_K (kType): a super-block's 256 codes + 128 rewritten in
-// place as one unsigned byte a weight that carries its 16-weight unit's integer scale too: Q2_K's
-// scale * q (scale 0..15, q 0..3: at most 45), Q3_K's 128 - scale * q (scale -32..31, q -4..3:
-// 0..252). A super-block's products with x then add up in integers and meet one float scale,
-// d (Q2_K) or -d (Q3_K), instead of a conversion and an FMA every 16 weights.
+// A Q2_K / Q3_K super-block's codes, as CodeBlockDecoder gives them, into super_codes as the
+// scaled codes (gguf_x8.h's scaled_field).
 template <int64_t kType>
-inline void scale_codes(uint8_t* codes, const int16_t* unit_scales) {
-  static_assert(kType == kQ2_K || kType == kQ3_K);
-  for (int j = 0; j < 8; ++j) {  // units 2 j and 2 j + 1
-    uint8_t* two = codes + 32 * j;
-    const __m512i q = _mm512_sub_epi16(
-        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(two))),
-        _mm512_set1_epi16(128));
-    const __m512i scale = _mm512_inserti64x4(_mm512_set1_epi16(unit_scales[2 * j]),
-                                             _mm256_set1_epi16(unit_scales[2 * j + 1]), 1);
-    __m512i product = _mm512_mullo_epi16(q, scale);
-    if constexpr (kType == kQ3_K) product = _mm512_sub_epi16(_mm512_set1_epi16(128), product);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(two), _mm512_cvtepi16_epi8(product));
+inline void store_scaled_codes(const CodeBlock& cb, uint8_t* super_codes) {
+  alignas(64) static constexpr int16_t kUnitOfWord[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1,
+                                                          1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2,
+                                                          2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
+  const __m512i unit_scales =
+      _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(cb.scales)));
+  for (int z = 0; z < 4; ++z) {  // units 4 z .. 4 z + 3, 8 words each
+    __m512i v = _mm512_load_si512(cb.codes + 64 * z);
+    if constexpr (kType == kQ3_K) v = _mm512_add_epi8(v, _mm512_set1_epi8(4));
+    const __m512i unit_of_word = _mm512_add_epi16(_mm512_load_si512(kUnitOfWord),
+                                                  _mm512_set1_epi16(static_cast<int16_t>(4 * z)));
+    _mm512_storeu_si512(super_codes + 64 * z,
+                        scaled_field<kType>(v, _mm512_permutexvar_epi16(unit_of_word, unit_scales)));
   }
 }
 
@@ -240,14 +238,14 @@ void unpack_row(const uint8_t* row, int64_t K, uint8_t* codes, float* scales, fl
     for (int64_t sb = 0; sb < K / kCodeBlockWeights; ++sb) {
       CodeBlockDecoder<kType>::decode(row + sb * kSuper, &cb);
       uint8_t* super_codes = codes + sb * kCodeBlockWeights;
-      for (int z = 0; z < 4; ++z)
-        _mm512_storeu_si512(super_codes + 64 * z,
-                            _mm512_xor_si512(_mm512_load_si512(cb.codes + 64 * z),
-                                             _mm512_set1_epi8(static_cast<char>(0x80))));
       if constexpr (GemmType<kType>::kScaledCodes) {
-        scale_codes<kType>(super_codes, cb.scales);
+        store_scaled_codes<kType>(cb, super_codes);
         scales[sb] = kType == kQ3_K ? -cb.d : cb.d;
       } else {
+        for (int z = 0; z < 4; ++z)
+          _mm512_storeu_si512(super_codes + 64 * z,
+                              _mm512_xor_si512(_mm512_load_si512(cb.codes + 64 * z),
+                                               _mm512_set1_epi8(static_cast<char>(0x80))));
         const __m256i unit_scales =
             _mm256_load_si256(reinterpret_cast<const __m256i*>(cb.scales));
         _mm512_storeu_ps(scales + 16 * sb,

@@ -78,7 +78,7 @@ bool x8_linear_grouped(int64_t type, const float* x, const int64_t* starts, int6
 // Group `group`'s 8 rows unpacked for the int8 GEMM, as its source type's unpack gives them:
 // codes [8][K] (rows `code_stride` apart); Q4_K / Q5_K: scales d * sc and 6-bit min codes m
 // [8][K / 32], and min scales -dmin [8][K / 256]; Q6_K: scales d * scale [8][K / 16], no mins;
-// Q2_K / Q3_K: the scaled codes (the GEMM's scale_codes), scales d or -d [8][K / 256], and
+// Q2_K / Q3_K: the scaled codes (scaled_field below), scales d or -d [8][K / 256], and
 // Q2_K's 4-bit min codes [8][K / 16] and -dmin [8][K / 256] (rows `unit_stride` apart).
 void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* codes,
                      int64_t code_stride, float* scales, int16_t* min_codes, float* min_scales,
@@ -157,6 +157,29 @@ inline void store_chunk_rows(__m512i low, __m512i high, uint8_t* dst, int64_t st
                             _mm512_extracti32x4_epi32(b, 2), _mm512_extracti32x4_epi32(b, 3)};
   for (int r = 0; r < 8; ++r)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + r * stride), parts[r]);
+}
+
+// Q2_K / Q3_K codes as the int8 GEMM takes them: each code with its 16-weight unit's integer
+// scale s folded in, one unsigned byte a weight: Q2_K's s * q (s 0..15, q 0..3: at most 45),
+// Q3_K's 128 - s * q (s -32..31, q -4..3: 0..252). A super-block's products with x then add up
+// in integers and meet one float scale, d (Q2_K) or -d (Q3_K), instead of a conversion and an FMA
+// every 16 weights. `v` holds the codes as bytes (Q2_K: q; Q3_K: v = q + 4), `scale` each 16-bit
+// word's unit scale. Q2_K's product stays in its byte, so one 16-bit product serves a word's two
+// codes; Q3_K's 128 - s * (v - 4) = 128 + 4 s - s * v is exact in bytes taken mod 256, the odd
+// bytes multiplied apart so that no borrow crosses from the even ones.
+template <int64_t kType>
+inline __m512i scaled_field(__m512i v, __m512i scale) {
+  static_assert(kType == kQ2_K || kType == kQ3_K);
+  if constexpr (kType == kQ2_K) {
+    return _mm512_mullo_epi16(v, scale);
+  } else {
+    const __m512i base = _mm512_add_epi16(_mm512_slli_epi16(scale, 2), _mm512_set1_epi16(128));
+    const __m512i even = _mm512_sub_epi16(base, _mm512_mullo_epi16(v, scale));
+    const __m512i odd =
+        _mm512_sub_epi16(base, _mm512_mullo_epi16(_mm512_srli_epi16(v, 8), scale));
+    // even's low bytes, odd's low bytes moved up
+    return _mm512_mask_blend_epi8(0xAAAAAAAAAAAAAAAAull, even, _mm512_slli_epi16(odd, 8));
+  }
 }
 #endif
 

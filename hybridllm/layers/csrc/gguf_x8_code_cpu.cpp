@@ -170,19 +170,22 @@ inline void q3_scales(const uint8_t* o, __m512i* lo, __m512i* hi) {
       _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), nibble), top_bits(2)), bias);
 }
 
+// Q2_K: unit pair p's scale bytes (scale in the low nibble, min in the high) as int16 pairs of
+// rows 0-7, twice.
+inline __m512i pair_scale_bytes(const uint8_t* o, int p) {
+  return _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 32 + 16 * p))));
+}
+
 // Unit pair p's integer scales as int16 pairs (unit 2 p's, 2 p + 1's) of rows 0-7, twice (words
-// 2 r and 2 r + 1 of each 256-bit half), and Q2_K's 4-bit mins alike in *mins. Q3_K's from
-// q3_scales' lo and hi.
+// 2 r and 2 r + 1 of each 256-bit half); Q3_K's from q3_scales' lo and hi.
 template <int64_t kType>
-inline __m512i pair_scales(const uint8_t* o, int p, __m512i scale_lo, __m512i scale_hi,
-                           __m512i* mins) {
+inline __m512i pair_scales(const uint8_t* o, int p, __m512i scale_lo, __m512i scale_hi) {
   if constexpr (kType == kQ2_K) {
-    const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 32 + 16 * p))));
-    *mins = _mm512_srli_epi16(bytes, 4);
-    return _mm512_and_si512(bytes, _mm512_set1_epi16(15));
+    (void)scale_lo, (void)scale_hi;
+    return _mm512_and_si512(pair_scale_bytes(o, p), _mm512_set1_epi16(15));
   } else {
-    (void)o, (void)mins;
+    (void)o;
     // the 16 bytes of unit pair p (128-bit lane p % 4 of its half), twice
     const __m512i lane = _mm512_permutexvar_epi32(
         _mm512_add_epi32(_mm512_set1_epi32(4 * (p % 4)),
@@ -190,6 +193,11 @@ inline __m512i pair_scales(const uint8_t* o, int p, __m512i scale_lo, __m512i sc
         p < 4 ? scale_lo : scale_hi);
     return _mm512_cvtepi8_epi16(_mm512_castsi512_si256(lane));
   }
+}
+
+// Q2_K's 4-bit mins of unit pair p, laid out as pair_scales lays out the scales.
+inline __m512i pair_mins(const uint8_t* o, int p) {
+  return _mm512_srli_epi16(pair_scale_bytes(o, p), 4);
 }
 
 // Rows of x a tile: each group super-block's codes are unpacked once for all of them. On the 1B
@@ -223,8 +231,7 @@ void code_group_tile(const Q8Rows& x, int64_t K, const uint8_t* wg, float* y, in
     for (int p = 0; p < 8; ++p) {  // units (chunks) 2 p, 2 p + 1
       __m512i v[4];
       pair_codes<kType>(o, p, v);
-      __m512i mins;
-      const __m512i scales = pair_scales<kType>(o, p, scale_lo, scale_hi, &mins);
+      const __m512i scales = pair_scales<kType>(o, p, scale_lo, scale_hi);
       for (int r = 0; r < kRows; ++r) {
         const Q8Rows xr = x.row(r);
         const int16_t* bsums = xr.bsums + 16 * s;  // x's sum over each 16-value unit
@@ -247,7 +254,8 @@ void code_group_tile(const Q8Rows& x, int64_t K, const uint8_t* wg, float* y, in
         if constexpr (kType == kQ2_K) {
           int32_t x_pair;  // bsums 2 p, 2 p + 1 as one int16 pair
           std::memcpy(&x_pair, bsums + 2 * p, 4);
-          min_sums[r] = _mm512_dpwssd_epi32(min_sums[r], mins, _mm512_set1_epi32(x_pair));
+          min_sums[r] =
+              _mm512_dpwssd_epi32(min_sums[r], pair_mins(o, p), _mm512_set1_epi32(x_pair));
         }
       }
     }
@@ -319,48 +327,36 @@ constexpr RowWords row_words() {
 }
 constexpr RowWords kRowWords = row_words();
 
-// One field's codes (pair_codes) as the int8 GEMM's scaled codes (gguf_q8_gemm_cpu.cpp's
-// scale_codes), in the kernel's lanes: `scale` holds each 32-bit lane's row's unit scale in both
-// of its words. Q2_K's s * q (at most 45) stays in its byte, so one 16-bit product serves a
-// word's two codes; Q3_K's 128 - s * (v - 4) = 128 + 4 s - s * v (v = q + 4) is exact in bytes
-// taken mod 256, the odd bytes multiplied apart so that no borrow crosses from the even ones.
-template <int64_t kType>
-inline __m512i scaled_field(__m512i v, __m512i scale) {
-  if constexpr (kType == kQ2_K) {
-    return _mm512_mullo_epi16(v, scale);
-  } else {
-    const __m512i base = _mm512_add_epi16(_mm512_slli_epi16(scale, 2), _mm512_set1_epi16(128));
-    const __m512i even = _mm512_sub_epi16(base, _mm512_mullo_epi16(v, scale));
-    const __m512i odd =
-        _mm512_sub_epi16(base, _mm512_mullo_epi16(_mm512_srli_epi16(v, 8), scale));
-    // even's low bytes, odd's low bytes moved up
-    return _mm512_mask_blend_epi8(0xAAAAAAAAAAAAAAAAull, even, _mm512_slli_epi16(odd, 8));
-  }
+// Word w of a 32-bit lane's unit scale, for unit j (0: 2 p, 1: 2 p + 1) of a pair: pair_scales'
+// word 2 (lane % 8) + j.
+struct UnitWords {
+  alignas(64) int16_t v[2][32];
+};
+constexpr UnitWords unit_words() {
+  UnitWords u{};
+  for (int w = 0; w < 32; ++w)
+    for (int j = 0; j < 2; ++j) u.v[j][w] = static_cast<int16_t>(2 * ((w / 2) % 8) + j);
+  return u;
 }
+constexpr UnitWords kUnitWords = unit_words();
 
 // The group's 8 rows as the int8 GEMM unpacks a Q2_K / Q3_K row (gguf_q8_gemm_cpu.cpp): the
-// scaled codes (as scale_codes makes them), d or -d a super-block, Q2_K's 4-bit mins as they are
-// and -dmin a super-block. The codes are scaled in the kernel's lanes, 8 rows at a time: row by
-// row after they were stored (scale_codes) the unpacking took as long as a 16-row tile's
-// products.
+// scaled codes (scaled_field), d or -d a super-block, Q2_K's 4-bit mins as they are and -dmin a
+// super-block. The codes are scaled in the kernel's lanes, 8 rows at a time: row by row after
+// they were stored, the unpacking took as long as a 16-row tile's products.
 template <int64_t kType>
 void unpack_for_gemm(const uint8_t* group, int64_t K, uint8_t* codes, int64_t code_stride,
                      float* scales, int16_t* min_codes, float* min_scales, int64_t unit_stride) {
-  // word w of a 32-bit lane's unit scale: pair_scales' word 2 (lane % 8) + unit (0: 2 p,
-  // 1: 2 p + 1)
-  alignas(64) int16_t unit_words[2][32];
-  for (int w = 0; w < 32; ++w)
-    for (int j = 0; j < 2; ++j) unit_words[j][w] = static_cast<int16_t>(2 * ((w / 2) % 8) + j);
-  const __m512i first_unit = _mm512_load_si512(unit_words[0]);
-  const __m512i second_unit = _mm512_load_si512(unit_words[1]);
+  const __m512i first_unit = _mm512_load_si512(kUnitWords.v[0]);
+  const __m512i second_unit = _mm512_load_si512(kUnitWords.v[1]);
   for (int64_t s = 0; s < K / 256; ++s) {
     const uint8_t* o = group + s * kGroupBytes<kType>;
     __m512i scale_lo = _mm512_setzero_si512(), scale_hi = scale_lo;
     if constexpr (kType == kQ3_K) q3_scales(o, &scale_lo, &scale_hi);
     for (int p = 0; p < 8; ++p) {
-      __m512i v[4], mins;
+      __m512i v[4];
       pair_codes<kType>(o, p, v);
-      const __m512i pair = pair_scales<kType>(o, p, scale_lo, scale_hi, &mins);
+      const __m512i pair = pair_scales<kType>(o, p, scale_lo, scale_hi);
       const __m512i unit_scale[2] = {_mm512_permutexvar_epi16(first_unit, pair),
                                      _mm512_permutexvar_epi16(second_unit, pair)};
       for (int f = 0; f < 4; ++f) v[f] = scaled_field<kType>(v[f], unit_scale[f / 2]);

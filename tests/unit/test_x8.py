@@ -166,7 +166,7 @@ def test_expert_stack_repacks():
     assert torch.equal(unpack_x8(stack.qweight, 112)[0].reshape(experts * rows, -1), blocks)
 
 
-def test_untied_lm_head_repacks_a_tied_one_keeps_its_blocks():
+def test_untied_lm_head_repacks():
     vocab, k, cpu = 64, 256, torch.device("cpu")
     blocks, weight = random_blocks(Q.Q6_K, vocab, k)
     head = LMHead(vocab, k, torch.float32, cpu)
@@ -179,12 +179,23 @@ def test_untied_lm_head_repacks_a_tied_one_keeps_its_blocks():
     torch.testing.assert_close(head(x), before, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(before, x @ weight.T, rtol=2e-2, atol=2e-2 * before.abs().max())
 
-    # tied: the embedding looks its rows up in the same blocks, which stay as they are
+
+@K_QUANTS
+def test_tied_lm_head_repacks_and_its_embedding_reads_rows_from_the_groups(fmt):
+    vocab, k, cpu = 64, 512, torch.device("cpu")
+    blocks, weight = random_blocks(fmt, vocab, k)
     embedding = VocabEmbedding(vocab, k, torch.float32, cpu)
     tied = LMHead(vocab, k, torch.float32, cpu, tied_to=embedding)
-    tied.load_blocks(_quantized(blocks, Q.Q6_K, vocab, k), "token_embd.weight")
+    tied.activations = INT8_ACTIVATIONS
+    tied.load_blocks(_quantized(blocks, fmt, vocab, k), "token_embd.weight")
     embedding.use_blocks(tied.qweight, tied.ggml_type, "token_embd.weight")
+    ids = torch.tensor([0, 3, 7, 8, 60, 63, 3])  # both ends of groups, a repeat
+    rows_before, x = embedding(ids), torch.randn(2, k)
+    logits_before = tied(x)
     tied.repack_for_cpu()
-    assert tied.ggml_type == int(Q.Q6_K) and torch.equal(tied.qweight, blocks)
-    ids = torch.tensor([3, 60])
+    assert tied.ggml_type == X8_TYPES[int(fmt)] and not torch.equal(tied.qweight, blocks)
+    # one table, held once: the embedding reads the head's groups
+    assert embedding.qweight is tied.qweight and embedding.ggml_type == tied.ggml_type
+    assert torch.equal(embedding(ids), rows_before)
     torch.testing.assert_close(embedding(ids), weight[ids])
+    torch.testing.assert_close(tied(x), logits_before, rtol=1e-4, atol=1e-4)

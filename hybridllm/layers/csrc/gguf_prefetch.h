@@ -68,6 +68,12 @@ inline PrefetchWindow start_prefetch(const void* first, int64_t range_bytes,
   return window;
 }
 
+// The window of a run whose reads the hardware prefetchers alone follow: the kernels ask for
+// no byte (each stops at the run's first).
+inline PrefetchWindow hardware_prefetch_only(const void* first) {
+  return {0, static_cast<const char*>(first), true};
+}
+
 // A kernel call over `cols` consecutive weight rows from `w` that has read `done` of each row's
 // bytes and reads `step` more: the bytes `distance` past its position in that run.
 inline void prefetch_ahead(const PrefetchWindow& window, const uint8_t* w, int64_t cols,

@@ -267,9 +267,11 @@ at::Tensor unpack_x8(const at::Tensor& blocks, int64_t type) {
 //   d[r][s]   super-block s's scale
 //   mins[r][p] (Q4_K, Q5_K) int16 pair (B 2p, B 2p+1), B j the sum of q over sub-block j's 32
 //             values
-//   offsets[r][c][h] (Q6_K) -32 times the sum of q over the 8 values of chunk c (values 16 c ..
-//             16 c + 15) that lanes 8 h .. 8 h + 7 of its code vectors meet (16 c + 4 h .. + 3,
-//             16 c + 8 + 4 h .. + 3), so that integer sums started there are those of code - 32
+//   offsets[r][c][l] (Q6_K) -32 times the sum of q over the 8 values of chunk c (values 16 c ..
+//             16 c + 15) that lane l (8 h + i) of its code vectors meets (16 c + 4 h .. + 3,
+//             16 c + 8 + 4 h .. + 3), so that integer sums started there are those of code - 32:
+//             a vector a chunk, loaded as it is. Built in the lanes from a pair of values (two
+//             broadcasts) it took 3% more of the kernel's time, from L2 and from L3 alike.
 struct X8Rows {
   const int8_t* q;
   const float* d;
@@ -291,7 +293,7 @@ X8Rows prepare_rows(const float* x, int64_t M, int64_t K) {
   thread_local std::vector<int32_t> buffer;
   const Q8Rows q8 = quantize_rows<256>(x, M, K, quantized);
   constexpr bool kQ6 = kType == kQ6_K;
-  const int64_t mins_stride = kQ6 ? 0 : K / 64, offsets_stride = kQ6 ? K / 8 : 0;
+  const int64_t mins_stride = kQ6 ? 0 : K / 64, offsets_stride = kQ6 ? K : 0;
   buffer.resize(M * (mins_stride + offsets_stride));
   int32_t* offsets = buffer.data();
   int32_t* mins = offsets + M * offsets_stride;
@@ -303,7 +305,7 @@ X8Rows prepare_rows(const float* x, int64_t M, int64_t K) {
           int32_t sum = 0;
           for (int b = 0; b < 4; ++b)
             sum += row.q[16 * c + 4 * h + b] + row.q[16 * c + 8 + 4 * h + b];
-          offsets[r * offsets_stride + 2 * c + h] = -32 * sum;
+          std::fill_n(offsets + r * offsets_stride + 16 * c + 8 * h, 8, -32 * sum);
         }
     } else {
       for (int64_t p = 0; p < K / 64; ++p) {
@@ -316,15 +318,6 @@ X8Rows prepare_rows(const float* x, int64_t M, int64_t K) {
     }
   }
   return {q8.q, q8.d, mins, offsets, q8.q_stride, q8.g_stride, mins_stride, offsets_stride};
-}
-
-// Lanes 0-7 p[0], lanes 8-15 p[1]: two broadcasts, the second from a general register. Q6_K's
-// kernel ran at half its speed from L2 with either a vpermd of the pair (as x_quads builds x) or
-// the second broadcast merge-masked straight from memory, which p[1] in place of the copy gets.
-inline __m512i split_pair(const int32_t* p) {
-  int32_t v[2];
-  std::memcpy(v, p, 8);
-  return _mm512_mask_set1_epi32(_mm512_set1_epi32(v[0]), 0xFF00, v[1]);
 }
 
 // Chunk q's codes of the group super-block at o, as unsigned bytes in the kernel's lanes: those
@@ -375,10 +368,10 @@ void x8_groups(const X8Rows& x, int64_t M, int64_t K, const uint8_t* w, float* y
         const int8_t* xs = xq + 256 * s;
         __m512i sums = _mm512_setzero_si512();
         if constexpr (kType == kQ6_K) {
-          const int32_t* xo = x.offsets + r * x.offsets_stride + s * 32;
+          const int32_t* xo = x.offsets + r * x.offsets_stride + s * 256;
 #pragma GCC unroll 16
           for (int q = 0; q < 16; ++q) {
-            __m512i t = split_pair(xo + 2 * q);  // the -32 offset's share
+            __m512i t = _mm512_loadu_si512(xo + 16 * q);  // the -32 offset's share
             t = _mm512_dpbusd_epi32(t, chunk_codes<kType>(o, q, 0), x_quads(xs + 16 * q, 0));
             t = _mm512_dpbusd_epi32(t, chunk_codes<kType>(o, q, 1), x_quads(xs + 16 * q, 1));
             uint64_t sc;

@@ -208,8 +208,8 @@ inline void store_scaled_codes(const CodeBlock& cb, uint8_t* super_codes) {
     if constexpr (kType == kQ3_K) v = _mm512_add_epi8(v, _mm512_set1_epi8(4));
     const __m512i unit_of_word = _mm512_add_epi16(_mm512_load_si512(kUnitOfWord),
                                                   _mm512_set1_epi16(static_cast<int16_t>(4 * z)));
-    _mm512_storeu_si512(super_codes + 64 * z,
-                        scaled_field<kType>(v, _mm512_permutexvar_epi16(unit_of_word, unit_scales)));
+    const __m512i scale = _mm512_permutexvar_epi16(unit_of_word, unit_scales);
+    _mm512_storeu_si512(super_codes + 64 * z, scaled_field<kType>(v, scale));
   }
 }
 

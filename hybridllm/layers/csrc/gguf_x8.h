@@ -99,9 +99,10 @@ inline int64_t int8_gemm_min_rows(int64_t type) {
 constexpr int64_t kX8SerialSuperBlocks = 256;
 // How far ahead the x8 kernels prefetch at most, for more than one row of x (one row: none, see
 // for_x8_row_groups): each thread reads one contiguous run, which the hardware prefetchers
-// follow. Tuned at one row of x, when that still prefetched: on the 1B Q4_K_M-like file (2-core Zen 5, one process switching
-// between the two), its q, gate and down GEMVs streamed at 0.91, 0.96, 0.95 of torch.sum's rate
-// at 32 KB against 0.77, 0.93, 0.90 at the row kernels' 128 KB, and decode won 14 of 20 pairs.
+// follow. Tuned at one row of x, when that still prefetched: on the 1B Q4_K_M-like file (2-core
+// Zen 5, one process switching between the two), its q, gate and down GEMVs streamed at 0.91,
+// 0.96, 0.95 of torch.sum's rate at 32 KB against 0.77, 0.93, 0.90 at the row kernels' 128 KB,
+// and decode won 14 of 20 pairs.
 constexpr int64_t kX8MaxPrefetchBytes = 32 * 1024;
 
 // The row groups of products p = 0 .. groups - 1 (rows [starts[p], starts[p + 1]) of x times

@@ -54,6 +54,8 @@ inline void prefetch_line(const char* p, bool streaming) {
 // (2-core Zen 5, one process switching between the two) batch-1 decode ran 75.3 against 68.3
 // tok/s (median of 8 rounds, x8 kernels), faster in 7 of 8 rounds; 16 KB ahead: 74.0. SmolLM2
 // Q4_1 (row kernels): 367 against 329 tok/s, faster in 8 of 8 rounds; 4 KB: 369, 16 KB: 348.
+// The x8 kernels have since stopped prefetching at one row of x (for_x8_row_groups): with the
+// hardware prefetchers alone they read faster still; the row kernels showed no difference.
 inline PrefetchWindow start_prefetch(const void* first, int64_t range_bytes,
                                      int64_t max_distance = kMaxPrefetchBytes,
                                      bool streaming = false) {

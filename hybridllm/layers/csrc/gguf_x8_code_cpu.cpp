@@ -232,6 +232,8 @@ void code_group_tile(const Q8Rows& x, int64_t K, const uint8_t* wg, float* y, in
       __m512i v[4];
       pair_codes<kType>(o, p, v);
       const __m512i scales = pair_scales<kType>(o, p, scale_lo, scale_hi);
+      __m512i mins = _mm512_setzero_si512();
+      if constexpr (kType == kQ2_K) mins = pair_mins(o, p);
       for (int r = 0; r < kRows; ++r) {
         const Q8Rows xr = x.row(r);
         const int16_t* bsums = xr.bsums + 16 * s;  // x's sum over each 16-value unit
@@ -254,8 +256,7 @@ void code_group_tile(const Q8Rows& x, int64_t K, const uint8_t* wg, float* y, in
         if constexpr (kType == kQ2_K) {
           int32_t x_pair;  // bsums 2 p, 2 p + 1 as one int16 pair
           std::memcpy(&x_pair, bsums + 2 * p, 4);
-          min_sums[r] =
-              _mm512_dpwssd_epi32(min_sums[r], pair_mins(o, p), _mm512_set1_epi32(x_pair));
+          min_sums[r] = _mm512_dpwssd_epi32(min_sums[r], mins, _mm512_set1_epi32(x_pair));
         }
       }
     }

@@ -143,8 +143,8 @@ class StackedExpertWeight(nn.Module):
             self.ggml_type = GGML_F32
 
     def repack_for_cpu(self) -> None:
-        """K-quant blocks into the int8 kernels' x8 layout (each expert's rows in groups of
-        8)."""
+        """Blocks of a type with an x8 form into the int8 kernels' x8 layout (each expert's
+        rows in groups of 8)."""
         if self.qweight is not None:
             self.qweight, self.ggml_type = repack_x8_where_grouped(
                 self.qweight, self.ggml_type, self.rows

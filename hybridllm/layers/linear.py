@@ -153,8 +153,9 @@ class Linear(nn.Module):
             self.ggml_type = GGML_F32
 
     def repack_for_cpu(self) -> None:
-        """K-quant blocks (of rows in whole groups of 8) into the int8 kernels' x8 layout
-        (after loading, on a CPU worker computing with int8 activations; see `x8_repacking`)."""
+        """Blocks of a type with an x8 form (of rows in whole groups of 8) into the int8 kernels'
+        x8 layout (after loading, on a CPU worker computing with int8 activations; see
+        `x8_repacking`)."""
         if self.qweight is not None:
             self.qweight, self.ggml_type = repack_x8_where_grouped(
                 self.qweight, self.ggml_type, self.out_features

@@ -1,4 +1,4 @@
-"""K-quant weights repacked in groups of 8 rows (ggml_types 112-116, csrc/gguf_x8.h): the
+"""Block weights repacked in groups of 8 rows (ggml_types 112-119, csrc/gguf_x8.h): the
 repacking round trip, gguf_linear and fused_moe on them against the source type's own int8 path
 and the dequantized weights, Linear's and the expert stacks' repacking, and the errors."""
 
@@ -27,11 +27,16 @@ def _kernels():
         pytest.skip("this build has no x8 kernels (AVX512-VNNI)")
 
 
-K_QUANTS = pytest.mark.parametrize(
-    "fmt", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K], ids=lambda f: f.name
+X8_FORMATS = pytest.mark.parametrize(
+    "fmt",
+    [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.Q4_0, Q.Q4_1, Q.Q8_0],
+    ids=lambda f: f.name,
 )
 # a row's x8 bytes per 256 weights
-ROW_BYTES = {Q.Q4_K: 148, Q.Q5_K: 180, Q.Q6_K: 210, Q.Q2_K: 84, Q.Q3_K: 110}
+ROW_BYTES = {
+    **{Q.Q4_K: 148, Q.Q5_K: 180, Q.Q6_K: 210, Q.Q2_K: 84, Q.Q3_K: 110},
+    **{Q.Q4_0: 144, Q.Q4_1: 160, Q.Q8_0: 272},
+}
 
 
 def random_blocks(fmt, n, k, seed=0):
@@ -43,7 +48,7 @@ def random_blocks(fmt, n, k, seed=0):
     return random_k_blocks(fmt, n, k, seed)
 
 
-@K_QUANTS
+@X8_FORMATS
 def test_repack_round_trip_is_byte_exact(fmt):
     # random bytes: every nibble, fifth bit, top 2 bits and scale/min pattern; 3-D: an expert stack
     for shape in [(8, 256), (40, 2048), (3, 16, 768)]:
@@ -58,20 +63,21 @@ def test_repack_round_trip_is_byte_exact(fmt):
         assert source == int(fmt) and torch.equal(back, blocks)
 
 
-@K_QUANTS
+@X8_FORMATS
 @pytest.mark.parametrize("n,k", [(8, 256), (64, 512), (200, 2560)])
 def test_gguf_linear_equals_the_source_type(fmt, n, k):
     op = torch.ops.hybridllm.gguf_linear
     blocks, weight = random_blocks(fmt, n, k, seed=n)
     x8, x8_type = repack_x8(blocks, int(fmt))
-    # the x8 kernels below 8 rows (K-quants) or 14 (Q2_K, Q3_K: tiles of 4 rows and a part),
-    # from there the int8 GEMM unpacking x8 groups (70: three tiles)
-    for m in [1, 2, 5, 7, 8, 13, 14, 17, 70]:
+    # the x8 kernels below 8 rows (K-quants), 14 (Q2_K, Q3_K: tiles of 4 rows and a part) or 16
+    # (Q4_0, Q4_1, Q8_0: tiles of 5), from there the int8 GEMM unpacking x8 groups (70: three
+    # tiles)
+    for m in [1, 2, 5, 7, 8, 13, 14, 15, 16, 17, 70]:
         x = torch.randn(m, k)
         ref = check_int8(op, x, blocks, weight, fmt, INT8_ACTIVATIONS)
         y = op(x, x8, x8_type, n, INT8_ACTIVATIONS)
-        # the same integer sums as Q4_K's int8 path (checked against the weights): fp32
-        # rounding apart
+        # the same integer sums as the source type's int8 path (checked against the weights):
+        # fp32 rounding apart
         bound = 1e-5 * (x.abs() @ weight.abs().T) + 1e-30
         assert ((y - ref).abs() <= bound).all()
 
@@ -89,7 +95,7 @@ def test_bad_arguments_name_the_problem():
     with pytest.raises(RuntimeError, match="whole number of 210-byte"):
         repack_x8(blocks, int(Q.Q6_K))
     with pytest.raises(RuntimeError, match="must be Q4_K"):
-        torch.ops.hybridllm.repack_x8(blocks, int(Q.Q8_0))
+        torch.ops.hybridllm.repack_x8(blocks, int(Q.Q5_0))
     with pytest.raises(RuntimeError, match="need int8 activations"):
         op(torch.randn(1, 256), x8, x8_type, 16, 0)
     with pytest.raises(RuntimeError, match="groups of 8 rows"):
@@ -98,7 +104,7 @@ def test_bad_arguments_name_the_problem():
         op(torch.randn(1, 512), x8, x8_type, 16, 1)
 
 
-@K_QUANTS
+@X8_FORMATS
 def test_fused_moe_equals_the_source_type(fmt):
     experts, hidden, width = 6, 512, 256
     w13, _ = random_blocks(fmt, experts * 2 * width, hidden, seed=1)
@@ -124,13 +130,13 @@ def _quantized(blocks: torch.Tensor, fmt: Q, rows: int, cols: int) -> QuantizedT
     return QuantizedTensor(blocks.numpy(), fmt, (rows, cols))
 
 
-def test_linear_repacks_its_k_quant_blocks_only():
-    # q (Q4_K), k (Q5_K) and v (Q8_0) of differing types: each shard its own blocks
+def test_linear_repacks_the_blocks_of_x8_types_only():
+    # q (Q4_K), k (Q5_K) and v (Q5_0: no x8 form) of differing types: each shard its own blocks
     sizes, k = (32, 16, 16), 256
     layer = Linear(k, sizes, False, torch.float32, torch.device("cpu"))
     layer.activations = INT8_ACTIVATIONS  # as an engine sets it where it repacks
     parts = []
-    for shard, (rows, fmt) in enumerate(zip(sizes, (Q.Q4_K, Q.Q5_K, Q.Q8_0))):
+    for shard, (rows, fmt) in enumerate(zip(sizes, (Q.Q4_K, Q.Q5_K, Q.Q5_0))):
         blocks, weight = random_blocks(fmt, rows, k, seed=shard)
         layer.load_shard("weight", shard, _quantized(blocks, fmt, rows, k))
         parts.append(weight)
@@ -138,7 +144,7 @@ def test_linear_repacks_its_k_quant_blocks_only():
     x = torch.randn(3, k)
     before = layer.local_linear(x, None)
     layer.repack_for_cpu()
-    assert [t for _, t, _ in layer.shard_blocks] == [112, 113, int(Q.Q8_0)]
+    assert [t for _, t, _ in layer.shard_blocks] == [112, 113, int(Q.Q5_0)]
     torch.testing.assert_close(layer.dense_weight(), torch.cat(parts))
     # the x8 kernel sums in another order: fp32 rounding (1e-5 failed one random x in ten)
     torch.testing.assert_close(layer.local_linear(x, None), before, rtol=1e-4, atol=1e-4)
@@ -180,7 +186,7 @@ def test_untied_lm_head_repacks():
     torch.testing.assert_close(before, x @ weight.T, rtol=2e-2, atol=2e-2 * before.abs().max())
 
 
-@K_QUANTS
+@X8_FORMATS
 def test_tied_lm_head_repacks_and_its_embedding_reads_rows_from_the_groups(fmt):
     vocab, k, cpu = 64, 512, torch.device("cpu")
     blocks, weight = random_blocks(fmt, vocab, k)

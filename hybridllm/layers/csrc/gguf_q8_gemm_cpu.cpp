@@ -447,7 +447,7 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
 }
 
 // Weight rows [0, count) from `rows` (row_bytes apart) into w, and zero weights up to a whole
-// number of `cols`-row micro-kernel calls. kX8: the rows are kType (a K-quant) in x8 groups
+// number of `cols`-row micro-kernel calls. kX8: the rows are kType in x8 groups
 // (count a whole number of them), unpacked 8 at a time.
 template <int64_t kType, bool kX8>
 void unpack_panel(const uint8_t* rows, int64_t row_bytes, int64_t count, int64_t K, int cols,
@@ -471,7 +471,7 @@ void unpack_panel(const uint8_t* rows, int64_t row_bytes, int64_t count, int64_t
   }
 }
 
-// kX8: the weight is kType (a K-quant) in x8 groups.
+// kX8: the weight is kType in x8 groups.
 template <int64_t kType, int kH, bool kX8 = false>
 void q8_gemm_typed(const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N, float* y) {
   using T = GemmType<kType>;

@@ -1,9 +1,9 @@
-// Q4_K, Q5_K, Q6_K, Q2_K and Q3_K weights repacked for the int8 kernels in groups of 8 rows
-// (ggml_types kQ4_KX8 ... kQ3_KX8, not ggml types): the integer dot products then run with the 8
-// rows in the vector lanes, so a super-block's scale and min arithmetic is done once for 8 rows
-// instead of once a row, and no horizontal sums are needed. Q4_K / Q5_K take the type's bytes
-// plus 4 a row per 256 weights (the 6-bit scales and mins stored as bytes); Q6_K, Q2_K and Q3_K
-// their own 210, 84 and 110.
+// Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, Q4_0, Q4_1 and Q8_0 weights repacked for the int8 kernels in
+// groups of 8 rows (ggml_types kQ4_KX8 ... kQ8_0X8, not ggml types): the integer dot products
+// then run with the 8 rows in the vector lanes, so a (super-)block's scale and min arithmetic is
+// done once for 8 rows instead of once a row, and no horizontal sums are needed. Q4_K / Q5_K take
+// the type's bytes plus 4 a row per 256 weights (the 6-bit scales and mins stored as bytes); the
+// others their own bytes.
 //
 // Group g (rows 8g .. 8g + 7), super-block s (weights 256 s ..) takes the B bytes below at
 // (g * K / 256 + s) * B in the weight, which is [N, K / 256 * B / 8] uint8 like any rows.
@@ -45,6 +45,18 @@
 //   [112, 880)   chunk pair p at 112 + 96 p: its 64 code bytes (q, Q3_K's low 2 bits), then 8
 //                bytes each field f: bit i set where code byte i's field has Q3_K's high bit set
 //   Weight = d * (scale - 32) * (q - 4 where the high bit is clear), as in Q3_K.
+// Q4_0, Q4_1 and Q8_0 (gguf_x8_block_cpu.cpp) go a 32-weight block at a time, chunks 0 and 1
+// (weights 0-15, 16-31) as the K-quants' chunks:
+// Q4_0 / Q4_1 (144 / 160 bytes):
+//   [0, 16)      d of rows 0-7, fp16
+//   [16, 32)     Q4_1: m of rows 0-7, fp16
+//   then         chunk c's 64 code bytes at 16 + 64 c (Q4_1: 32 + 64 c), nibbles as Q4_K's
+//   Weight = d * (code - 8) (Q4_0), d * code + m (Q4_1), as in the source types.
+// Q8_0 (272 bytes):
+//   [0, 16)      d of rows 0-7, fp16
+//   [16, 272)    chunk c's half h at 16 + 128 c + 64 h: byte 4 L + b (lane L = 8 h' + r) holds
+//                row r's code of weight 16 c + 8 h + 4 h' + b plus 128, as an unsigned byte
+//   Weight = d * (code - 128), as in Q8_0.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -61,6 +73,11 @@
 namespace hybridllm_gguf {
 
 constexpr int64_t kX8GroupRows = 8;
+
+// The 32-weight block types with an x8 form (gguf_x8_block_cpu.cpp).
+constexpr bool is_block_x8_source(int64_t type) {
+  return type == kQ4_0 || type == kQ4_1 || type == kQ8_0;
+}
 
 // The x8 types and their source types: gguf_types.h (x8_type_of, x8_source_type, is_x8_type;
 // dispatch_gguf_type<kX8Kernels> gives a body the source type).
@@ -79,7 +96,8 @@ bool x8_linear_grouped(int64_t type, const float* x, const int64_t* starts, int6
 // codes [8][K] (rows `code_stride` apart); Q4_K / Q5_K: scales d * sc and 6-bit min codes m
 // [8][K / 32], and min scales -dmin [8][K / 256]; Q6_K: scales d * scale [8][K / 16], no mins;
 // Q2_K / Q3_K: the scaled codes (scaled_field below), scales d or -d [8][K / 256], and
-// Q2_K's 4-bit min codes [8][K / 16] and -dmin [8][K / 256] (rows `unit_stride` apart).
+// Q2_K's 4-bit min codes [8][K / 16] and -dmin [8][K / 256]; Q4_0 / Q4_1 / Q8_0: scales d
+// [8][K / 32], Q4_1's m in min_scales (rows `unit_stride` apart).
 void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* codes,
                      int64_t code_stride, float* scales, int16_t* min_codes, float* min_scales,
                      int64_t unit_stride);
@@ -90,9 +108,12 @@ bool x8_kernels_built();
 // kernels: kQ8GemmMinRows, except Q2_K and Q3_K in x8 groups, whose kernels take a tile of 4
 // rows of x a group: on the 1B Q2_K file's gate (8192 x 2048, Q2_K) and down (2048 x 8192, Q3_K),
 // 2 threads, they took 0.64 / 0.53 of the GEMM's time at 8 rows, 0.95 / 0.81 at 12, 1.25 / 1.07
-// at 16.
+// at 16. Q4_0, Q4_1 and Q8_0 in x8 groups (tiles of 5 rows) took 0.46-0.68 of it at 8 rows,
+// 0.67-0.94 at 12, 0.86-1.18 at 16 (SmolLM2's shapes: 3072 x 576, 576 x 1536, 49,152 x 576).
 inline int64_t int8_gemm_min_rows(int64_t type) {
-  return is_x8_type(type) && is_code_block_type(x8_source_type(type)) ? 14 : kQ8GemmMinRows;
+  if (!is_x8_type(type)) return kQ8GemmMinRows;
+  if (is_code_block_type(x8_source_type(type))) return 14;
+  return is_block_x8_source(x8_source_type(type)) ? 16 : kQ8GemmMinRows;
 }
 
 // Below this many (256-weight super-block x row of x) products one thread does it all.
@@ -190,6 +211,18 @@ inline __m512i scaled_field(__m512i v, __m512i scale) {
     return _mm512_mask_blend_epi8(0xAAAAAAAAAAAAAAAAull, even, _mm512_slli_epi16(odd, 8));
   }
 }
+#endif
+
+// The 32-weight block types' groups (source_type kQ4_0, kQ4_1 or kQ8_0): `nb` blocks of 8 source
+// rows (src, rows nb blocks apart) into one group (repack), or back.
+void block_x8_convert(int64_t source_type, const uint8_t* src, int64_t nb, uint8_t* dst,
+                      bool repack);
+#if defined(HYBRIDLLM_Q8_AVX512)
+void block_x8_linear_grouped(int64_t source_type, const float* x, const int64_t* starts,
+                             int64_t groups, int64_t K, const uint8_t* const* weights, int64_t N,
+                             float* y);
+void block_x8_unpack_group(int64_t source_type, const uint8_t* group, int64_t K, uint8_t* codes,
+                           int64_t code_stride, float* scales, float* mins, int64_t unit_stride);
 #endif
 
 // Q2_K and Q3_K's groups (gguf_x8_code_cpu.cpp; source_type kQ2_K or kQ3_K): `nsb` super-blocks

@@ -213,8 +213,8 @@ std::pair<int64_t, int64_t> group_shape(const at::Tensor& blocks, int64_t super_
   return {rows / kX8GroupRows, bytes / super_bytes};
 }
 
-// `blocks` of ggml_type `type` (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K) into x8 groups (repack) or back
-// (unpack).
+// `blocks` of ggml_type `type` (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, Q4_0, Q4_1, Q8_0) into x8 groups
+// (repack) or back (unpack).
 at::Tensor convert(const at::Tensor& blocks, int64_t type, bool repack) {
   const char* op = repack ? "repack_x8" : "unpack_x8";
   return dispatch_gguf_type<kX8Kernels>(
@@ -231,7 +231,10 @@ at::Tensor convert(const at::Tensor& blocks, int64_t type, bool repack) {
         at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
           for (int64_t g = begin; g < end; ++g) {
             const int64_t rows = g * 8 * nsb * source, x8 = g * nsb * group;  // byte offsets
-            if constexpr (is_code_block_type(kType)) {
+            if constexpr (is_block_x8_source(kType)) {
+              if (repack) block_x8_convert(kType, src + rows, nsb, dst + x8, true);
+              else block_x8_convert(kType, src + x8, nsb, dst + rows, false);
+            } else if constexpr (is_code_block_type(kType)) {
               if (repack) code_x8_convert(kType, src + rows, nsb, dst + x8, true);
               else code_x8_convert(kType, src + x8, nsb, dst + rows, false);
             } else if constexpr (kType == kQ6_K) {
@@ -247,8 +250,8 @@ at::Tensor convert(const at::Tensor& blocks, int64_t type, bool repack) {
       },
       [&]() -> at::Tensor {
         TORCH_CHECK(false, op,
-                    ": ggml_type must be Q4_K (12), Q5_K (13), Q6_K (14), Q2_K (10) or Q3_K (11), "
-                    "got ",
+                    ": ggml_type must be Q4_K (12), Q5_K (13), Q6_K (14), Q2_K (10), Q3_K (11), "
+                    "Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ",
                     type);
         return {};
       });
@@ -481,7 +484,9 @@ bool x8_linear_grouped(int64_t type, const float* x, const int64_t* starts, int6
       type,
       [&](auto source) {
         constexpr int64_t kType = decltype(source)::value;
-        if constexpr (is_code_block_type(kType))
+        if constexpr (is_block_x8_source(kType))
+          block_x8_linear_grouped(kType, x, starts, groups, K, weights, N, y);
+        else if constexpr (is_code_block_type(kType))
           code_x8_linear_grouped(kType, x, starts, groups, K, weights, N, y);
         else
           x8_grouped_typed<kType>(x, starts, groups, K, weights, N, y);
@@ -502,7 +507,10 @@ void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* cod
       type,
       [&](auto source) {
         constexpr int64_t kType = decltype(source)::value;
-        if constexpr (is_code_block_type(kType))
+        if constexpr (is_block_x8_source(kType))
+          block_x8_unpack_group(kType, group, K, codes, code_stride, scales, min_scales,
+                                unit_stride);
+        else if constexpr (is_code_block_type(kType))
           code_x8_unpack_group(kType, group, K, codes, code_stride, scales, min_codes, min_scales,
                                unit_stride);
         else

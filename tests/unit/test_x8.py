@@ -1,4 +1,4 @@
-"""Block weights repacked in groups of 8 rows (ggml_types 112-119, csrc/gguf_x8.h): the
+"""Block weights repacked in groups of 8 rows (ggml_types 112-120, csrc/gguf_x8.h): the
 repacking round trip, gguf_linear and fused_moe on them against the source type's own int8 path
 and the dequantized weights, Linear's and the expert stacks' repacking, and the errors."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
@@ -29,13 +30,13 @@ def _kernels():
 
 X8_FORMATS = pytest.mark.parametrize(
     "fmt",
-    [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.Q4_0, Q.Q4_1, Q.Q8_0],
+    [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.IQ4_NL],
     ids=lambda f: f.name,
 )
 # a row's x8 bytes per 256 weights
 ROW_BYTES = {
     **{Q.Q4_K: 148, Q.Q5_K: 180, Q.Q6_K: 210, Q.Q2_K: 84, Q.Q3_K: 110},
-    **{Q.Q4_0: 144, Q.Q4_1: 160, Q.Q8_0: 272},
+    **{Q.Q4_0: 144, Q.Q4_1: 160, Q.Q8_0: 272, Q.IQ4_NL: 144},
 }
 
 
@@ -46,6 +47,15 @@ def random_blocks(fmt, n, k, seed=0):
         blocks = random_code_blocks(fmt, n, k, torch.Generator().manual_seed(seed))
         return blocks, torch.from_numpy(dequantize(blocks.numpy(), fmt).reshape(n, k))
     return random_k_blocks(fmt, n, k, seed)
+
+
+def assert_same_integer_sums(got, want, x, weight):
+    """`got` and `want` are x @ weight.T from the same integer sums, accumulated in another
+    order: within fp32 rounding of sum |x| |w| (as test_gguf_linear_equals_the_source_type). A
+    fixed tolerance failed about one random x in ten."""
+    bound = 1e-5 * (x.abs() @ weight.abs().T) + 1e-30
+    err = (got - want).abs()
+    assert (err <= bound).all(), f"max error {err.max():.3g} at {err.argmax()}"
 
 
 @X8_FORMATS
@@ -70,7 +80,7 @@ def test_gguf_linear_equals_the_source_type(fmt, n, k):
     blocks, weight = random_blocks(fmt, n, k, seed=n)
     x8, x8_type = repack_x8(blocks, int(fmt))
     # the x8 kernels below 8 rows (K-quants), 14 (Q2_K, Q3_K: tiles of 4 rows and a part) or 16
-    # (Q4_0, Q4_1, Q8_0: tiles of 5), from there the int8 GEMM unpacking x8 groups (70: three
+    # (Q4_0, Q4_1, Q8_0, IQ4_NL: tiles of 5), from there the int8 GEMM unpacking x8 groups (70: three
     # tiles)
     for m in [1, 2, 5, 7, 8, 13, 14, 15, 16, 17, 70]:
         x = torch.randn(m, k)
@@ -107,8 +117,9 @@ def test_bad_arguments_name_the_problem():
 @X8_FORMATS
 def test_fused_moe_equals_the_source_type(fmt):
     experts, hidden, width = 6, 512, 256
-    w13, _ = random_blocks(fmt, experts * 2 * width, hidden, seed=1)
-    w2, _ = random_blocks(fmt, experts * hidden, width, seed=2)
+    w13, weight13 = random_blocks(fmt, experts * 2 * width, hidden, seed=1)
+    w2, weight2 = random_blocks(fmt, experts * hidden, width, seed=2)
+    weight13, weight2 = weight13.view(experts, 2 * width, hidden), weight2.view(experts, hidden, -1)
     w13, w2 = w13.view(experts, 2 * width, -1), w2.view(experts, hidden, -1)
     (x13, x8_type), (x2, _) = repack_x8(w13, int(fmt)), repack_x8(w2, int(fmt))
     # 3 tokens: few rows an expert (the grouped kernels); 40: some experts past the GEMM's 8 rows
@@ -118,7 +129,20 @@ def test_fused_moe_equals_the_source_type(fmt):
         weights = torch.rand(n, 2)
         ref = torch.ops.hybridllm.fused_moe(x, weights, ids, w13, int(fmt), w2, int(fmt), 1)
         got = torch.ops.hybridllm.fused_moe(x, weights, ids, x13, x8_type, x2, x8_type, 1)
-        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+        # The gate / up sums agree up to fp32 rounding, but SiLU-and-mul's output is quantized
+        # to int8 again for the down projection, where a value on a rounding boundary can land
+        # one step apart in the two (a whole token's row then differs by ~1%; one random input
+        # in ~50 did): both are held to their distance from the float computation instead, and
+        # most rows must still agree closely.
+        exact = torch.zeros(n, hidden)
+        for t in range(n):
+            for j in range(2):
+                gate, up = (weight13[ids[t, j]] @ x[t]).chunk(2)
+                exact[t] += weights[t, j] * (weight2[ids[t, j]] @ (F.silu(gate) * up))
+        scale = exact.abs().max()
+        assert (got - exact).abs().max() <= 1.5 * (ref - exact).abs().max() + 1e-6 * scale
+        close_rows = ((got - ref).abs() <= 1e-4 * scale).all(dim=1)
+        assert close_rows.float().mean() >= 0.9
     x, ids, weights = torch.randn(1, hidden), torch.tensor([[0, 1]]), torch.rand(1, 2)
     with pytest.raises(RuntimeError, match="not a multiple of 8"):  # part of a group
         torch.ops.hybridllm.fused_moe(
@@ -146,8 +170,7 @@ def test_linear_repacks_the_blocks_of_x8_types_only():
     layer.repack_for_cpu()
     assert [t for _, t, _ in layer.shard_blocks] == [112, 113, int(Q.Q5_0)]
     torch.testing.assert_close(layer.dense_weight(), torch.cat(parts))
-    # the x8 kernel sums in another order: fp32 rounding (1e-5 failed one random x in ten)
-    torch.testing.assert_close(layer.local_linear(x, None), before, rtol=1e-4, atol=1e-4)
+    assert_same_integer_sums(layer.local_linear(x, None), before, x, torch.cat(parts))
 
     odd = Linear(k, 12, False, torch.float32, torch.device("cpu"))  # 12 rows: not whole groups
     blocks, _ = random_blocks(Q.Q4_K, 12, k)
@@ -161,14 +184,14 @@ def test_expert_stack_repacks():
     experts, rows, k = 3, 16, 256
     stack = StackedExpertWeight(experts, (rows,), k, torch.float32, torch.device("cpu"))
     stack.activations = INT8_ACTIVATIONS
-    blocks, _ = random_blocks(Q.Q4_K, experts * rows, k)
+    blocks, weight = random_blocks(Q.Q4_K, experts * rows, k)
     stack.load(_quantized(blocks, Q.Q4_K, experts * rows, k), "w2", part=0)
     stack.finish_loading()
     x = torch.randn(2, k)
     before = stack.matmul(1, x)
     stack.repack_for_cpu()
     assert stack.ggml_type == 112 and stack.qweight.shape == (experts, rows, 148)
-    torch.testing.assert_close(stack.matmul(1, x), before, rtol=1e-4, atol=1e-4)
+    assert_same_integer_sums(stack.matmul(1, x), before, x, weight[rows : 2 * rows])
     assert torch.equal(unpack_x8(stack.qweight, 112)[0].reshape(experts * rows, -1), blocks)
 
 
@@ -182,7 +205,7 @@ def test_untied_lm_head_repacks():
     before = head(x)
     head.repack_for_cpu()
     assert head.ggml_type == X8_TYPES[int(Q.Q6_K)] and not torch.equal(head.qweight, blocks)
-    torch.testing.assert_close(head(x), before, rtol=1e-4, atol=1e-4)
+    assert_same_integer_sums(head(x), before, x, weight)
     torch.testing.assert_close(before, x @ weight.T, rtol=2e-2, atol=2e-2 * before.abs().max())
 
 
@@ -204,4 +227,4 @@ def test_tied_lm_head_repacks_and_its_embedding_reads_rows_from_the_groups(fmt):
     assert embedding.qweight is tied.qweight and embedding.ggml_type == tied.ggml_type
     assert torch.equal(embedding(ids), rows_before)
     torch.testing.assert_close(embedding(ids), weight[ids])
-    torch.testing.assert_close(tied(x), logits_before, rtol=1e-4, atol=1e-4)
+    assert_same_integer_sums(tied(x), logits_before, x, weight)

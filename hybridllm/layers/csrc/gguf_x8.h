@@ -45,13 +45,14 @@
 //   [112, 880)   chunk pair p at 112 + 96 p: its 64 code bytes (q, Q3_K's low 2 bits), then 8
 //                bytes each field f: bit i set where code byte i's field has Q3_K's high bit set
 //   Weight = d * (scale - 32) * (q - 4 where the high bit is clear), as in Q3_K.
-// Q4_0, Q4_1 and Q8_0 (gguf_x8_block_cpu.cpp) go a 32-weight block at a time, chunks 0 and 1
-// (weights 0-15, 16-31) as the K-quants' chunks:
-// Q4_0 / Q4_1 (144 / 160 bytes):
+// Q4_0, Q4_1, Q8_0 and IQ4_NL (gguf_x8_block_cpu.cpp) go a 32-weight block at a time, chunks 0
+// and 1 (weights 0-15, 16-31) as the K-quants' chunks:
+// Q4_0 / IQ4_NL / Q4_1 (144 / 144 / 160 bytes):
 //   [0, 16)      d of rows 0-7, fp16
 //   [16, 32)     Q4_1: m of rows 0-7, fp16
 //   then         chunk c's 64 code bytes at 16 + 64 c (Q4_1: 32 + 64 c), nibbles as Q4_K's
-//   Weight = d * (code - 8) (Q4_0), d * code + m (Q4_1), as in the source types.
+//   Weight = d * (code - 8) (Q4_0), d * kIq4NlValues[code] (IQ4_NL), d * code + m (Q4_1), as in
+//   the source types.
 // Q8_0 (272 bytes):
 //   [0, 16)      d of rows 0-7, fp16
 //   [16, 272)    chunk c's half h at 16 + 128 c + 64 h: byte 4 L + b (lane L = 8 h' + r) holds
@@ -76,7 +77,7 @@ constexpr int64_t kX8GroupRows = 8;
 
 // The 32-weight block types with an x8 form (gguf_x8_block_cpu.cpp).
 constexpr bool is_block_x8_source(int64_t type) {
-  return type == kQ4_0 || type == kQ4_1 || type == kQ8_0;
+  return type == kQ4_0 || type == kQ4_1 || type == kQ8_0 || type == kIQ4_NL;
 }
 
 // The x8 types and their source types: gguf_types.h (x8_type_of, x8_source_type, is_x8_type;
@@ -96,8 +97,8 @@ bool x8_linear_grouped(int64_t type, const float* x, const int64_t* starts, int6
 // codes [8][K] (rows `code_stride` apart); Q4_K / Q5_K: scales d * sc and 6-bit min codes m
 // [8][K / 32], and min scales -dmin [8][K / 256]; Q6_K: scales d * scale [8][K / 16], no mins;
 // Q2_K / Q3_K: the scaled codes (scaled_field below), scales d or -d [8][K / 256], and
-// Q2_K's 4-bit min codes [8][K / 16] and -dmin [8][K / 256]; Q4_0 / Q4_1 / Q8_0: scales d
-// [8][K / 32], Q4_1's m in min_scales (rows `unit_stride` apart).
+// Q2_K's 4-bit min codes [8][K / 16] and -dmin [8][K / 256]; Q4_0 / Q4_1 / Q8_0 / IQ4_NL:
+// scales d [8][K / 32], Q4_1's m in min_scales (rows `unit_stride` apart).
 void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* codes,
                      int64_t code_stride, float* scales, int16_t* min_codes, float* min_scales,
                      int64_t unit_stride);
@@ -108,7 +109,7 @@ bool x8_kernels_built();
 // kernels: kQ8GemmMinRows, except Q2_K and Q3_K in x8 groups, whose kernels take a tile of 4
 // rows of x a group: on the 1B Q2_K file's gate (8192 x 2048, Q2_K) and down (2048 x 8192, Q3_K),
 // 2 threads, they took 0.64 / 0.53 of the GEMM's time at 8 rows, 0.95 / 0.81 at 12, 1.25 / 1.07
-// at 16. Q4_0, Q4_1 and Q8_0 in x8 groups (tiles of 5 rows) took 0.46-0.68 of it at 8 rows,
+// at 16. Q4_0, Q4_1 and Q8_0 (and IQ4_NL alike) in x8 groups (tiles of 5 rows) took 0.46-0.68 of it at 8 rows,
 // 0.67-0.94 at 12, 0.86-1.18 at 16 (SmolLM2's shapes: 3072 x 576, 576 x 1536, 49,152 x 576).
 inline int64_t int8_gemm_min_rows(int64_t type) {
   if (!is_x8_type(type)) return kQ8GemmMinRows;
@@ -213,7 +214,7 @@ inline __m512i scaled_field(__m512i v, __m512i scale) {
 }
 #endif
 
-// The 32-weight block types' groups (source_type kQ4_0, kQ4_1 or kQ8_0): `nb` blocks of 8 source
+// The 32-weight block types' groups (source_type kQ4_0, kQ4_1, kQ8_0, kIQ4_NL): `nb` blocks of 8 source
 // rows (src, rows nb blocks apart) into one group (repack), or back.
 void block_x8_convert(int64_t source_type, const uint8_t* src, int64_t nb, uint8_t* dst,
                       bool repack);

@@ -1,4 +1,4 @@
-// Q4_0, Q4_1 and Q8_0 rows repacked in groups of 8 (gguf_x8.h's Q4_0X8, Q4_1X8 and Q8_0X8): the
+// Q4_0, Q4_1, Q8_0 and IQ4_NL rows repacked in groups of 8 (gguf_x8.h's Q4_0X8 ... IQ4_NLX8): the
 // layouts' repacking, and their int8 kernels for few rows of x. As in the K-quants' x8 kernels,
 // one vpdpbusd multiplies 4 codes of each of the 8 rows, so a block's scale is one vector
 // multiply for 8 rows, and a tile of rows of x meets each block's codes once they are loaded:
@@ -20,7 +20,8 @@ namespace {
 
 template <int64_t kType>
 constexpr int64_t kSourceBytes = gguf_type_info(kType).unit_bytes;  // a block's bytes
-static_assert(kSourceBytes<kQ4_0> == 18 && kSourceBytes<kQ4_1> == 20 && kSourceBytes<kQ8_0> == 34);
+static_assert(kSourceBytes<kQ4_0> == 18 && kSourceBytes<kQ4_1> == 20 && kSourceBytes<kQ8_0> == 34 &&
+              kSourceBytes<kIQ4_NL> == 18);
 template <int64_t kType>
 constexpr int64_t kGroupBytes = 8 * kSourceBytes<kType>;
 // Where a group block's codes start: after the 8 rows' d (and Q4_1's m), fp16 each.
@@ -98,10 +99,11 @@ void unpack_group(const uint8_t* group, int64_t nb, uint8_t* rows) {
 }
 
 #if defined(HYBRIDLLM_Q8_AVX512)
-// What a code stands for beside its scale: Q8_0's are code + 128, Q4_0's code + 8 (Q4_1's have
-// a min instead). The offset times x's block sum starts each block's integer sums (lanes 0-7).
+// What a code stands for beside its scale: Q8_0's are code + 128, IQ4_NL's looked up as table
+// value + 128, Q4_0's code + 8 (Q4_1's have a min instead). The offset times x's block sum
+// starts each block's integer sums (lanes 0-7).
 template <int64_t kType>
-constexpr int kCodeOffset = kType == kQ8_0 ? 128 : kType == kQ4_0 ? 8 : 0;
+constexpr int kCodeOffset = kType == kQ8_0 || kType == kIQ4_NL ? 128 : kType == kQ4_0 ? 8 : 0;
 
 // Rows of x as the kernels read them: quantize_rows<32>'s, plus each block's sum of q as an
 // int32 (sums[r * nb + b]); Q8Rows' s (d times that sum, a float) is what Q4_1's mins take.
@@ -128,13 +130,17 @@ BlockRows prepare_rows(const float* x, int64_t M, int64_t K) {
   return {q8, sums.data(), nb};
 }
 
-// Chunk c's `half` code vector of the group block at o, as unsigned bytes.
+// Chunk c's `half` code vector of the group block at o, as unsigned bytes (IQ4_NL: its table's
+// values + 128).
 template <int64_t kType>
 inline __m512i block_codes(const uint8_t* o, int c, int half) {
   if constexpr (kType == kQ8_0)
     return _mm512_loadu_si512(o + kGroupCodes<kType> + 128 * c + 64 * half);
   const __m512i v = _mm512_loadu_si512(o + kGroupCodes<kType> + 64 * c);
-  return _mm512_and_si512(half ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(15));
+  const __m512i nibbles =
+      _mm512_and_si512(half ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(15));
+  if constexpr (kType == kIQ4_NL) return Avx512Vnni::table_codes(nibbles, kIq4NlValues);
+  return nibbles;
 }
 
 // Up to this many rows of x meet a group's codes once loaded: a speculative verify step of 4
@@ -216,7 +222,8 @@ void block_groups(const BlockRows& x, int64_t M, const uint8_t* w, float* y, int
 }
 
 // The group's 8 rows for the int8 GEMM, as its unpack_row gives a source row: codes in weight
-// order (Q8_0's plus 128, the nibbles as they are), d (and Q4_1's m) a block.
+// order (Q8_0's and IQ4_NL's table values plus 128, Q4_0's and Q4_1's nibbles as they are), d
+// (and Q4_1's m) a block.
 template <int64_t kType>
 void unpack_for_gemm(const uint8_t* group, int64_t K, uint8_t* codes, int64_t code_stride,
                      float* scales, float* mins, int64_t unit_stride) {
@@ -252,6 +259,8 @@ void dispatch_block(int64_t source_type, Body body) {
     body(std::integral_constant<int64_t, kQ4_0>{});
   else if (source_type == kQ4_1)
     body(std::integral_constant<int64_t, kQ4_1>{});
+  else if (source_type == kIQ4_NL)
+    body(std::integral_constant<int64_t, kIQ4_NL>{});
   else
     body(std::integral_constant<int64_t, kQ8_0>{});
 }

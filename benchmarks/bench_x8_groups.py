@@ -19,11 +19,23 @@ import time
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
 
 from hybridllm.layers.cpu_kernels import load_cpu_kernels
 from hybridllm.layers.gguf_linear import INT8_ACTIVATIONS, X8_TYPES, repack_x8
+
+
+def random_rows(fmt: int, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """[n, bytes] blocks of random weights; random codes under an fp16 scale at each block's
+    first byte where gguf cannot quantize the type (IQ4_NL)."""
+    try:
+        return quantize(rng.standard_normal((n, k), np.float32), fmt)
+    except NotImplementedError:
+        block_weights, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(fmt)]
+        blocks = rng.integers(0, 256, (n * k // block_weights, block_bytes), dtype=np.uint8)
+        blocks[:, :2] = rng.uniform(0.01, 0.1, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+        return blocks.reshape(n, -1)
 
 
 def main() -> None:
@@ -43,7 +55,7 @@ def main() -> None:
             raise SystemExit(f"{name} has no x8 form (those with one: {sorted(X8_TYPES)})")
         for shape in args.shapes:
             n, k = (int(v) for v in shape.split("x"))
-            rows = torch.from_numpy(quantize(rng.standard_normal((n, k), np.float32), fmt))
+            rows = torch.from_numpy(random_rows(fmt, n, k, rng))
             groups, x8_type = repack_x8(rows, fmt)
             forms = {"rows": (rows, fmt), "x8": (groups, x8_type)}
             for m in args.rows:

@@ -1,12 +1,13 @@
-// Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, Q4_0, Q4_1 and Q8_0 weights repacked for the int8 kernels in
-// groups of 8 rows (ggml_types kQ4_KX8 ... kQ8_0X8, not ggml types): the integer dot products
+// Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, Q4_0, Q4_1, Q8_0 and IQ4_NL weights repacked for the int8 kernels
+// in groups of 8 rows (ggml_types kQ4_KX8 ... kIQ4_NLX8, not ggml types): the integer products
 // then run with the 8 rows in the vector lanes, so a (super-)block's scale and min arithmetic is
 // done once for 8 rows instead of once a row, and no horizontal sums are needed. Q4_K / Q5_K take
 // the type's bytes plus 4 a row per 256 weights (the 6-bit scales and mins stored as bytes); the
 // others their own bytes.
 //
 // Group g (rows 8g .. 8g + 7), super-block s (weights 256 s ..) takes the B bytes below at
-// (g * K / 256 + s) * B in the weight, which is [N, K / 256 * B / 8] uint8 like any rows.
+// (g * K / 256 + s) * B in the weight, which is [N, K / 256 * B / 8] uint8 like any rows (the
+// 32-weight block types below: block b at (g * K / 32 + b) * B, the weight [N, K / 32 * B / 8]).
 // Chunk q (0-15) of a super-block is its weights 16 q .. 16 q + 15; its 64 code bytes hold in
 // byte 4 L + b (lane L = 8 h + r) row r's code of weight 16 q + 4 h + b in the low nibble and
 // of weight 16 q + 8 + 4 h + b in the high nibble.
@@ -109,8 +110,9 @@ bool x8_kernels_built();
 // kernels: kQ8GemmMinRows, except Q2_K and Q3_K in x8 groups, whose kernels take a tile of 4
 // rows of x a group: on the 1B Q2_K file's gate (8192 x 2048, Q2_K) and down (2048 x 8192, Q3_K),
 // 2 threads, they took 0.64 / 0.53 of the GEMM's time at 8 rows, 0.95 / 0.81 at 12, 1.25 / 1.07
-// at 16. Q4_0, Q4_1 and Q8_0 (and IQ4_NL alike) in x8 groups (tiles of 5 rows) took 0.46-0.68 of it at 8 rows,
-// 0.67-0.94 at 12, 0.86-1.18 at 16 (SmolLM2's shapes: 3072 x 576, 576 x 1536, 49,152 x 576).
+// at 16. Q4_0, Q4_1 and Q8_0 (IQ4_NL alike) in x8 groups, tiles of 5 rows, took 0.46-0.68 of its
+// time at 8 rows, 0.67-0.94 at 12, 0.86-1.18 at 16 (SmolLM2's 3072 x 576, 576 x 1536 and
+// 49,152 x 576).
 inline int64_t int8_gemm_min_rows(int64_t type) {
   if (!is_x8_type(type)) return kQ8GemmMinRows;
   if (is_code_block_type(x8_source_type(type))) return 14;
@@ -214,8 +216,8 @@ inline __m512i scaled_field(__m512i v, __m512i scale) {
 }
 #endif
 
-// The 32-weight block types' groups (source_type kQ4_0, kQ4_1, kQ8_0, kIQ4_NL): `nb` blocks of 8 source
-// rows (src, rows nb blocks apart) into one group (repack), or back.
+// The 32-weight block types' groups (source_type kQ4_0, kQ4_1, kQ8_0, kIQ4_NL): `nb` blocks of 8
+// source rows (src, rows nb blocks apart) into one group (repack), or back.
 void block_x8_convert(int64_t source_type, const uint8_t* src, int64_t nb, uint8_t* dst,
                       bool repack);
 #if defined(HYBRIDLLM_Q8_AVX512)

@@ -4,6 +4,10 @@ The values were produced by `python -m tests.golden_runs` on the code before the
 refactor (issue 38, commit 82e09a2), which read the GGUF activations from
 HYBRIDLLM_GGUF_ACTIVATIONS (the cases' `gguf_activations` were that variable in its runs);
 tests/integration/test_golden_outputs.py reruns every case on the current code and compares.
+Session 33 saved the `smollm2` and `smollm2_bf16` cases again (`python -m tests.golden_runs OUT
+smollm2 smollm2_bf16`, merged): the embedded model's Q4_1 and Q8_0 weights then computed in x8
+groups, whose int8 activations round otherwise, and a near tie in a decode step (logprobs 0.04
+apart; both runs 0.1-0.24 from the fp32-activation case's, as before) picked another token.
 Each case builds its model the same way every time (fixed seeds).
 """
 

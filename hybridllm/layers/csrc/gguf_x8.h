@@ -76,6 +76,13 @@ namespace hybridllm_gguf {
 
 constexpr int64_t kX8GroupRows = 8;
 
+// For an x8 source type (kQ4_K, ...): one unit's bytes (a super-block or a 32-weight block) in
+// its own layout, and a group unit's (8 rows) in the x8 layout.
+template <int64_t kType>
+constexpr int64_t kSourceBytes = gguf_type_info(kType).unit_bytes;
+template <int64_t kType>
+constexpr int64_t kGroupBytes = 8 * gguf_type_info(x8_type_of(kType)).unit_bytes;
+
 // The 32-weight block types with an x8 form (gguf_x8_block_cpu.cpp).
 constexpr bool is_block_x8_source(int64_t type) {
   return type == kQ4_0 || type == kQ4_1 || type == kQ8_0 || type == kIQ4_NL;

@@ -18,12 +18,10 @@
 namespace hybridllm_gguf {
 namespace {
 
-template <int64_t kType>
-constexpr int64_t kSourceBytes = gguf_type_info(kType).unit_bytes;  // a block's bytes
+// a block's bytes, and a group block's (gguf_x8.h): the same 8 rows' bytes, rearranged
 static_assert(kSourceBytes<kQ4_0> == 18 && kSourceBytes<kQ4_1> == 20 && kSourceBytes<kQ8_0> == 34 &&
               kSourceBytes<kIQ4_NL> == 18);
-template <int64_t kType>
-constexpr int64_t kGroupBytes = 8 * kSourceBytes<kType>;
+static_assert(kGroupBytes<kQ4_0> == 8 * 18 && kGroupBytes<kQ8_0> == 8 * 34);
 // Where a group block's codes start: after the 8 rows' d (and Q4_1's m), fp16 each.
 template <int64_t kType>
 constexpr int64_t kGroupCodes = kType == kQ4_1 ? 32 : 16;

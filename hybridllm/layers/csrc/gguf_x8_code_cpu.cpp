@@ -19,11 +19,8 @@
 namespace hybridllm_gguf {
 namespace {
 
-template <int64_t kType>
-constexpr int64_t kSourceBytes = gguf_type_info(kType).unit_bytes;  // a super-block's bytes
 static_assert(kSourceBytes<kQ2_K> == 84 && kSourceBytes<kQ3_K> == 110);
-template <int64_t kType>
-constexpr int64_t kGroupBytes = 8 * kSourceBytes<kType>;
+static_assert(kGroupBytes<kQ2_K> == 8 * 84 && kGroupBytes<kQ3_K> == 8 * 110);
 // Where chunk pair p's 64 code bytes start (Q3_K: its 32 bytes of high bits follow them).
 template <int64_t kType>
 constexpr int64_t pair_offset(int p) {

@@ -49,15 +49,10 @@ void pack_scale_min(const uint8_t* sc, const uint8_t* m, uint8_t* q) {
 // chunk c; the high nibble holds that of the weight 8 later.
 inline int chunk_weight(int c, int h, int b) { return 16 * c + 4 * h + b; }
 
-// A source super-block's bytes, and where its 4-bit codes start (Q5_K: its 32 high-bit bytes
-// first, bit j of byte v weight v's of sub-block j).
-template <int64_t kType>
-constexpr int64_t kSourceBytes = gguf_type_info(kType).unit_bytes;
+// Where a source super-block's 4-bit codes start (Q5_K: its 32 high-bit bytes first, bit j of
+// byte v weight v's of sub-block j), and a group super-block's (kGroupBytes: gguf_x8.h).
 template <int64_t kType>
 constexpr int64_t kSourceNibbles = kType == kQ4_K ? 16 : 48;
-// A group super-block's bytes, and where its code nibbles start.
-template <int64_t kType>
-constexpr int64_t kGroupBytes = 8 * gguf_type_info(x8_type_of(kType)).unit_bytes;
 template <int64_t kType>
 constexpr int64_t kGroupCodes = kType == kQ6_K ? 144 : 160;
 // Where chunk q's 64 code bytes start in a group super-block; Q5_K's 16 bytes of fifth bits and

@@ -94,3 +94,45 @@ def test_up_projections_from_q8_0_blocks_are_close_to_floats():
         for g_, w_ in ((got, want), (got_prefill, want_prefill)):
             assert (g_ - w_).abs().max() < 0.02 * w_.abs().max()
             assert not torch.equal(g_, w_)  # the blocks were used
+
+
+def test_up_projections_in_x8_groups_give_the_plain_blocks_results():
+    # with int8 activations on an AVX512-VNNI build the Q8_0 copies are repacked into groups of
+    # 8 rows (every row count here a multiple of 8): the same integer sums as the plain blocks
+    # (unpacked back from them), so equal to fp32 rounding
+    require_cpu_kernels()
+    if not torch.ops.hybridllm.x8_supported():
+        pytest.skip("this build has no x8 kernels (AVX512-VNNI)")
+    from hybridllm.layers.gguf_linear import INT8_ACTIVATIONS, X8_SOURCE_TYPES, unpack_x8
+    from hybridllm.layers.mla_attention import HeadBlocks
+
+    heads, nope, v, latent_dim = 4, 32, 16, 64
+    g = torch.Generator().manual_seed(4)
+    w_kv_b = 0.3 * torch.randn(heads, nope + v, latent_dim, generator=g)
+    cache = torch.randn(8, BLOCK, latent_dim + ROPE, generator=g)
+    _, prep, _, _, _ = decode_step([7, 3], num_blocks=8, seed=3)
+    q_nope = torch.randn(2, heads, nope, generator=g)
+    q_pe = torch.randn(2, heads, ROPE, generator=g)
+    context = cache[:2].reshape(-1, latent_dim + ROPE)[:6]
+    q_prompt = torch.randn(6, heads, nope, generator=g), torch.randn(6, heads, ROPE, generator=g)
+    attention = LatentAttention(heads, nope, ROPE, v, latent_dim, scale=0.2)
+    attention.use_head_blocks(w_kv_b, INT8_ACTIVATIONS)
+    grouped = attention.head_blocks
+    assert grouped.ggml_type in X8_SOURCE_TYPES
+    results = []
+    for blocks in (grouped, None):
+        if blocks is None:  # the same weights as plain Q8_0 rows
+            kv_b, uk_t, uv = (
+                unpack_x8(b, grouped.ggml_type)[0] for b in (grouped.kv_b, grouped.uk_t, grouped.uv)
+            )
+            source = X8_SOURCE_TYPES[grouped.ggml_type]
+            blocks = HeadBlocks(kv_b, uk_t, uv, source, INT8_ACTIVATIONS)
+        attention.head_blocks = blocks
+        results.append(
+            (
+                attention.decode_absorbed(q_nope, q_pe, cache, prep, None),
+                attention.expanded(*q_prompt, context, None, None),
+            )
+        )
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

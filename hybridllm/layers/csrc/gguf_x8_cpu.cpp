@@ -265,11 +265,14 @@ at::Tensor unpack_x8(const at::Tensor& blocks, int64_t type) {
 //   d[r][s]   super-block s's scale
 //   mins[r][p] (Q4_K, Q5_K) int16 pair (B 2p, B 2p+1), B j the sum of q over sub-block j's 32
 //             values
-//   offsets[r][c][l] (Q6_K) -32 times the sum of q over the 8 values of chunk c (values 16 c ..
-//             16 c + 15) that lane l (8 h + i) of its code vectors meets (16 c + 4 h .. + 3,
+//   offsets[r][c][h] (Q6_K) -32 times the sum of q over the 8 values of chunk c (values 16 c ..
+//             16 c + 15) that lanes 8 h .. 8 h + 7 of its code vectors meet (16 c + 4 h .. + 3,
 //             16 c + 8 + 4 h .. + 3), so that integer sums started there are those of code - 32:
-//             a vector a chunk, loaded as it is. Built in the lanes from a pair of values (two
-//             broadcasts) it took 3% more of the kernel's time, from L2 and from L3 alike.
+//             a pair a chunk, spread over the lanes by one permute. Stored as the 16-lane vector
+//             itself (4 bytes a lane, 4 times x's own bytes: 28 KB for K = 7168) the array
+//             left L1 as the weights streamed past: alternating in one process (2-core Zen 5),
+//             the vector form took 1.25x the pair's time for a 16384 x 7168 matrix from DRAM on 2
+//             threads and 1.32x from cache at 2048 x 7168 (equal at K = 2048 from DRAM).
 struct X8Rows {
   const int8_t* q;
   const float* d;
@@ -291,7 +294,7 @@ X8Rows prepare_rows(const float* x, int64_t M, int64_t K) {
   thread_local std::vector<int32_t> buffer;
   const Q8Rows q8 = quantize_rows<256>(x, M, K, quantized);
   constexpr bool kQ6 = kType == kQ6_K;
-  const int64_t mins_stride = kQ6 ? 0 : K / 64, offsets_stride = kQ6 ? K : 0;
+  const int64_t mins_stride = kQ6 ? 0 : K / 64, offsets_stride = kQ6 ? K / 8 : 0;
   buffer.resize(M * (mins_stride + offsets_stride));
   int32_t* offsets = buffer.data();
   int32_t* mins = offsets + M * offsets_stride;
@@ -303,7 +306,7 @@ X8Rows prepare_rows(const float* x, int64_t M, int64_t K) {
           int32_t sum = 0;
           for (int b = 0; b < 4; ++b)
             sum += row.q[16 * c + 4 * h + b] + row.q[16 * c + 8 + 4 * h + b];
-          std::fill_n(offsets + r * offsets_stride + 16 * c + 8 * h, 8, -32 * sum);
+          offsets[r * offsets_stride + 2 * c + h] = -32 * sum;
         }
     } else {
       for (int64_t p = 0; p < K / 64; ++p) {
@@ -366,10 +369,13 @@ void x8_groups(const X8Rows& x, int64_t M, int64_t K, const uint8_t* w, float* y
         const int8_t* xs = xq + 256 * s;
         __m512i sums = _mm512_setzero_si512();
         if constexpr (kType == kQ6_K) {
-          const int32_t* xo = x.offsets + r * x.offsets_stride + s * 256;
+          const int32_t* xo = x.offsets + r * x.offsets_stride + s * 32;  // 16 pairs
+          const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
 #pragma GCC unroll 16
           for (int q = 0; q < 16; ++q) {
-            __m512i t = _mm512_loadu_si512(xo + 16 * q);  // the -32 offset's share
+            // the -32 offset's share: the chunk's pair, lanes 0-7 and 8-15
+            const __m128i pair = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(xo + 2 * q));
+            __m512i t = _mm512_permutexvar_epi32(halves, _mm512_castsi128_si512(pair));
             t = _mm512_dpbusd_epi32(t, chunk_codes<kType>(o, q, 0), x_quads(xs + 16 * q, 0));
             t = _mm512_dpbusd_epi32(t, chunk_codes<kType>(o, q, 1), x_quads(xs + 16 * q, 1));
             uint64_t sc;

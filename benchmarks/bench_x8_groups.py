@@ -1,8 +1,8 @@
 """One weight matrix through `gguf_linear` from its type's own rows and from its x8 groups.
 
-For each type and shape: random weights quantized by `gguf.quants.quantize`, repacked into
-groups of 8 rows (`repack_x8`), then both forms timed on the same random rows of x (int8
-activations), alternating call by call in this one process so that both meet the machine's
+For each type and shape: random weights quantized by `gguf.quants.quantize` (random valid
+blocks for the types it cannot quantize: the K-quants, IQ4_NL), repacked into groups of 8 rows
+(`repack_x8`), then both forms timed on the same random rows of x (int8 activations), alternating call by call in this one process so that both meet the machine's
 drifts alike; prints the median time of each and their ratio, and the largest difference of
 the two results relative to the largest output. Matrices larger than the last-level cache are
 read from DRAM at every call (the two forms evict each other).
@@ -15,27 +15,41 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
 
-from hybridllm.layers.cpu_kernels import load_cpu_kernels
-from hybridllm.layers.gguf_linear import INT8_ACTIVATIONS, X8_TYPES, repack_x8
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hybridllm.layers.cpu_kernels import load_cpu_kernels  # noqa: E402
+from hybridllm.layers.gguf_linear import INT8_ACTIVATIONS, X8_TYPES, repack_x8  # noqa: E402
+from tests.gguf_helpers import random_k_quant_blocks  # noqa: E402
+from tests.gguf_random_blocks import FP16_OFFSETS, random_blocks  # noqa: E402
+
+Q = GGMLQuantizationType
 
 
 def random_rows(fmt: int, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """[n, bytes] blocks of random weights; random codes under an fp16 scale at each block's
-    first byte where gguf cannot quantize the type (IQ4_NL)."""
+    """[n, bytes] blocks of random weights where gguf can quantize the type; else random codes
+    under valid fp16 fields: the tests' K-quant and code-block helpers, IQ4_NL's d its first two
+    bytes."""
     try:
         return quantize(rng.standard_normal((n, k), np.float32), fmt)
     except NotImplementedError:
-        block_weights, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(fmt)]
-        blocks = rng.integers(0, 256, (n * k // block_weights, block_bytes), dtype=np.uint8)
-        blocks[:, :2] = rng.uniform(0.01, 0.1, (len(blocks), 1)).astype(np.float16).view(np.uint8)
-        return blocks.reshape(n, -1)
+        pass
+    seed = int(rng.integers(2**31))
+    if fmt in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        return random_k_quant_blocks((n, k), Q(fmt), seed)
+    if fmt in FP16_OFFSETS:
+        return random_blocks(fmt, n, k, torch.Generator().manual_seed(seed)).numpy()
+    block_weights, block_bytes = GGML_QUANT_SIZES[Q(fmt)]
+    blocks = rng.integers(0, 256, (n * k // block_weights, block_bytes), dtype=np.uint8)
+    blocks[:, :2] = rng.uniform(0.01, 0.1, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(n, -1)
 
 
 def main() -> None:
@@ -50,7 +64,7 @@ def main() -> None:
     op = torch.ops.hybridllm.gguf_linear
     rng = np.random.default_rng(0)
     for name in args.types:
-        fmt = int(GGMLQuantizationType[name])
+        fmt = int(Q[name])
         if fmt not in X8_TYPES:
             raise SystemExit(f"{name} has no x8 form (those with one: {sorted(X8_TYPES)})")
         for shape in args.shapes:

@@ -201,6 +201,33 @@ def test_state_size_does_not_depend_on_length(path):
     assert state.nbytes_per_slot() == (160 * 3 + 4 * 16 * 24) * 4
 
 
+def test_native_conv_over_many_channels_matches_torch():
+    """gdn_conv1d against torch's conv1d over channels that span several of its chunks (the last
+    one partial): fresh prompts, a continued sequence shorter than the window, a decode row."""
+    require_cpu_kernels()
+    torch.manual_seed(0)
+    channels, kernel = 1100, 4
+    weight = torch.randn(channels, kernel)
+    state = torch.randn(4, channels, kernel - 1)
+    lens, fresh, slots = [37, 2, 1, 9], [True, False, False, True], [2, 0, 3, 1]
+    x = torch.randn(sum(lens), channels)
+    loc = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    expect_state = state.clone()
+    expect = []
+    for s, (new, slot) in enumerate(zip(fresh, slots)):
+        rows = x[loc[s] : loc[s + 1]].T  # [C, tokens]
+        before = torch.zeros(channels, kernel - 1) if new else state[slot]
+        window = torch.cat([before, rows], dim=1)  # [C, kernel - 1 + n]
+        conv = torch.nn.functional.conv1d(window[None], weight[:, None, :], groups=channels)
+        expect.append(torch.nn.functional.silu(conv[0].T))
+        expect_state[slot] = window[:, -(kernel - 1) :]
+    out = torch.ops.hybridllm.gdn_conv1d(
+        x, state, weight, loc, torch.tensor(fresh), torch.tensor(slots)
+    )
+    torch.testing.assert_close(out, torch.cat(expect), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, expect_state)
+
+
 def test_native_ops_reject_bad_batches():
     require_cpu_kernels()
     qkv, gb = torch.randn(3, 2 * 16 + 2 * 8), torch.randn(3, 2)

@@ -217,7 +217,7 @@ def test_native_conv_over_many_channels_matches_torch():
     for s, (new, slot) in enumerate(zip(fresh, slots)):
         rows = x[loc[s] : loc[s + 1]].T  # [C, tokens]
         before = torch.zeros(channels, kernel - 1) if new else state[slot]
-        window = torch.cat([before, rows], dim=1)  # [C, kernel - 1 + n]
+        window = torch.cat([before, rows], dim=1)  # [C, kernel - 1 + tokens]
         conv = torch.nn.functional.conv1d(window[None], weight[:, None, :], groups=channels)
         expect.append(torch.nn.functional.silu(conv[0].T))
         expect_state[slot] = window[:, -(kernel - 1) :]

@@ -2,9 +2,10 @@
 
 For each type and shape: random weights quantized by `gguf.quants.quantize` (random valid
 blocks for the types it cannot quantize: the K-quants, IQ4_NL), repacked into groups of 8 rows
-(`repack_x8`), then both forms timed on the same random rows of x (int8 activations), alternating call by call in this one process so that both meet the machine's
-drifts alike; prints the median time of each and their ratio, and the largest difference of
-the two results relative to the largest output. Matrices larger than the last-level cache are
+(`repack_x8`), then both forms timed on the same random rows of x (int8 activations),
+alternating call by call in this one process so that both meet the machine's drifts alike;
+prints the median time of each and their ratio, and the largest difference of the two results
+relative to the largest output. Matrices larger than the last-level cache are
 read from DRAM at every call (the two forms evict each other).
 
     python benchmarks/bench_x8_groups.py --types Q8_0 Q4_1 --shapes 49152x576 3072x576 \

@@ -41,8 +41,8 @@ def own_f32_gemm_preferred() -> bool:
 # The op's `activations` argument. FP32: fp32 activations and arithmetic, exact up to fp32
 # rounding against the dequantized weights (what the correctness tests pin). INT8: the rows of x
 # are quantized to int8, 32 values a scale (256 for K-quants), for integer dot products (few rows:
-# decode kernels; 8 rows or more: an int8 GEMM where the CPU has AVX512-VNNI, else fp32 above 24
-# rows). Plain fp32 weights (F32) always stay fp32.
+# decode kernels; 8 rows or more, 13-16 for weights in x8 groups: an int8 GEMM where the CPU has
+# AVX512-VNNI, else fp32 above 24 rows). Plain fp32 weights (F32) always stay fp32.
 FP32_ACTIVATIONS, INT8_ACTIVATIONS = 0, 1
 # The op's code of each `KernelConfig.gguf_activations` setting.
 ACTIVATIONS = {"fp32": FP32_ACTIVATIONS, "int8": INT8_ACTIVATIONS}

@@ -119,11 +119,14 @@ bool x8_kernels_built();
 // 2 threads, they took 0.64 / 0.53 of the GEMM's time at 8 rows, 0.95 / 0.81 at 12, 1.25 / 1.07
 // at 16. Q4_0, Q4_1 and Q8_0 (IQ4_NL alike) in x8 groups, tiles of 5 rows, took 0.46-0.68 of its
 // time at 8 rows, 0.67-0.94 at 12, 0.86-1.18 at 16 (SmolLM2's 3072 x 576, 576 x 1536 and
-// 49,152 x 576).
+// 49,152 x 576). Q4_K, Q5_K and Q6_K in x8 groups, tiles of 4 rows, from DRAM: 0.53-0.72 of its
+// time at 8 rows, 0.76-0.99 at 12, 1.10-1.26 at 16 (the 1B Q4_K_M file's gate, Q4_K 8192 x 2048,
+// and down, Q6_K 2048 x 8192; Qwen3-Next's 512 experts' gate and down, Q4_K, as one matrix).
 inline int64_t int8_gemm_min_rows(int64_t type) {
   if (!is_x8_type(type)) return kQ8GemmMinRows;
-  if (is_code_block_type(x8_source_type(type))) return 14;
-  return is_block_x8_source(x8_source_type(type)) ? 16 : kQ8GemmMinRows;
+  const int64_t source = x8_source_type(type);
+  if (is_code_block_type(source)) return 14;
+  return is_block_x8_source(source) ? 16 : 13;
 }
 
 // Below this many (256-weight super-block x row of x) products one thread does it all.

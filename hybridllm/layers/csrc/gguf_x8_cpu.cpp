@@ -345,81 +345,118 @@ inline __m512i chunk_codes(const uint8_t* o, int q, int half) {
   return v;
 }
 
+// Rows of x a tile: each group super-block's codes are decoded once for all of them.
+constexpr int kTileRows = 4;
+
+// y[r * ldy + i] = dot(x row r, weight row i of the group at wg) for the kRows rows of x; `first`:
+// the tile that reads the group from memory, which prefetches ahead.
+template <int64_t kType, int kRows>
+void x8_group_tile(const X8Rows& x, int64_t nsb, const uint8_t* wg, float* y, int64_t ldy,
+                   bool first, const PrefetchWindow& prefetch) {
+  constexpr int64_t kBytes = kGroupBytes<kType>;
+  __m512 acc[kRows];     // lanes i and 8 + i: weight row i's two halves
+  __m256 minacc[kRows];  // Q4_K/Q5_K: weight row i's dmin * sum_j m_j B_j, in x's units
+  for (int r = 0; r < kRows; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    minacc[r] = _mm256_setzero_ps();
+  }
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* o = wg + s * kBytes;
+    if (first) {
+      const char* ahead = reinterpret_cast<const char*>(o) + prefetch.distance;
+      if (ahead < prefetch.stop)
+        for (int64_t b = 0; b < kBytes; b += 64) prefetch_line(ahead + b, prefetch.streaming);
+    }
+    __m512i sums[kRows];
+    for (int r = 0; r < kRows; ++r) sums[r] = _mm512_setzero_si512();
+    if constexpr (kType == kQ6_K) {
+      const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+#pragma GCC unroll 16
+      for (int q = 0; q < 16; ++q) {
+        const __m512i c0 = chunk_codes<kType>(o, q, 0), c1 = chunk_codes<kType>(o, q, 1);
+        uint64_t sc;
+        std::memcpy(&sc, o + 16 + 8 * q, 8);
+        const __m512i scale = _mm512_cvtepi8_epi32(_mm_set1_epi64x(static_cast<int64_t>(sc)));
+        for (int r = 0; r < kRows; ++r) {
+          // the -32 offset's share: the chunk's pair, lanes 0-7 and 8-15
+          const int32_t* xo = x.offsets + r * x.offsets_stride + s * 32 + 2 * q;
+          const int8_t* xs = x.q + r * x.q_stride + 256 * s + 16 * q;
+          const __m128i pair = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(xo));
+          __m512i t = _mm512_permutexvar_epi32(halves, _mm512_castsi128_si512(pair));
+          t = _mm512_dpbusd_epi32(t, c0, x_quads(xs, 0));
+          t = _mm512_dpbusd_epi32(t, c1, x_quads(xs, 1));
+          // |t| <= 8 * 32 * 128, |scale| <= 128: |sums| < 16 * 2^22
+          sums[r] = _mm512_add_epi32(sums[r], _mm512_mullo_epi32(t, scale));
+        }
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {  // chunks 2 j, 2 j + 1: sub-block j
+        const __m512i c00 = chunk_codes<kType>(o, 2 * j, 0), c01 = chunk_codes<kType>(o, 2 * j, 1);
+        const __m512i c10 = chunk_codes<kType>(o, 2 * j + 1, 0);
+        const __m512i c11 = chunk_codes<kType>(o, 2 * j + 1, 1);
+        uint64_t sc;
+        std::memcpy(&sc, o + 32 + 8 * j, 8);
+        const __m512i scale = _mm512_cvtepu8_epi32(_mm_set1_epi64x(static_cast<int64_t>(sc)));
+        for (int r = 0; r < kRows; ++r) {
+          const int8_t* x0 = x.q + r * x.q_stride + 256 * s + 32 * j;
+          const int8_t* x1 = x0 + 16;
+          const __m512i zero = _mm512_setzero_si512();
+          __m512i s0 = _mm512_dpbusd_epi32(zero, c00, x_quads(x0, 0));
+          __m512i s1 = _mm512_dpbusd_epi32(zero, c01, x_quads(x0, 1));
+          s0 = _mm512_dpbusd_epi32(s0, c10, x_quads(x1, 0));
+          s1 = _mm512_dpbusd_epi32(s1, c11, x_quads(x1, 1));
+          // |sum| <= 32 * 31 * 127 * 63 * 8: int32
+          sums[r] = _mm512_add_epi32(sums[r], _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), scale));
+        }
+      }
+      __m256i m[4];  // the 8 rows' min codes, sub-blocks 2 p and 2 p + 1 as int16 pairs
+      for (int p = 0; p < 4; ++p)
+        m[p] = _mm256_cvtepu8_epi16(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 96 + 16 * p)));
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16)));
+      for (int r = 0; r < kRows; ++r) {
+        const int32_t* xm = x.mins + r * x.mins_stride + 4 * s;
+        __m256i mins = _mm256_setzero_si256();
+        for (int p = 0; p < 4; ++p)
+          mins = _mm256_add_epi32(mins, _mm256_madd_epi16(m[p], _mm256_set1_epi32(xm[p])));
+        minacc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins),
+                                    _mm256_mul_ps(dmin, _mm256_set1_ps(x.d[r * x.d_stride + s])),
+                                    minacc[r]);
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o))));
+    for (int r = 0; r < kRows; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]),
+                               _mm512_mul_ps(d, _mm512_set1_ps(x.d[r * x.d_stride + s])), acc[r]);
+  }
+  for (int r = 0; r < kRows; ++r) {
+    const __m256 halves = _mm256_add_ps(
+        _mm512_castps512_ps256(acc[r]),
+        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
+    _mm256_storeu_ps(y + r * ldy, _mm256_sub_ps(halves, minacc[r]));
+  }
+}
+
 // y[r * ldy + 8 g + i] = dot(x row r, weight row 8 g + i) for the groups [g0, g1) of `w` (the
 // weight's first group) and every row of x.
 template <int64_t kType>
 void x8_groups(const X8Rows& x, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t ldy,
                int64_t g0, int64_t g1, const PrefetchWindow& prefetch) {
-  constexpr int64_t kBytes = kGroupBytes<kType>;
-  const int64_t nsb = K / 256, group_bytes = nsb * kBytes;
+  const int64_t nsb = K / 256, group_bytes = nsb * kGroupBytes<kType>;
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* wg = w + g * group_bytes;
-    for (int64_t r = 0; r < M; ++r) {
-      const int8_t* xq = x.q + r * x.q_stride;
-      const float* xd = x.d + r * x.d_stride;
-      __m512 acc = _mm512_setzero_ps();     // lanes i and 8 + i: row i's two halves
-      __m256 minacc = _mm256_setzero_ps();  // Q4_K/Q5_K: row i's dmin * sum_j m_j B_j, in x's units
-      for (int64_t s = 0; s < nsb; ++s) {
-        const uint8_t* o = wg + s * kBytes;
-        if (r == 0) {  // the weights come from memory once, for the first row of x
-          const char* ahead = reinterpret_cast<const char*>(o) + prefetch.distance;
-          if (ahead < prefetch.stop)
-            for (int64_t b = 0; b < kBytes; b += 64) prefetch_line(ahead + b, prefetch.streaming);
-        }
-        const int8_t* xs = xq + 256 * s;
-        __m512i sums = _mm512_setzero_si512();
-        if constexpr (kType == kQ6_K) {
-          const int32_t* xo = x.offsets + r * x.offsets_stride + s * 32;  // 16 pairs
-          const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-#pragma GCC unroll 16
-          for (int q = 0; q < 16; ++q) {
-            // the -32 offset's share: the chunk's pair, lanes 0-7 and 8-15
-            const __m128i pair = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(xo + 2 * q));
-            __m512i t = _mm512_permutexvar_epi32(halves, _mm512_castsi128_si512(pair));
-            t = _mm512_dpbusd_epi32(t, chunk_codes<kType>(o, q, 0), x_quads(xs + 16 * q, 0));
-            t = _mm512_dpbusd_epi32(t, chunk_codes<kType>(o, q, 1), x_quads(xs + 16 * q, 1));
-            uint64_t sc;
-            std::memcpy(&sc, o + 16 + 8 * q, 8);
-            const __m512i scale = _mm512_cvtepi8_epi32(_mm_set1_epi64x(static_cast<int64_t>(sc)));
-            // |t| <= 8 * 32 * 128, |scale| <= 128: |sums| < 16 * 2^22
-            sums = _mm512_add_epi32(sums, _mm512_mullo_epi32(t, scale));
-          }
-        } else {
-          const int32_t* xm = x.mins + r * x.mins_stride;
-#pragma GCC unroll 8
-          for (int j = 0; j < 8; ++j) {  // chunks 2 j, 2 j + 1
-            const int8_t *x0 = xs + 32 * j, *x1 = x0 + 16;
-            const __m512i zero = _mm512_setzero_si512();
-            __m512i s0 = _mm512_dpbusd_epi32(zero, chunk_codes<kType>(o, 2 * j, 0), x_quads(x0, 0));
-            __m512i s1 = _mm512_dpbusd_epi32(zero, chunk_codes<kType>(o, 2 * j, 1), x_quads(x0, 1));
-            s0 = _mm512_dpbusd_epi32(s0, chunk_codes<kType>(o, 2 * j + 1, 0), x_quads(x1, 0));
-            s1 = _mm512_dpbusd_epi32(s1, chunk_codes<kType>(o, 2 * j + 1, 1), x_quads(x1, 1));
-            uint64_t sc;
-            std::memcpy(&sc, o + 32 + 8 * j, 8);
-            const __m512i scale = _mm512_cvtepu8_epi32(_mm_set1_epi64x(static_cast<int64_t>(sc)));
-            // |sum| <= 32 * 31 * 127 * 63 * 8: int32
-            sums = _mm512_add_epi32(sums, _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), scale));
-          }
-          __m256i mins = _mm256_setzero_si256();
-          for (int p = 0; p < 4; ++p) {
-            const __m256i m = _mm256_cvtepu8_epi16(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 96 + 16 * p)));
-            mins = _mm256_add_epi32(mins, _mm256_madd_epi16(m, _mm256_set1_epi32(xm[4 * s + p])));
-          }
-          const __m256 dmin =
-              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16)));
-          minacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins),
-                                   _mm256_mul_ps(dmin, _mm256_set1_ps(xd[s])), minacc);
-        }
-        const __m512 d = _mm512_cvtph_ps(
-            _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o))));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, _mm512_set1_ps(xd[s])),
-                              acc);
+    for (int64_t r0 = 0; r0 < M; r0 += kTileRows) {
+      const X8Rows xt = x.from(r0);
+      float* yt = y + r0 * ldy + 8 * g;
+      const bool first = r0 == 0;  // the weights come from memory once, for the first tile
+      switch (std::min<int64_t>(kTileRows, M - r0)) {
+        case 1: x8_group_tile<kType, 1>(xt, nsb, wg, yt, ldy, first, prefetch); break;
+        case 2: x8_group_tile<kType, 2>(xt, nsb, wg, yt, ldy, first, prefetch); break;
+        case 3: x8_group_tile<kType, 3>(xt, nsb, wg, yt, ldy, first, prefetch); break;
+        default: x8_group_tile<kType, 4>(xt, nsb, wg, yt, ldy, first, prefetch); break;
       }
-      const __m256 halves = _mm256_add_ps(
-          _mm512_castps512_ps256(acc),
-          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
-      _mm256_storeu_ps(y + r * ldy + 8 * g, _mm256_sub_ps(halves, minacc));
     }
   }
 }

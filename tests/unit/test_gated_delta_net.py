@@ -168,17 +168,19 @@ def test_native_and_torch_paths_agree():
     torch.testing.assert_close(states[0].conv, states[1].conv, rtol=1e-5, atol=1e-6)
 
 
-def test_native_recurrent_op_over_many_tokens_matches_chunked():
-    """The native op on a multi-token sequence (its reference prefill) equals the chunked form."""
+@pytest.mark.parametrize("length", [2, 100])
+def test_native_recurrent_op_over_many_tokens_matches_chunked(length):
+    """The native op on a multi-token sequence (its prefill) equals the chunked form: Dv = 24 is
+    a 16-column block and 8 columns apart; 100 tokens are two runs (64 a run)."""
     require_cpu_kernels()
-    q, k, v, decay, beta, state = random_rule_inputs(100, heads=2)
+    q, k, v, decay, beta, state = random_rule_inputs(length, heads=2)
     expected_state = state.clone()
     expected = chunk_gated_delta_rule(q, k, v, decay, beta, expected_state)
     # the op takes raw q|k|v rows and normalizes them itself: q, k are unit vectors (scaled q)
     qkv = torch.cat([(q * 16**0.5).flatten(1), k.flatten(1), v.flatten(1)], dim=1)
     slots_state = torch.zeros(2, *state.shape)
     slots_state[1] = state
-    loc, slot = torch.tensor([0, 100]), torch.tensor([1])
+    loc, slot = torch.tensor([0, length]), torch.tensor([1])
     out = torch.ops.hybridllm.gdn_recurrent(qkv, decay, beta, slots_state, loc, slot, 2)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(slots_state[1], expected_state, rtol=1e-4, atol=1e-5)

@@ -63,7 +63,8 @@ int64_t total_rows(at::TensorList weights) {
 std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& hidden, const std::optional<at::Tensor>& residual,
     const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
-    at::TensorList qkv_weights, at::IntArrayRef qkv_types, const std::optional<at::Tensor>& qkv_bias,
+    at::TensorList qkv_weights, at::IntArrayRef qkv_types,
+    const std::optional<at::Tensor>& qkv_bias,
     const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
     const at::Tensor& o_weight, int64_t o_type, at::TensorList gate_up_weights,
     at::IntArrayRef gate_up_types, const std::optional<at::Tensor>& down_weight, int64_t down_type,

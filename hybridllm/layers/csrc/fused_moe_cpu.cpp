@@ -214,7 +214,8 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights,
   // computed together first, gate/up of all of them in one parallel region and down in
   // another: two gguf_linear calls an expert, 16 short parallel regions and weight streams a
   // layer at one token, took 10-20% longer (Qwen3-30B-A3B's shape, 2 threads).
-  const bool int8 = activations != kFp32Activations && !is_float_type(w13_type) && !is_float_type(w2_type);
+  const bool int8 = activations != kFp32Activations && !is_float_type(w13_type) &&
+                    !is_float_type(w2_type);
   if (int8) {
     check_int8_experts(w13, w13_type, hidden, "w13");
     check_int8_experts(w2, w2_type, width2 / 2, "w2");
@@ -267,7 +268,8 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights,
     float* rows = gather_buffer.data();
     for (int64_t e = 0, g = 0; e < experts; ++e) {
       const int64_t count = offsets[e + 1] - offsets[e];
-      if (count > 0 && few_rows(count)) gather(offsets[e], count, rows + small_starts[g++] * hidden);
+      if (count > 0 && few_rows(count))
+        gather(offsets[e], count, rows + small_starts[g++] * hidden);
     }
     at::Tensor gate_up = at::empty({small_rows, width2}, xc.options());
     q8_linear_grouped(w13_type, activations, rows, small_starts.data(), small_experts, hidden,

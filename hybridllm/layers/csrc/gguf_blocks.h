@@ -206,7 +206,8 @@ inline void q6_k_values(const Q6Bits& bits, __m512* lo, __m512* hi) {
   const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits.low));
   const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits.high));
   // 16-bit shifts: what crosses into a byte from its neighbour is masked off
-  const __m256i low4 = _mm256_and_si256(_mm256_srli_epi16(low, bits.low_shift), _mm256_set1_epi8(15));
+  const __m256i low4 =
+      _mm256_and_si256(_mm256_srli_epi16(low, bits.low_shift), _mm256_set1_epi8(15));
   const __m256i high2 =
       _mm256_and_si256(_mm256_srli_epi16(high, bits.high_shift), _mm256_set1_epi8(3));
   const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low4, _mm256_slli_epi16(high2, 4)),
@@ -219,10 +220,10 @@ inline void q6_k_values(const Q6Bits& bits, __m512* lo, __m512* hi) {
 #if defined(__AVX512F__)
 // The fp32 weights a 4-bit block's nibble values 0-15 stand for, a table for vpermps (which
 // reads each index's low 4 bits): d (q - 8) for Q4_0, d (q - 16) for Q5_0, d values[q] for
-// IQ4_NL and MXFP4 (nibble_values), else d q + m (a K-quant's m the negative min). Q5_0 / Q5_1 also set *upper (if
-// given) to the weights of 5-bit values 16-31, for vpermt2ps with the fifth bit as bit 4 of the
-// index. Every product d q is exact in fp32 (an fp16 d times at most 8 bits), so d q + m in one
-// rounding is gguf's (d * q) + m.
+// IQ4_NL and MXFP4 (nibble_values), else d q + m (a K-quant's m the negative min). Q5_0 / Q5_1
+// also set *upper (if given) to the weights of 5-bit values 16-31, for vpermt2ps with the fifth
+// bit as bit 4 of the index. Every product d q is exact in fp32 (an fp16 d times at most 8
+// bits), so d q + m in one rounding is gguf's (d * q) + m.
 template <int64_t kType>
 inline __m512 nibble_table(float d, float m, __m512* upper = nullptr) {
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -254,7 +255,8 @@ inline __m512 fifth_bit_lookup(__m512i nibbles, uint32_t fifth, __m512 table, __
 #endif
 
 inline int q6_k_value(const Q6Bits& bits, int l) {
-  const int low = (bits.low[l] >> bits.low_shift) & 15, high = (bits.high[l] >> bits.high_shift) & 3;
+  const int low = (bits.low[l] >> bits.low_shift) & 15;
+  const int high = (bits.high[l] >> bits.high_shift) & 3;
   return (low | high << 4) - 32;
 }
 

@@ -21,7 +21,8 @@ namespace hybridllm_gguf {
 // Vectors run along rows of x, broadcasts along weight rows, so decoded weight rows are used as
 // they are (no transpose): x is packed once per call as x^T tiles [K][kPanelM].
 constexpr int kPanelM = 32;  // rows of x a micro-kernel call: two 16-lane vectors
-constexpr int kPanelN = 12;  // weight rows a panel: 2 x 12 accumulators + 2 x vectors in 32 registers
+// weight rows a panel: 2 x 12 accumulators + 2 x vectors in 32 registers
+constexpr int kPanelN = 12;
 // Up to this many rows of x the panel GEMM runs; above, BLAS on decoded weights (see
 // dequantized_linear), where torch's BLAS is MKL on an Intel CPU. Interleaved A/B over SmolLM2's
 // four linear shapes on a Xeon: panels 2.38 vs 3.27 ms at M = 64, even at 96-128, BLAS 2-7% ahead

@@ -1,8 +1,9 @@
 // hybridllm::gguf_linear's int8-activation path for many rows of x (prefill, large batches,
 // big expert groups), AVX512-VNNI: a GEMM with the rows of x quantized as the few-rows path
-// does (gguf_q8_quantize.h) and packed in tiles of 16 or 32 rows, the weight rows unpacked a panel at
-// a time into unsigned codes and fp32 scales, and a micro-kernel whose vpdpbusd multiplies 4
-// codes of one weight row (broadcast) with 4 values of each of 16 rows of x (a vector).
+// does (gguf_q8_quantize.h) and packed in tiles of 16 or 32 rows, the weight rows unpacked a
+// panel at a time into unsigned codes and fp32 scales, and a micro-kernel whose vpdpbusd
+// multiplies 4 codes of one weight row (broadcast) with 4 values of each of 16 rows of x (a
+// vector).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -48,9 +49,9 @@ constexpr bool code_block_mins() {
 // A weight type as the GEMM sees it: weight = scale * (code - kOffset) + min, with codes
 // unsigned bytes, one scale (and min) per kUnit weights, and x quantized in groups of kGroup.
 // Q4_1's and Q5_1's mins are floats (kFloatMins); a K-quant's (kCodeMins) are 6-bit codes times
-// its super-block's -dmin, so their products with x's unit sums add up in integers, a super-block at
-// a time: 4 vpdpwssd where float mins took 8 FMAs. Code-block types: their signed codes + 128,
-// d * scale a unit, and their integer mins (if any) times dmin as the K-quants' are.
+// its super-block's -dmin, so their products with x's unit sums add up in integers, a
+// super-block at a time: 4 vpdpwssd where float mins took 8 FMAs. Code-block types: their signed
+// codes + 128, d * scale a unit, and their integer mins (if any) times dmin as the K-quants' are.
 // Q2_K and Q3_K (kScaledCodes): each code already times its 16-weight unit's integer scale
 // (store_scaled_codes below), so the float scale is one a super-block (kUnit 256) and Q2_K's
 // integer mins keep units of their own (kMinUnit 16); Q3_K's products are 128 - scale * q.

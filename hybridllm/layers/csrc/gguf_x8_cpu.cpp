@@ -414,7 +414,8 @@ void x8_group_tile(const X8Rows& x, int64_t nsb, const uint8_t* wg, float* y, in
       for (int p = 0; p < 4; ++p)
         m[p] = _mm256_cvtepu8_epi16(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 96 + 16 * p)));
-      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16)));
+      const __m256 dmin =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16)));
       for (int r = 0; r < kRows; ++r) {
         const int32_t* xm = x.mins + r * x.mins_stride + 4 * s;
         __m256i mins = _mm256_setzero_si256();

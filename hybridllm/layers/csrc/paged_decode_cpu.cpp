@@ -469,8 +469,9 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be a contiguous [B, H, D]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.stride(4) == 1,
               "kv_cache must be [2, num_blocks, block_size, kv_heads, head_dim], last dim dense");
-  const bool widen = query.scalar_type() == at::kFloat &&
-                     (kv_cache.scalar_type() == at::kHalf || kv_cache.scalar_type() == at::kBFloat16);
+  const bool widen =
+      query.scalar_type() == at::kFloat &&
+      (kv_cache.scalar_type() == at::kHalf || kv_cache.scalar_type() == at::kBFloat16);
   TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type() || widen, "query (",
               query.scalar_type(), ") and kv_cache (", kv_cache.scalar_type(),
               ") dtypes differ: the cache has the query's dtype, or is float16/bfloat16 under "
@@ -496,11 +497,15 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_
   auto run = [&](auto query_tag, auto kv_tag) {
     using scalar_t = decltype(query_tag);
     using kv_t = decltype(kv_tag);
+    const auto decode = [&](auto head_dim) {
+      decode_kernel<scalar_t, kv_t, decltype(head_dim)::value>(
+          out, query, kv_cache, block_tables, seq_lens, s, window, cap, sink_ptr);
+    };
     switch (query.size(2)) {
-      case 64: decode_kernel<scalar_t, kv_t, 64>(out, query, kv_cache, block_tables, seq_lens, s, window, cap, sink_ptr); break;
-      case 128: decode_kernel<scalar_t, kv_t, 128>(out, query, kv_cache, block_tables, seq_lens, s, window, cap, sink_ptr); break;
-      case 256: decode_kernel<scalar_t, kv_t, 256>(out, query, kv_cache, block_tables, seq_lens, s, window, cap, sink_ptr); break;
-      default: decode_kernel<scalar_t, kv_t, 0>(out, query, kv_cache, block_tables, seq_lens, s, window, cap, sink_ptr);
+      case 64: decode(std::integral_constant<int, 64>{}); break;
+      case 128: decode(std::integral_constant<int, 128>{}); break;
+      case 256: decode(std::integral_constant<int, 256>{}); break;
+      default: decode(std::integral_constant<int, 0>{});
     }
   };
   if (widen) {
@@ -508,9 +513,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_
       run(float{}, scalar_t{});
     });
   } else {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
-      run(scalar_t{}, scalar_t{});
-    });
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(),
+                                    "paged_decode", [&] { run(scalar_t{}, scalar_t{}); });
   }
   return out;
 }

@@ -333,8 +333,12 @@ at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& key,
   if (query.size(0) == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, key.scalar_type(), "prefill", [&] {
     switch (query.size(2)) {  // head_dim 64 and 128: accumulators in registers
-      case 64: prefill_kernel<64, scalar_t>(query, key, value, out, scale, window, cap, sink_ptr); break;
-      case 128: prefill_kernel<128, scalar_t>(query, key, value, out, scale, window, cap, sink_ptr); break;
+      case 64:
+        prefill_kernel<64, scalar_t>(query, key, value, out, scale, window, cap, sink_ptr);
+        break;
+      case 128:
+        prefill_kernel<128, scalar_t>(query, key, value, out, scale, window, cap, sink_ptr);
+        break;
       default: prefill_kernel<0, scalar_t>(query, key, value, out, scale, window, cap, sink_ptr);
     }
   });

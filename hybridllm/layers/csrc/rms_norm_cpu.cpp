@@ -1,7 +1,8 @@
 // RMSNorm for CPU, optionally with the residual add fused in: one pass over each row instead of
 // the half-dozen ATen ops F.rms_norm runs (about 35 us per call at one token, measured, against
-// 2-3 us here; 460 us for Qwen3's per-head q norm of 64 tokens, a strided view, against ~30). Registered as hybridllm::rms_norm and hybridllm::add_rms_norm; built on first use
-// by hybridllm/layers/cpu_kernels.py.
+// 2-3 us here; 460 us for Qwen3's per-head q norm of 64 tokens, a strided view, against ~30).
+// Registered as hybridllm::rms_norm and hybridllm::add_rms_norm; built on first use by
+// hybridllm/layers/cpu_kernels.py.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -345,7 +345,10 @@ inline __m512i chunk_codes(const uint8_t* o, int q, int half) {
   return v;
 }
 
-// Rows of x a tile: each group super-block's codes are decoded once for all of them.
+// Rows of x a tile: each group super-block's codes are decoded once for all of them. A row at a
+// time, the kernel ran at 125-135 GMAC/s in cache whatever the rows; 4 rows an expert over
+// Qwen3-Next's experts (Q4_K gate/up, 2-core Zen 5) took 0.63 against 0.74-0.81 ms in cache and
+// 36 against 46-48 ms from DRAM (384 experts).
 constexpr int kTileRows = 4;
 
 // y[r * ldy + i] = dot(x row r, weight row i of the group at wg) for the kRows rows of x; `first`:

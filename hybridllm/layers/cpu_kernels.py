@@ -39,6 +39,7 @@ SOURCES = [
         "gguf_linear_cpu.cpp",
         "gguf_q8_linear_cpu.cpp",
         "gguf_q8_gemm_cpu.cpp",
+        "gguf_q8_gemm_avx2_cpu.cpp",
         "gguf_dequantize_cpu.cpp",
         "gguf_x8_cpu.cpp",
         "gguf_x8_code_cpu.cpp",

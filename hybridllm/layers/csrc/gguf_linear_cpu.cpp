@@ -38,6 +38,14 @@ constexpr int kRowTile = 8;
 // Decoded fp32 weight rows a BLAS GEMM of the many-rows path takes at once: SmolLM2's largest
 // linear (3072 x 576) in one GEMM, a 49152-row LM head in 14.
 constexpr int64_t kChunkMaxBytes = 8 << 20;
+// Whether the fp32 panel GEMM is built. Without it many rows of x took the decoded fp32 weights
+// through torch's BLAS, which on a 2-core Zen 3 (AVX2, MKL) ran at 10-16 GMAC/s against 80 for
+// the int8 few-rows kernels (Q4_K, 2048 x 2048, M = 32-512).
+#if defined(__AVX512F__)
+constexpr bool kFp32PanelBuilt = true;
+#else
+constexpr bool kFp32PanelBuilt = false;
+#endif
 
 
 #if defined(__AVX512F__)
@@ -533,13 +541,14 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
   }
   // int8 activations where asked for (fp32 weights stay fp32): the few-rows kernels below
   // kQ8GemmMinRows rows, the int8 GEMM from there where the build has it, else the few-rows
-  // kernels up to kDirectMaxRows and fp32 above. A path forced past the GEMM's (3-5) runs the
+  // kernels up to kDirectMaxRows and fp32 above (AVX-512's panel GEMM); a build without
+  // AVX-512 keeps the few-rows kernels at every M. A path forced past the GEMM's (3-5) runs the
   // few-rows kernels at every M, as a reference for tests.
   if (activations != kFp32Activations && !is_float_type(ggml_type)) {
     const bool few_rows = M < kQ8GemmMinRows || activations > kQ8Avx512Vnni;
     if (!few_rows && q8_gemm(ggml_type, xc.data_ptr<float>(), M, K, qw, N, y.data_ptr<float>()))
       return y;
-    if (few_rows || M <= kDirectMaxRows) {
+    if (few_rows || M <= kDirectMaxRows || !kFp32PanelBuilt) {
       q8_linear(ggml_type, activations, xc.data_ptr<float>(), M, K, qw, N, y.data_ptr<float>());
       return y;
     }

@@ -565,9 +565,9 @@ bool q8_gemm(int64_t type, const float* x, int64_t M, int64_t K, const uint8_t* 
   if (is_x8_type(type)) return dispatch_gguf_type<kX8Kernels>(type, run_x8, none);
   return dispatch_gguf_type<kInt8Kernels>(type, run, none);
 }
-#else
+#elif !defined(HYBRIDLLM_Q8_AVX2)  // AVX2 without AVX-512: gguf_q8_gemm_avx2_cpu.cpp
 bool q8_gemm(int64_t, const float*, int64_t, int64_t, const uint8_t*, int64_t, float*) {
-  return false;  // no AVX512-VNNI in this build: the fp32 paths serve many rows
+  return false;  // no int8 GEMM in this build: the few-rows kernels serve many rows
 }
 #endif
 

@@ -11,7 +11,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -59,6 +59,31 @@ inline int32_t quantize_group(const float* x, int64_t n, int8_t* q, float* d) {
   }
   *d = scale;
   return _mm512_reduce_add_epi32(sum);
+#elif defined(__AVX2__)
+  // As above, 8 values a step (n is a multiple of 32). Scalar, a 2048-token prefill's x took a
+  // fifth of the int8 GEMM's time on a 2-core Zen 3.
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 amax = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8)
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float scale = _mm_cvtss_f32(m4) / 127.f;
+  const __m256 inverse = _mm256_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+  __m256i sum = _mm256_setzero_si256();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), inverse));
+    const __m128i words =
+        _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(words, words));
+    sum = _mm256_add_epi32(sum, v);
+  }
+  *d = scale;
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  return _mm_cvtsi128_si32(s4);
 #else
   float amax = 0.f;
   for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));

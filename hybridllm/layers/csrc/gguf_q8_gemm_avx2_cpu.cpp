@@ -1,0 +1,366 @@
+// hybridllm::gguf_linear's int8-activation GEMM for many rows of x on AVX2 without AVX-512
+// (Zen 2 and 3, Intel before Ice Lake): x quantized as the few-rows path does
+// (gguf_q8_quantize.h) and packed in tiles of 8 rows, the weight rows unpacked a panel at a time
+// into codes and fp32 scales, and a micro-kernel whose vpmaddubsw multiplies 4 codes of one
+// weight row (broadcast) with 4 values of each of the tile's 8 rows (a vector), adding the
+// products in int16 as far as the codes' size allows before widening them (vpmaddwd).
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "gguf_blocks.h"
+#include "gguf_q8_dot.h"
+#include "gguf_q8_linear.h"
+#include "gguf_q8_quantize.h"
+#include "gguf_q8_simd.h"
+
+namespace hybridllm_gguf {
+
+#if defined(HYBRIDLLM_Q8_AVX2) && !defined(HYBRIDLLM_Q8_AVX512)
+namespace {
+
+constexpr int64_t kTile = 8;  // rows of x a tile: a 32-bit lane of a ymm each
+constexpr int kCols = 4;      // weight rows a micro-kernel call (its sums stay in registers)
+// Bytes of unpacked codes a panel holds: with a tile of x (8 * K bytes) it stays in L2 while
+// every tile of x passes over it.
+constexpr int64_t kPanelCodeBytes = 128 << 10;
+
+// A weight type as this GEMM sees it: weight = scale * (code - kOffset) + min, one scale a unit
+// of kUnit weights, x quantized in groups of kGroup. Q8_0's codes stay signed (kSigned: |w|
+// times x with w's sign, as the few-rows AVX2 kernels do). vpmaddubsw's pair sums are at most
+// 2 * kMaxCode * 127, so kSteps of them add up in int16 before they are widened.
+template <int64_t kType>
+struct GemmType {
+  static constexpr int64_t kGroup = q8_group(kType);
+  static constexpr int64_t kUnit = kType == kQ6_K ? 16 : 32;
+  static constexpr bool kKMins = kType == kQ4_K || kType == kQ5_K;  // 6-bit mins times -dmin
+  static constexpr bool kFloatMins = has_block_min(kType);         // Q4_1, Q5_1
+  static constexpr bool kSigned = kType == kQ8_0;
+  static constexpr int32_t kOffset = kType == kQ4_0   ? 8
+                                     : kType == kQ5_0 ? 16
+                                     : kType == kQ6_K ? 32
+                                                      : 0;
+  static constexpr int kMaxCode = kSigned                                             ? 128
+                                  : kType == kQ6_K                                    ? 63
+                                  : kType == kQ5_0 || kType == kQ5_1 || kType == kQ5_K ? 31
+                                                                                       : 15;
+  static constexpr int kSteps = std::min<int>(kUnit / 4, 32767 / (2 * kMaxCode * 127));
+  static_assert(kSteps >= 1 && (kUnit / 4) % kSteps == 0);
+};
+
+// x's rows in tiles of 8: tile t's int8 values [K / 4][8][4] (4 consecutive values of a row a
+// 32-bit lane, rows past M zero), its scales [groups][8], per unit of weights the int32
+// -kOffset * sum(q) (`start`) or, for Q4_1 / Q5_1, the float sum(q) (`fsum`), and for the
+// K-quants' mins [K / 64][8] pairs of int16 32-value sums (`pairs`).
+struct PackedX {
+  const int8_t* q;
+  const float* d;
+  const int32_t* start;
+  const float* fsum;
+  const int32_t* pairs;
+};
+
+inline int32_t sum_of(const int8_t* q, int64_t n) {
+  int32_t s = 0;
+  for (int64_t i = 0; i < n; ++i) s += q[i];
+  return s;
+}
+
+template <int64_t kType>
+PackedX pack_x(const Q8Rows& rows, int64_t M, int64_t K, std::vector<uint8_t>& buffer) {
+  using T = GemmType<kType>;
+  const int64_t tiles = (M + kTile - 1) / kTile;
+  const int64_t groups = K / T::kGroup, units = K / T::kUnit, pairs = T::kKMins ? K / 64 : 0;
+  const int64_t q_bytes = tiles * K * kTile, d_bytes = tiles * groups * kTile * 4;
+  const int64_t unit_bytes = tiles * units * kTile * 4, pair_bytes = tiles * pairs * kTile * 4;
+  buffer.resize(q_bytes + d_bytes + unit_bytes + pair_bytes + 64);
+  uint8_t* base = buffer.data() + (64 - reinterpret_cast<uintptr_t>(buffer.data()) % 64) % 64;
+  int8_t* q = reinterpret_cast<int8_t*>(base);
+  float* d = reinterpret_cast<float*>(base + q_bytes);
+  int32_t* unit = reinterpret_cast<int32_t*>(base + q_bytes + d_bytes);
+  int32_t* pair = reinterpret_cast<int32_t*>(base + q_bytes + d_bytes + unit_bytes);
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      int8_t* qt = q + t * K * kTile;
+      for (int64_t i = 0; i < kTile; ++i) {
+        const int64_t r = t * kTile + i;
+        float* dt = d + t * groups * kTile + i;
+        int32_t* ut = unit + t * units * kTile + i;
+        int32_t* pt = pair + t * pairs * kTile + i;
+        if (r >= M) {
+          for (int64_t k = 0; k < K; k += 4) std::memset(qt + k * kTile + 4 * i, 0, 4);
+          for (int64_t g = 0; g < groups; ++g) dt[g * kTile] = 0.f;
+          for (int64_t u = 0; u < units; ++u) ut[u * kTile] = 0;
+          for (int64_t p = 0; p < pairs; ++p) pt[p * kTile] = 0;
+          continue;
+        }
+        const Q8Rows row = rows.row(r);
+        for (int64_t k = 0; k < K; k += 4) std::memcpy(qt + k * kTile + 4 * i, row.q + k, 4);
+        for (int64_t g = 0; g < groups; ++g) dt[g * kTile] = row.d[g];
+        for (int64_t u = 0; u < units; ++u) {
+          const int32_t sum = sum_of(row.q + u * T::kUnit, T::kUnit);
+          if constexpr (T::kFloatMins) {
+            const float f = static_cast<float>(sum);
+            std::memcpy(ut + u * kTile, &f, 4);
+          } else {
+            ut[u * kTile] = -T::kOffset * sum;
+          }
+        }
+        for (int64_t p = 0; p < pairs; ++p) {  // |sum| <= 32 * 127: an int16
+          const int32_t lo = sum_of(row.q + 64 * p, 32), hi = sum_of(row.q + 64 * p + 32, 32);
+          pt[p * kTile] = static_cast<int32_t>((static_cast<uint32_t>(hi) << 16) |
+                                               (static_cast<uint32_t>(lo) & 0xffff));
+        }
+      }
+    }
+  });
+  return {q, d, unit, reinterpret_cast<const float*>(unit), pair};
+}
+
+// A panel of weight rows unpacked: codes [rows][K]; per unit scales [rows][units] (and Q4_1's,
+// Q5_1's float mins [rows][units]); a K-quant's 6-bit mins min_codes [rows][units] and -dmin
+// in mins [rows][super-blocks]. Rows `units` apart; rows past N zero.
+struct Panel {
+  uint8_t* codes;
+  float* scales;
+  float* mins;
+  int16_t* min_codes;
+  int64_t units;  // a row's stride
+};
+
+template <int64_t kType>
+void unpack_row(const uint8_t* row, int64_t K, uint8_t* codes, float* scales, float* mins,
+                int16_t* min_codes) {
+  using S = Avx2Q8<false>;
+  const auto store = [](uint8_t* p, __m256i v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
+  };
+  if constexpr (kType == kQ6_K) {
+    for (int64_t sb = 0; sb < K / 256; ++sb) {
+      const uint8_t* s = row + sb * kQ6SuperBytes;
+      for (int z = 0; z < 4; ++z) {  // weights 64 z .. 64 z + 63: q + 32
+        const S::V c =
+            S::q6_codes(S::load64(s + 64 * (z / 2)), S::broadcast32(s + 128 + 32 * (z / 2)), z % 2);
+        store(codes + sb * 256 + 64 * z, c.lo);
+        store(codes + sb * 256 + 64 * z + 32, c.hi);
+      }
+      const float d = half_to_float(load_u16(s + 208));
+      const int8_t* sc = reinterpret_cast<const int8_t*>(s + 192);
+      for (int j = 0; j < 16; ++j) scales[16 * sb + j] = d * static_cast<float>(sc[j]);
+    }
+  } else if constexpr (kType == kQ4_K || kType == kQ5_K) {
+    constexpr int64_t kSuper = kType == kQ4_K ? kSuperBytes : kQ5SuperBytes;
+    constexpr int64_t kNibbles = kType == kQ4_K ? 16 : 48;
+    for (int64_t sb = 0; sb < K / 256; ++sb) {
+      const uint8_t* s = row + sb * kSuper;
+      for (int i = 0; i < 4; ++i) {  // sub-blocks 2i (low nibbles), 2i + 1 (high)
+        S::V c = S::nibbles32(s + kNibbles + 32 * i);
+        if constexpr (kType == kQ5_K) c = S::add_fifth_bit(c, S::broadcast32(s + 16), 2 * i);
+        store(codes + sb * 256 + 64 * i, c.lo);
+        store(codes + sb * 256 + 64 * i + 32, c.hi);
+      }
+      const KScales k = k_scales_of(s);
+      const float d = half_to_float(load_u16(s));
+      for (int j = 0; j < 8; ++j) {
+        scales[8 * sb + j] = d * static_cast<float>((k.scales >> 8 * j) & 63);
+        min_codes[8 * sb + j] = static_cast<int16_t>((k.mins >> 8 * j) & 63);
+      }
+      mins[sb] = -half_to_float(load_u16(s + 2));
+    }
+  } else {
+    constexpr int64_t bb = block_bytes(kType);
+    const int64_t nb = K / kBlock;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * bb;
+      uint8_t* out = codes + b * 32;
+      if constexpr (kType == kQ8_0) {
+        std::memcpy(out, blk + 2, 32);
+      } else {  // low nibbles: weights 0-15, high: 16-31
+        const __m128i v =
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + nibble_offset(kType)));
+        const __m128i m = _mm_set1_epi8(15);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_and_si128(v, m));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16),
+                         _mm_and_si128(_mm_srli_epi16(v, 4), m));
+        if constexpr (has_fifth_bit(kType)) {
+          const uint32_t fifth = fifth_bits<kType>(blk);
+          for (int j = 0; j < 32; ++j) out[j] |= ((fifth >> j) & 1) << 4;
+        }
+      }
+    }
+    block_scales<kType>(row, nb, scales, mins);  // d (and Q4_1's, Q5_1's m)
+  }
+}
+
+// out[c][i] = dot(row i of x tile t, weight row c0 + c of the panel), c < kCols, i < kTile.
+template <int64_t kType>
+void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64_t K,
+                  float* out) {
+  using T = GemmType<kType>;
+  constexpr int64_t kUnitsPerGroup = T::kGroup / T::kUnit;
+  constexpr int64_t kQuads = T::kUnit / 4;
+  const int64_t groups = K / T::kGroup, units = K / T::kUnit;
+  const int8_t* xq = x.q + t * K * kTile;
+  const float* xd = x.d + t * groups * kTile;
+  const int32_t* xs = x.start + t * units * kTile;
+  const float* xf = x.fsum + t * units * kTile;
+  const int32_t* xp = x.pairs + t * (T::kKMins ? K / 64 : 0) * kTile;
+  const uint8_t* codes[kCols];
+  const float *scales[kCols], *mins[kCols];
+  const int16_t* min_codes[kCols];
+  for (int c = 0; c < kCols; ++c) {
+    codes[c] = w.codes + (c0 + c) * K;
+    scales[c] = w.scales + (c0 + c) * w.units;
+    mins[c] = w.mins + (c0 + c) * w.units;
+    min_codes[c] = w.min_codes + (c0 + c) * w.units;
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 total[kCols];
+  for (int c = 0; c < kCols; ++c) total[c] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 part[kCols];  // this group's sums in units of x's scale
+    for (int c = 0; c < kCols; ++c) part[c] = _mm256_setzero_ps();
+    if constexpr (T::kKMins) {  // -dmin * sum over sub-blocks of m * sum(q), two at a time
+      __m256i min_sum[kCols];
+      for (int c = 0; c < kCols; ++c) min_sum[c] = _mm256_setzero_si256();
+      for (int64_t p = 4 * g; p < 4 * g + 4; ++p) {
+        const __m256i sums = _mm256_load_si256(reinterpret_cast<const __m256i*>(xp + p * kTile));
+        for (int c = 0; c < kCols; ++c) {
+          int32_t two;
+          std::memcpy(&two, min_codes[c] + 2 * p, 4);
+          min_sum[c] = _mm256_add_epi32(min_sum[c],
+                                        _mm256_madd_epi16(_mm256_set1_epi32(two), sums));
+        }
+      }
+      for (int c = 0; c < kCols; ++c)
+        part[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(min_sum[c]), _mm256_set1_ps(mins[c][g]));
+    }
+    for (int64_t u = g * kUnitsPerGroup; u < (g + 1) * kUnitsPerGroup; ++u) {
+      __m256i sum[kCols];
+      const __m256i start =
+          T::kOffset != 0 ? _mm256_load_si256(reinterpret_cast<const __m256i*>(xs + u * kTile))
+                          : _mm256_setzero_si256();
+      for (int c = 0; c < kCols; ++c) sum[c] = start;
+#pragma GCC unroll 8
+      for (int s0 = 0; s0 < kQuads; s0 += T::kSteps) {
+        __m256i pairs[kCols];
+#pragma GCC unroll 8
+        for (int s = 0; s < T::kSteps; ++s) {
+          const int64_t k = u * T::kUnit + 4 * (s0 + s);
+          // in a register once for the kCols weight rows: GCC otherwise folded the load into
+          // each vpmaddubsw, two loads a multiply with the weights' broadcast
+          __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq + k * kTile));
+          asm("" : "+x"(xv));
+          for (int c = 0; c < kCols; ++c) {
+            int32_t four;
+            std::memcpy(&four, codes[c] + k, 4);
+            const __m256i wv = _mm256_set1_epi32(four);
+            const __m256i p =
+                T::kSigned
+                    ? _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv))
+                    : _mm256_maddubs_epi16(wv, xv);
+            pairs[c] = s == 0 ? p : _mm256_add_epi16(pairs[c], p);
+          }
+        }
+        for (int c = 0; c < kCols; ++c)
+          sum[c] = _mm256_add_epi32(sum[c], _mm256_madd_epi16(pairs[c], ones));
+      }
+      for (int c = 0; c < kCols; ++c) {
+        part[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[c]), _mm256_set1_ps(scales[c][u]),
+                                  part[c]);
+        if constexpr (T::kFloatMins)
+          part[c] = _mm256_fmadd_ps(_mm256_load_ps(xf + u * kTile), _mm256_set1_ps(mins[c][u]),
+                                    part[c]);
+      }
+    }
+    const __m256 dx = _mm256_load_ps(xd + g * kTile);
+    for (int c = 0; c < kCols; ++c) total[c] = _mm256_fmadd_ps(part[c], dx, total[c]);
+  }
+  for (int c = 0; c < kCols; ++c) _mm256_store_ps(out + c * kTile, total[c]);
+}
+
+// Weight rows [0, count) from `rows` (row_bytes apart) into w, and zero weights up to a whole
+// number of micro-kernel calls.
+template <int64_t kType>
+void unpack_panel(const uint8_t* rows, int64_t row_bytes, int64_t count, int64_t K,
+                  const Panel& w) {
+  for (int64_t j = 0; j < (count + kCols - 1) / kCols * kCols; ++j) {
+    if (j < count) {
+      unpack_row<kType>(rows + j * row_bytes, K, w.codes + j * K, w.scales + j * w.units,
+                        w.mins + j * w.units, w.min_codes + j * w.units);
+    } else {
+      std::memset(w.codes + j * K, 0, K);
+      std::fill(w.scales + j * w.units, w.scales + (j + 1) * w.units, 0.f);
+      std::fill(w.mins + j * w.units, w.mins + (j + 1) * w.units, 0.f);
+      std::fill(w.min_codes + j * w.units, w.min_codes + (j + 1) * w.units, int16_t{0});
+    }
+  }
+}
+
+template <int64_t kType>
+void q8_gemm_typed(const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N, float* y) {
+  using T = GemmType<kType>;
+  thread_local std::vector<uint8_t> quantized, packed;  // kept from call to call
+  const Q8Rows rows = quantize_rows<T::kGroup>(x, M, K, quantized);
+  const PackedX px = pack_x<kType>(rows, M, K, packed);
+  const int64_t tiles = (M + kTile - 1) / kTile;
+  const int64_t row_bytes = row_bytes_of(kType, K);
+  const int64_t threads = at::get_num_threads();
+  const int64_t steps = (N + kCols - 1) / kCols;  // rows in kCols pieces
+  // each thread a contiguous run of rows, cut into panels of at most kPanelCodeBytes of codes
+  const int64_t panel_rows = std::max<int64_t>(1, kPanelCodeBytes / K / kCols) * kCols;
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    // block_scales writes whole 16-wide vectors: a row's scales and mins padded to 16
+    const int64_t units_padded = (K / T::kUnit + 15) / 16 * 16 + 16;
+    thread_local std::vector<uint8_t> codes_buffer;
+    thread_local std::vector<float> scale_buffer;
+    codes_buffer.resize(panel_rows * K + 64);
+    scale_buffer.resize(3 * panel_rows * units_padded + 16);  // scales, mins, min codes
+    float* const scale_base = align64(scale_buffer.data());
+    const Panel w{codes_buffer.data(), scale_base, scale_base + panel_rows * units_padded,
+                  reinterpret_cast<int16_t*>(scale_base + 2 * panel_rows * units_padded),
+                  units_padded};
+    alignas(32) float out[kCols * kTile];
+    for (int64_t share = begin; share < end; ++share) {
+      const int64_t first = std::min(N, steps * share / threads * kCols);
+      const int64_t last = std::min(N, steps * (share + 1) / threads * kCols);
+      for (int64_t n0 = first; n0 < last; n0 += panel_rows) {
+        const int64_t count = std::min(panel_rows, last - n0);
+        unpack_panel<kType>(qw + n0 * row_bytes, row_bytes, count, K, w);
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t tile_rows = std::min(kTile, M - t * kTile);
+          for (int64_t c0 = 0; c0 < count; c0 += kCols) {
+            micro_kernel<kType>(px, t, w, c0, K, out);
+            const int64_t cols = std::min<int64_t>(kCols, count - c0);
+            float* yt = y + t * kTile * N + n0 + c0;
+            for (int64_t i = 0; i < tile_rows; ++i)
+              for (int64_t c = 0; c < cols; ++c) yt[i * N + c] = out[c * kTile + i];
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+bool q8_gemm(int64_t type, const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N,
+             float* y) {
+  switch (type) {
+    case kQ4_0: return q8_gemm_typed<kQ4_0>(x, M, K, qw, N, y), true;
+    case kQ4_1: return q8_gemm_typed<kQ4_1>(x, M, K, qw, N, y), true;
+    case kQ5_0: return q8_gemm_typed<kQ5_0>(x, M, K, qw, N, y), true;
+    case kQ5_1: return q8_gemm_typed<kQ5_1>(x, M, K, qw, N, y), true;
+    case kQ8_0: return q8_gemm_typed<kQ8_0>(x, M, K, qw, N, y), true;
+    case kQ4_K: return q8_gemm_typed<kQ4_K>(x, M, K, qw, N, y), true;
+    case kQ5_K: return q8_gemm_typed<kQ5_K>(x, M, K, qw, N, y), true;
+    case kQ6_K: return q8_gemm_typed<kQ6_K>(x, M, K, qw, N, y), true;
+    default: return false;  // the few-rows kernels serve the other types at every M
+  }
+}
+#endif
+
+}  // namespace hybridllm_gguf

@@ -30,6 +30,11 @@ void silu_and_mul_rows(const scalar_t* x, scalar_t* out, int64_t begin, int64_t 
       for (; i + 16 <= width; i += 16)
         _mm512_storeu_ps(orow + i, _mm512_mul_ps(hybridllm_math::silu16(_mm512_loadu_ps(gate + i)),
                                                  _mm512_loadu_ps(up + i)));
+#elif defined(__AVX2__) && defined(__FMA__)
+    if constexpr (std::is_same_v<scalar_t, float>)  // 8 at a time (vec_math.h's silu8)
+      for (; i + 8 <= width; i += 8)
+        _mm256_storeu_ps(orow + i, _mm256_mul_ps(hybridllm_math::silu8(_mm256_loadu_ps(gate + i)),
+                                                 _mm256_loadu_ps(up + i)));
 #endif
 #pragma omp simd
     for (int64_t j = i; j < width; ++j)

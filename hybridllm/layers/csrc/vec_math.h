@@ -8,7 +8,7 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -67,6 +67,35 @@ inline __m512 silu16(__m512 x) {
   const __m512 gate = _mm512_mask_blend_ps(negative, _mm512_set1_ps(1.f), e);
   return _mm512_div_ps(_mm512_mul_ps(x, gate), _mm512_add_ps(_mm512_set1_ps(1.f), e));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// exp_nonpositive on 8 lanes, as exp_nonpositive16 computes it (2^n built in the exponent bits;
+// n >= -126 after the clamp). GCC's vectorized loops over the scalar form took SiLU to 6% of a
+// 1B model's prefill on a 2-core Zen 3.
+inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f),
+                                    _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x));
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// silu on 8 lanes, as silu() computes it
+inline __m256 silu8(__m256 x) {
+  const __m256 e = exp_nonpositive8(_mm256_or_ps(x, _mm256_set1_ps(-0.f)));  // e^-|x|
+  const __m256 negative = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+  const __m256 gate = _mm256_blendv_ps(_mm256_set1_ps(1.f), e, negative);
+  return _mm256_div_ps(_mm256_mul_ps(x, gate), _mm256_add_ps(_mm256_set1_ps(1.f), e));
+}
 #endif
 
 // A row of scores in place to its softmax numerators, s[j] = e^(s[j] - max s); returns their
@@ -95,10 +124,23 @@ inline float exp_minus_max(float* s, int64_t n,
   sum = _mm512_reduce_add_ps(acc);
 #else
   for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+  int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 shift = _mm256_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift));
+    _mm256_storeu_ps(s + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  __m128 four = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  sum = _mm_cvtss_f32(_mm_add_ss(four, _mm_movehdup_ps(four)));
+#endif
 #pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < n; ++j) {
-    s[j] = exp_nonpositive(s[j] - mx);
-    sum += s[j];
+  for (int64_t k = j; k < n; ++k) {
+    s[k] = exp_nonpositive(s[k] - mx);
+    sum += s[k];
   }
 #endif
   // (exp_nonpositive clamps at e^-87: no sink must add nothing, not that)

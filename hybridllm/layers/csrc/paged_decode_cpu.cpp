@@ -16,7 +16,7 @@
 #include "vec_avx512.h"
 #include "vec_math.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -104,6 +104,56 @@ inline void mask_later_tokens(float* scores, int64_t rows, int64_t n, int64_t gr
     std::fill(scores + r * n + visible, scores + (r + 1) * n,
               -std::numeric_limits<float>::infinity());
   }
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// 8 cache values from p as fp32
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 widen8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 widen8(const c10::BFloat16* p) {
+  const __m256i words =
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+}
+#endif
+
+// The portable passes' inner products: q . k and acc += p v over one head's d values of a
+// key or value row. With AVX2 (and F16C) 8 at a time, the cache's halves widened in registers:
+// GCC's loops converted each c10::Half on its own, and a SmolLM2 decode step's attention took
+// 77 us a layer (a fifth of the step) on a 2-core Zen 3.
+template <typename kv_t>
+inline float dot_row(const float* q, const kv_t* k, int64_t d_count) {
+  int64_t d = 0;
+  float s = 0.f;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if constexpr (std::is_same_v<kv_t, float> || std::is_same_v<kv_t, c10::Half> ||
+                std::is_same_v<kv_t, c10::BFloat16>) {
+    __m256 acc = _mm256_setzero_ps();
+    for (; d + 8 <= d_count; d += 8)
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), widen8(k + d), acc);
+    __m128 four = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    s = _mm_cvtss_f32(_mm_add_ss(four, _mm_movehdup_ps(four)));
+  }
+#endif
+  for (; d < d_count; ++d) s += q[d] * static_cast<float>(k[d]);
+  return s;
+}
+
+template <typename kv_t>
+inline void add_scaled_row(float p, const kv_t* v, float* acc, int64_t d_count) {
+  int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if constexpr (std::is_same_v<kv_t, float> || std::is_same_v<kv_t, c10::Half> ||
+                std::is_same_v<kv_t, c10::BFloat16>) {
+    const __m256 pv = _mm256_set1_ps(p);
+    for (; d + 8 <= d_count; d += 8)
+      _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, widen8(v + d), _mm256_loadu_ps(acc + d)));
+  }
+#endif
+  for (; d < d_count; ++d) acc[d] += p * static_cast<float>(v[d]);
 }
 
 #if defined(__AVX512F__)
@@ -424,10 +474,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
             for (int64_t g = 0; g < item_group; ++g) {
               const int64_t r = hh * item_group + g;
               const float* qr = qf.data() + r * head_dim;
-              float s = 0.f;
-#pragma omp simd reduction(+ : s)
-              for (int64_t d = 0; d < head_dim; ++d) s += qr[d] * static_cast<float>(k[d]);
-              scores[r * n + t] = s;
+              scores[r * n + t] = dot_row(qr, k, head_dim);
             }
           }
         }
@@ -440,10 +487,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
             const kv_t* v = v_row + hh * head_stride;
             for (int64_t g = 0; g < item_group; ++g) {
               const int64_t r = hh * item_group + g;
-              const float p = scores[r * n + t];
-              float* ar = acc.data() + r * head_dim;
-#pragma omp simd
-              for (int64_t d = 0; d < head_dim; ++d) ar[d] += p * static_cast<float>(v[d]);
+              add_scaled_row(scores[r * n + t], v, acc.data() + r * head_dim, head_dim);
             }
           }
         }

@@ -1,8 +1,9 @@
 """Greedy tokens and logprobs equal the values saved before the structure refactor (issue 38).
 
-Each family of builds has its own saved values (tests/golden_runs.py's `golden_path`: AVX512-VNNI
-and AVX2). On the CPU that produced them they must be equal bit for bit; another CPU of the
-family may pick other BLAS kernels, so there the logprobs get 1e-5.
+Each family of builds has its own saved values (tests/golden_runs.py's `golden_path`): AVX512-VNNI
+builds the ones saved before the refactor, AVX2 builds the ones Session 37 saved on a Zen 3. On
+the CPU that produced them they must be equal bit for bit; another CPU of the family may pick
+other BLAS kernels, so there the logprobs get 1e-5.
 """
 
 from __future__ import annotations

@@ -100,13 +100,17 @@ PackedX pack_x(const Q8Rows& rows, int64_t M, int64_t K, std::vector<uint8_t>& b
         const Q8Rows row = rows.row(r);
         for (int64_t k = 0; k < K; k += 4) std::memcpy(qt + k * kTile + 4 * i, row.q + k, 4);
         for (int64_t g = 0; g < groups; ++g) dt[g * kTile] = row.d[g];
-        for (int64_t u = 0; u < units; ++u) {
-          const int32_t sum = sum_of(row.q + u * T::kUnit, T::kUnit);
-          if constexpr (T::kFloatMins) {
-            const float f = static_cast<float>(sum);
-            std::memcpy(ut + u * kTile, &f, 4);
-          } else {
-            ut[u * kTile] = -T::kOffset * sum;
+        // the unit sums only where the micro-kernel reads them (Q4_K's and Q5_K's mins take
+        // the pairs below; Q8_0 needs neither)
+        if constexpr (T::kOffset != 0 || T::kFloatMins) {
+          for (int64_t u = 0; u < units; ++u) {
+            const int32_t sum = sum_of(row.q + u * T::kUnit, T::kUnit);
+            if constexpr (T::kFloatMins) {
+              const float f = static_cast<float>(sum);
+              std::memcpy(ut + u * kTile, &f, 4);
+            } else {
+              ut[u * kTile] = -T::kOffset * sum;
+            }
           }
         }
         for (int64_t p = 0; p < pairs; ++p) {  // |sum| <= 32 * 127: an int16

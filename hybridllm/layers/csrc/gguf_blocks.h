@@ -254,6 +254,92 @@ inline __m512 fifth_bit_lookup(__m512i nibbles, uint32_t fifth, __m512 table, __
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HYBRIDLLM_FP32_AVX2 1
+// AVX2 without AVX-512: block b of a row (`row`: its first byte; d, m its block_scales) decoded
+// into four 8-lane vectors, weights 0-7 to 24-31. A quantized block is first put together as 32
+// signed byte codes (q - 8 for Q4_0, q - 16 for Q5_0, Q6_K's q - 32, the table's values for IQ4_NL
+// and MXFP4), then widened: d q, or d q + m in one rounding where the type has a min (d q is
+// exact, see nibble_table), so the weights are dequantize_row's bit for bit.
+template <int64_t kType>
+inline void decode_block8(const uint8_t* row, int64_t b, float d, float m, __m256 out[4]) {
+  constexpr int64_t bb = block_bytes(kType);
+  const uint8_t* blk = row + b * bb;
+  const auto load16 = [](const uint8_t* p) {
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  };
+  if constexpr (kType == kF32) {
+    for (int q = 0; q < 4; ++q) out[q] = _mm256_loadu_ps(reinterpret_cast<const float*>(blk) + 8 * q);
+    return;
+  } else if constexpr (kType == kF16) {
+    for (int q = 0; q < 4; ++q) out[q] = _mm256_cvtph_ps(load16(blk + 16 * q));
+    return;
+  } else if constexpr (kType == kBF16) {
+    for (int q = 0; q < 4; ++q)
+      out[q] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load16(blk + 16 * q)), 16));
+    return;
+  } else {
+    __m256i codes;  // [32] int8
+    if constexpr (kType == kQ8_0) {
+      codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    } else if constexpr (kType == kQ6_K) {
+      const Q6Bits bits = q6_k_bits(row, b);
+      const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits.low));
+      const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits.high));
+      // 16-bit shifts: what crosses into a byte from its neighbour is masked off
+      const __m256i low4 = _mm256_and_si256(
+          _mm256_srl_epi16(low, _mm_cvtsi32_si128(bits.low_shift)), _mm256_set1_epi8(15));
+      const __m256i high2 = _mm256_and_si256(
+          _mm256_srl_epi16(high, _mm_cvtsi32_si128(bits.high_shift)), _mm256_set1_epi8(3));
+      codes = _mm256_sub_epi8(_mm256_or_si256(low4, _mm256_slli_epi16(high2, 4)),
+                              _mm256_set1_epi8(32));
+    } else {
+      const uint8_t *lo, *hi;
+      int lo_shift, hi_shift;
+      nibble_runs<kType>(row, b, &lo, &hi, &lo_shift, &hi_shift);
+      const __m128i nibble = _mm_set1_epi8(15);
+      codes = _mm256_set_m128i(
+          _mm_and_si128(_mm_srl_epi16(load16(hi), _mm_cvtsi32_si128(hi_shift)), nibble),
+          _mm_and_si128(_mm_srl_epi16(load16(lo), _mm_cvtsi32_si128(lo_shift)), nibble));
+      const __m256i sixteen = _mm256_set1_epi8(16);
+      if constexpr (kType == kQ5_K) {
+        // weight j's fifth bit: bit b % 8 of high-bit byte j
+        const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << (b % 8)));
+        const __m256i high = _mm256_and_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q5_k_high_bits(row, b))), bit);
+        codes = _mm256_or_si256(codes, _mm256_and_si256(_mm256_cmpeq_epi8(high, bit), sixteen));
+      }
+      if constexpr (has_fifth_bit(kType)) {
+        // weight j's fifth bit: bit j of the 32-bit word, spread to byte j
+        const __m256i spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32(static_cast<int>(fifth_bits<kType>(blk))),
+            _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+        const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+        codes = _mm256_or_si256(
+            codes, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select),
+                                    sixteen));
+      }
+      if constexpr (kType == kQ4_0) codes = _mm256_sub_epi8(codes, _mm256_set1_epi8(8));
+      if constexpr (kType == kQ5_0) codes = _mm256_sub_epi8(codes, sixteen);
+      if constexpr (is_table_nibble_type(kType))
+        codes = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(load16(
+                                        reinterpret_cast<const uint8_t*>(nibble_values(kType)))),
+                                    codes);
+    }
+    const __m128i first = _mm256_castsi256_si128(codes), last = _mm256_extracti128_si256(codes, 1);
+    const __m128i quarters[4] = {first, _mm_unpackhi_epi64(first, first), last,
+                                 _mm_unpackhi_epi64(last, last)};
+    for (int q = 0; q < 4; ++q) {
+      const __m256 value = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(quarters[q]));
+      // Q6_K: d scales weights 0-15, m weights 16-31 (see block_scales)
+      const __m256 scale = _mm256_set1_ps(kType == kQ6_K && q >= 2 ? m : d);
+      out[q] = scales_have_mins(kType) ? _mm256_fmadd_ps(value, scale, _mm256_set1_ps(m))
+                                       : _mm256_mul_ps(value, scale);
+    }
+  }
+}
+#endif
+
 inline int q6_k_value(const Q6Bits& bits, int l) {
   const int low = (bits.low[l] >> bits.low_shift) & 15;
   const int high = (bits.high[l] >> bits.high_shift) & 3;

@@ -212,6 +212,42 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
     }
   }
 }
+#elif defined(HYBRIDLLM_FP32_AVX2)
+// AVX2 version of the above, one weight row at a time: 16 vector registers hold neither 2-4
+// rows' decoded blocks nor kRows x kCols accumulators. Each block is decoded once
+// (decode_block8) into four 8-lane vectors that every row of x uses.
+template <int64_t kType, int kRows, int kCols>
+inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_t nb,
+                     const float* d, const float* m, float* y, int64_t ldy, PrefetchWindow) {
+  // FMA latency is 4 cycles: one or two rows of x get 4 or 2 chains of the block's 4 FMAs
+  constexpr int kChains = kRows == 1 ? 4 : kRows == 2 ? 2 : 1;
+  constexpr bool kScaled = !is_float_type(kType);
+  constexpr bool kSecondScale = scales_have_mins(kType) || kType == kQ6_K;
+  for (int c = 0; c < kCols; ++c) {
+    const uint8_t* row = w + c * row_bytes;
+    __m256 acc[kRows][kChains];
+    for (int r = 0; r < kRows; ++r)
+      for (int h = 0; h < kChains; ++h) acc[r][h] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256 wv[4];  // block b's 32 weights
+      decode_block8<kType>(row, b, kScaled ? d[c * nb + b] : 0.f,
+                           kSecondScale ? m[c * nb + b] : 0.f, wv);
+      const float* xb = x + b * kRows * kBlock;
+#pragma GCC unroll 8
+      for (int r = 0; r < kRows; ++r)
+        for (int q = 0; q < 4; ++q)
+          acc[r][q % kChains] = _mm256_fmadd_ps(wv[q], _mm256_load_ps(xb + r * kBlock + 8 * q),
+                                                acc[r][q % kChains]);
+    }
+    for (int r = 0; r < kRows; ++r) {
+      for (int h = 1; h < kChains; ++h) acc[r][0] = _mm256_add_ps(acc[r][0], acc[r][h]);
+      const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[r][0]),
+                                     _mm256_extractf128_ps(acc[r][0], 1));
+      const __m128 pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
+      y[r * ldy + c] = _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+    }
+  }
+}
 #else
 // Portable version of the above: decode each block to fp32, then plain dot products.
 template <int64_t kType, int kRows, int kCols>

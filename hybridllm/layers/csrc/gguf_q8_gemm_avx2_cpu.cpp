@@ -28,33 +28,63 @@ constexpr int kCols = 4;      // weight rows a micro-kernel call (its sums stay 
 // every tile of x passes over it.
 constexpr int64_t kPanelCodeBytes = 128 << 10;
 
+// Whether a type computed as code blocks (gguf_code_blocks.h) has mins; false for the others.
+template <int64_t kType>
+constexpr bool code_block_mins() {
+  if constexpr (is_code_block_type(kType))
+    return CodeBlockDecoder<kType>::kHasMins;
+  else
+    return false;
+}
+// A code-block type's kCodeOffset (gguf_q8_dot.h's code_offset), else -1.
+template <int64_t kType>
+constexpr int code_block_offset() {
+  if constexpr (is_code_block_type(kType))
+    return code_offset<CodeBlockDecoder<kType>>::value;
+  else
+    return -1;
+}
+
 // A weight type as this GEMM sees it: weight = scale * (code - kOffset) + min, one scale a unit
-// of kUnit weights, x quantized in groups of kGroup. Q8_0's codes stay signed (kSigned: |w|
-// times x with w's sign, as the few-rows AVX2 kernels do). vpmaddubsw's pair sums are at most
-// 2 * kMaxCode * 127, so kSteps of them add up in int16 before they are widened.
+// of kUnit weights, x quantized in groups of kGroup. Signed codes (kSigned: Q8_0's, IQ4_NL's and
+// MXFP4's table values, the code blocks' without a kCodeOffset) stay signed: |w| times x with
+// w's sign, as the few-rows AVX2 kernels do. Code blocks: a float scale d * scale a unit of 16,
+// codes + kCodeOffset where the type has one, and Q2_K's integer mins times dmin as the
+// K-quants' are. vpmaddubsw's pair sums are at most 2 * kMaxCode * 127, so kSteps of them add
+// up in int16 before they are widened (Q2_K's codes are 2 bits, Q3_K's 3 with its offset; the
+// other code blocks promise no bound below 128).
 template <int64_t kType>
 struct GemmType {
+  static constexpr bool kCodeBlocks = is_code_block_type(kType);
   static constexpr int64_t kGroup = q8_group(kType);
-  static constexpr int64_t kUnit = kType == kQ6_K ? 16 : 32;
-  static constexpr bool kKMins = kType == kQ4_K || kType == kQ5_K;  // 6-bit mins times -dmin
-  static constexpr bool kFloatMins = has_block_min(kType);         // Q4_1, Q5_1
-  static constexpr bool kSigned = kType == kQ8_0;
+  static constexpr int64_t kUnit = kType == kQ6_K || kCodeBlocks ? 16 : 32;
+  // integer mins a unit times one float a super-block: Q4_K's and Q5_K's 6-bit mins times
+  // -dmin, Q2_K's times dmin
+  static constexpr bool kKMins = kType == kQ4_K || kType == kQ5_K || code_block_mins<kType>();
+  static constexpr bool kFloatMins = has_block_min(kType);  // Q4_1, Q5_1
+  static constexpr bool kSigned = kType == kQ8_0 || is_table_nibble_type(kType) ||
+                                  (kCodeBlocks && code_block_offset<kType>() < 0);
   static constexpr int32_t kOffset = kType == kQ4_0   ? 8
                                      : kType == kQ5_0 ? 16
                                      : kType == kQ6_K ? 32
+                                     : kCodeBlocks    ? std::max(code_block_offset<kType>(), 0)
                                                       : 0;
-  static constexpr int kMaxCode = kSigned                                             ? 128
+  static constexpr int kMaxCode = kType == kQ2_K                                     ? 3
+                                  : kType == kQ3_K                                    ? 7
+                                  : kSigned || kCodeBlocks                              ? 128
                                   : kType == kQ6_K                                    ? 63
                                   : kType == kQ5_0 || kType == kQ5_1 || kType == kQ5_K ? 31
                                                                                        : 15;
+  // K-quants: a 6-bit min a sub-block of 32 weights; code blocks: a min a unit of 16
+  static constexpr int64_t kMinUnit = kCodeBlocks ? 16 : 32;
   static constexpr int kSteps = std::min<int>(kUnit / 4, 32767 / (2 * kMaxCode * 127));
   static_assert(kSteps >= 1 && (kUnit / 4) % kSteps == 0);
 };
 
 // x's rows in tiles of 8: tile t's int8 values [K / 4][8][4] (4 consecutive values of a row a
 // 32-bit lane, rows past M zero), its scales [groups][8], per unit of weights the int32
-// -kOffset * sum(q) (`start`) or, for Q4_1 / Q5_1, the float sum(q) (`fsum`), and for the
-// K-quants' mins [K / 64][8] pairs of int16 32-value sums (`pairs`).
+// -kOffset * sum(q) (`start`) or, for Q4_1 / Q5_1, the float sum(q) (`fsum`), and for integer
+// mins [K / kMinUnit / 2][8] pairs of int16 kMinUnit-value sums (`pairs`).
 struct PackedX {
   const int8_t* q;
   const float* d;
@@ -73,7 +103,8 @@ template <int64_t kType>
 PackedX pack_x(const Q8Rows& rows, int64_t M, int64_t K, std::vector<uint8_t>& buffer) {
   using T = GemmType<kType>;
   const int64_t tiles = (M + kTile - 1) / kTile;
-  const int64_t groups = K / T::kGroup, units = K / T::kUnit, pairs = T::kKMins ? K / 64 : 0;
+  const int64_t groups = K / T::kGroup, units = K / T::kUnit;
+  const int64_t pairs = T::kKMins ? K / T::kMinUnit / 2 : 0;
   const int64_t q_bytes = tiles * K * kTile, d_bytes = tiles * groups * kTile * 4;
   const int64_t unit_bytes = tiles * units * kTile * 4, pair_bytes = tiles * pairs * kTile * 4;
   buffer.resize(q_bytes + d_bytes + unit_bytes + pair_bytes + 64);
@@ -100,8 +131,8 @@ PackedX pack_x(const Q8Rows& rows, int64_t M, int64_t K, std::vector<uint8_t>& b
         const Q8Rows row = rows.row(r);
         for (int64_t k = 0; k < K; k += 4) std::memcpy(qt + k * kTile + 4 * i, row.q + k, 4);
         for (int64_t g = 0; g < groups; ++g) dt[g * kTile] = row.d[g];
-        // the unit sums only where the micro-kernel reads them (Q4_K's and Q5_K's mins take
-        // the pairs below; Q8_0 needs neither)
+        // the unit sums only where the micro-kernel reads them (integer mins take the pairs
+        // below; signed codes need neither)
         if constexpr (T::kOffset != 0 || T::kFloatMins) {
           for (int64_t u = 0; u < units; ++u) {
             const int32_t sum = sum_of(row.q + u * T::kUnit, T::kUnit);
@@ -114,7 +145,8 @@ PackedX pack_x(const Q8Rows& rows, int64_t M, int64_t K, std::vector<uint8_t>& b
           }
         }
         for (int64_t p = 0; p < pairs; ++p) {  // |sum| <= 32 * 127: an int16
-          const int32_t lo = sum_of(row.q + 64 * p, 32), hi = sum_of(row.q + 64 * p + 32, 32);
+          const int32_t lo = sum_of(row.q + 2 * T::kMinUnit * p, T::kMinUnit),
+                        hi = sum_of(row.q + 2 * T::kMinUnit * p + T::kMinUnit, T::kMinUnit);
           pt[p * kTile] = static_cast<int32_t>((static_cast<uint32_t>(hi) << 16) |
                                                (static_cast<uint32_t>(lo) & 0xffff));
         }
@@ -125,8 +157,9 @@ PackedX pack_x(const Q8Rows& rows, int64_t M, int64_t K, std::vector<uint8_t>& b
 }
 
 // A panel of weight rows unpacked: codes [rows][K]; per unit scales [rows][units] (and Q4_1's,
-// Q5_1's float mins [rows][units]); a K-quant's 6-bit mins min_codes [rows][units] and -dmin
-// in mins [rows][super-blocks]. Rows `units` apart; rows past N zero.
+// Q5_1's float mins [rows][units]); integer mins min_codes [rows][units] and their factor (a
+// K-quant's -dmin, Q2_K's dmin) in mins [rows][super-blocks]. Rows `units` apart; rows past N
+// zero.
 struct Panel {
   uint8_t* codes;
   float* scales;
@@ -142,7 +175,24 @@ void unpack_row(const uint8_t* row, int64_t K, uint8_t* codes, float* scales, fl
   const auto store = [](uint8_t* p, __m256i v) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
   };
-  if constexpr (kType == kQ6_K) {
+  if constexpr (GemmType<kType>::kCodeBlocks) {
+    constexpr int64_t kSuper = gguf_type_info(kType).unit_bytes;
+    constexpr int kOffset = GemmType<kType>::kOffset;
+    CodeBlock cb;
+    for (int64_t sb = 0; sb < K / kCodeBlockWeights; ++sb) {
+      CodeBlockDecoder<kType>::decode(row + sb * kSuper, &cb);
+      for (int64_t i = 0; i < kCodeBlockWeights; i += 32) {
+        const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(cb.codes + i));
+        store(codes + sb * kCodeBlockWeights + i,
+              kOffset > 0 ? _mm256_add_epi8(v, _mm256_set1_epi8(kOffset)) : v);
+      }
+      for (int64_t u = 0; u < kCodeBlockWeights / kCodeUnit; ++u) {
+        scales[16 * sb + u] = cb.d * static_cast<float>(cb.scales[u]);
+        if constexpr (GemmType<kType>::kKMins) min_codes[16 * sb + u] = cb.mins[u];
+      }
+      if constexpr (GemmType<kType>::kKMins) mins[sb] = cb.dmin;
+    }
+  } else if constexpr (kType == kQ6_K) {
     for (int64_t sb = 0; sb < K / 256; ++sb) {
       const uint8_t* s = row + sb * kQ6SuperBytes;
       for (int z = 0; z < 4; ++z) {  // weights 64 z .. 64 z + 63: q + 32
@@ -193,9 +243,17 @@ void unpack_row(const uint8_t* row, int64_t K, uint8_t* codes, float* scales, fl
           const uint32_t fifth = fifth_bits<kType>(blk);
           for (int j = 0; j < 32; ++j) out[j] |= ((fifth >> j) & 1) << 4;
         }
+        if constexpr (is_table_nibble_type(kType)) {  // IQ4_NL, MXFP4: the signed values
+          const __m128i table =
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibble_values(kType)));
+          for (int h = 0; h < 2; ++h) {
+            __m128i* half = reinterpret_cast<__m128i*>(out + 16 * h);
+            _mm_storeu_si128(half, _mm_shuffle_epi8(table, _mm_loadu_si128(half)));
+          }
+        }
       }
     }
-    block_scales<kType>(row, nb, scales, mins);  // d (and Q4_1's, Q5_1's m)
+    block_scales<kType>(row, nb, scales, mins);  // d (MXFP4's E8M0), Q4_1's and Q5_1's m
   }
 }
 
@@ -211,7 +269,8 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
   const float* xd = x.d + t * groups * kTile;
   const int32_t* xs = x.start + t * units * kTile;
   const float* xf = x.fsum + t * units * kTile;
-  const int32_t* xp = x.pairs + t * (T::kKMins ? K / 64 : 0) * kTile;
+  constexpr int64_t kPairsPerGroup = T::kGroup / T::kMinUnit / 2;
+  const int32_t* xp = x.pairs + t * (T::kKMins ? K / T::kMinUnit / 2 : 0) * kTile;
   const uint8_t* codes[kCols];
   const float *scales[kCols], *mins[kCols];
   const int16_t* min_codes[kCols];
@@ -227,10 +286,10 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
   for (int64_t g = 0; g < groups; ++g) {
     __m256 part[kCols];  // this group's sums in units of x's scale
     for (int c = 0; c < kCols; ++c) part[c] = _mm256_setzero_ps();
-    if constexpr (T::kKMins) {  // -dmin * sum over sub-blocks of m * sum(q), two at a time
+    if constexpr (T::kKMins) {  // (-)dmin * sum over min units of m * sum(q), two at a time
       __m256i min_sum[kCols];
       for (int c = 0; c < kCols; ++c) min_sum[c] = _mm256_setzero_si256();
-      for (int64_t p = 4 * g; p < 4 * g + 4; ++p) {
+      for (int64_t p = kPairsPerGroup * g; p < kPairsPerGroup * (g + 1); ++p) {
         const __m256i sums = _mm256_load_si256(reinterpret_cast<const __m256i*>(xp + p * kTile));
         for (int c = 0; c < kCols; ++c) {
           int32_t two;
@@ -353,17 +412,11 @@ void q8_gemm_typed(const float* x, int64_t M, int64_t K, const uint8_t* qw, int6
 
 bool q8_gemm(int64_t type, const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N,
              float* y) {
-  switch (type) {
-    case kQ4_0: return q8_gemm_typed<kQ4_0>(x, M, K, qw, N, y), true;
-    case kQ4_1: return q8_gemm_typed<kQ4_1>(x, M, K, qw, N, y), true;
-    case kQ5_0: return q8_gemm_typed<kQ5_0>(x, M, K, qw, N, y), true;
-    case kQ5_1: return q8_gemm_typed<kQ5_1>(x, M, K, qw, N, y), true;
-    case kQ8_0: return q8_gemm_typed<kQ8_0>(x, M, K, qw, N, y), true;
-    case kQ4_K: return q8_gemm_typed<kQ4_K>(x, M, K, qw, N, y), true;
-    case kQ5_K: return q8_gemm_typed<kQ5_K>(x, M, K, qw, N, y), true;
-    case kQ6_K: return q8_gemm_typed<kQ6_K>(x, M, K, qw, N, y), true;
-    default: return false;  // the few-rows kernels serve the other types at every M
-  }
+  bool done = false;
+  dispatch_gguf_type<kInt8Kernels>(
+      type, [&](auto t) { q8_gemm_typed<decltype(t)::value>(x, M, K, qw, N, y), done = true; },
+      [] {});
+  return done;  // false: a type without int8 kernels
 }
 #endif
 

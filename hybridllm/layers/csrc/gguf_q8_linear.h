@@ -44,8 +44,7 @@ void q8_linear_grouped(int64_t type, int64_t path, const float* x, const int64_t
 // The same product for many rows of x, as a GEMM (gguf_q8_gemm_cpu.cpp): x quantized as
 // q8_linear quantizes it, the integer sums exact, the same up to fp32 rounding. False (y
 // untouched) where this build has no such GEMM for the type: AVX512-VNNI builds have it for
-// every int8 type, AVX2 builds (gguf_q8_gemm_avx2_cpu.cpp) for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and
-// the K-quants Q4_K, Q5_K, Q6_K, others none.
+// every int8 type, AVX2 builds (gguf_q8_gemm_avx2_cpu.cpp) too, others none.
 bool q8_gemm(int64_t type, const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N,
              float* y);
 

@@ -269,14 +269,16 @@ inline void decode_block8(const uint8_t* row, int64_t b, float d, float m, __m25
     return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   };
   if constexpr (kType == kF32) {
-    for (int q = 0; q < 4; ++q) out[q] = _mm256_loadu_ps(reinterpret_cast<const float*>(blk) + 8 * q);
+    for (int q = 0; q < 4; ++q)
+      out[q] = _mm256_loadu_ps(reinterpret_cast<const float*>(blk) + 8 * q);
     return;
   } else if constexpr (kType == kF16) {
     for (int q = 0; q < 4; ++q) out[q] = _mm256_cvtph_ps(load16(blk + 16 * q));
     return;
   } else if constexpr (kType == kBF16) {
     for (int q = 0; q < 4; ++q)
-      out[q] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load16(blk + 16 * q)), 16));
+      out[q] = _mm256_castsi256_ps(
+          _mm256_slli_epi32(_mm256_cvtepu16_epi32(load16(blk + 16 * q)), 16));
     return;
   } else {
     __m256i codes;  // [32] int8

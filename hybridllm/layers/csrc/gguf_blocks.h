@@ -8,7 +8,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -194,6 +194,28 @@ inline Q6Bits q6_k_bits(const uint8_t* row, int64_t b) {
   return {super + half * 64 + (g % 2) * 32, super + 128 + half * 32, (g / 2) * 4, 2 * g};
 }
 
+#if defined(__AVX2__)
+// A Q6_K block's 32 weights as signed bytes q - 32, in [-32, 31]: the 6-bit values put together
+// 32 at a time (16-bit shifts: what crosses into a byte from its neighbour is masked off).
+inline __m256i q6_k_codes(const Q6Bits& bits) {
+  const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits.low));
+  const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits.high));
+  const __m256i low4 = _mm256_and_si256(_mm256_srl_epi16(low, _mm_cvtsi32_si128(bits.low_shift)),
+                                        _mm256_set1_epi8(15));
+  const __m256i high2 = _mm256_and_si256(
+      _mm256_srl_epi16(high, _mm_cvtsi32_si128(bits.high_shift)), _mm256_set1_epi8(3));
+  return _mm256_sub_epi8(_mm256_or_si256(low4, _mm256_slli_epi16(high2, 4)),
+                         _mm256_set1_epi8(32));
+}
+
+// 8 floats summed.
+inline float sum8(__m256 v) {
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+#endif
+
 #if defined(__AVX512F__)
 // The 16 bytes at p, each zero-extended into a 32-bit lane.
 inline __m512i widen_bytes(const uint8_t* p) {
@@ -201,17 +223,9 @@ inline __m512i widen_bytes(const uint8_t* p) {
 }
 
 // A Q6_K block's 32 weights as floats q - 32 (weights 0-15 in lo, 16-31 in hi): the 6-bit values
-// are put together as bytes, 32 at a time, and only then widened.
+// are put together as bytes (q6_k_codes), and only then widened.
 inline void q6_k_values(const Q6Bits& bits, __m512* lo, __m512* hi) {
-  const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits.low));
-  const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits.high));
-  // 16-bit shifts: what crosses into a byte from its neighbour is masked off
-  const __m256i low4 =
-      _mm256_and_si256(_mm256_srli_epi16(low, bits.low_shift), _mm256_set1_epi8(15));
-  const __m256i high2 =
-      _mm256_and_si256(_mm256_srli_epi16(high, bits.high_shift), _mm256_set1_epi8(3));
-  const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low4, _mm256_slli_epi16(high2, 4)),
-                                    _mm256_set1_epi8(32));  // [-32, 31]
+  const __m256i q = q6_k_codes(bits);
   *lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
   *hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
 }
@@ -285,16 +299,7 @@ inline void decode_block8(const uint8_t* row, int64_t b, float d, float m, __m25
     if constexpr (kType == kQ8_0) {
       codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
     } else if constexpr (kType == kQ6_K) {
-      const Q6Bits bits = q6_k_bits(row, b);
-      const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits.low));
-      const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits.high));
-      // 16-bit shifts: what crosses into a byte from its neighbour is masked off
-      const __m256i low4 = _mm256_and_si256(
-          _mm256_srl_epi16(low, _mm_cvtsi32_si128(bits.low_shift)), _mm256_set1_epi8(15));
-      const __m256i high2 = _mm256_and_si256(
-          _mm256_srl_epi16(high, _mm_cvtsi32_si128(bits.high_shift)), _mm256_set1_epi8(3));
-      codes = _mm256_sub_epi8(_mm256_or_si256(low4, _mm256_slli_epi16(high2, 4)),
-                              _mm256_set1_epi8(32));
+      codes = q6_k_codes(q6_k_bits(row, b));
     } else {
       const uint8_t *lo, *hi;
       int lo_shift, hi_shift;

@@ -241,10 +241,7 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
     }
     for (int r = 0; r < kRows; ++r) {
       for (int h = 1; h < kChains; ++h) acc[r][0] = _mm256_add_ps(acc[r][0], acc[r][h]);
-      const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[r][0]),
-                                     _mm256_extractf128_ps(acc[r][0], 1));
-      const __m128 pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
-      y[r * ldy + c] = _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+      y[r * ldy + c] = sum8(acc[r][0]);
     }
   }
 }

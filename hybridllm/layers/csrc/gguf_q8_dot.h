@@ -70,11 +70,6 @@ inline __m256 add_super_block(__m256 acc, __m256i sums, float scale, __m256i off
   return _mm256_add_ps(
       acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(offsets), _mm256_set1_ps(offset_scale), part));
 }
-inline float sum8(__m256 v) {
-  __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
 
 // y[r * ldy + c] = dot(x row r, weight row c) for kRows rows of x and kCols consecutive weight
 // rows (w: the first, row_bytes apart) of a K-quant type.
@@ -166,6 +161,23 @@ struct code_offset : std::integral_constant<int, -1> {};
 template <class D>
 struct code_offset<D, std::void_t<decltype(D::kCodeOffset)>>
     : std::integral_constant<int, D::kCodeOffset> {};
+
+// Whether a type computed as code blocks has mins; false for the others.
+template <int64_t kType>
+constexpr bool code_block_mins() {
+  if constexpr (is_code_block_type(kType))
+    return CodeBlockDecoder<kType>::kHasMins;
+  else
+    return false;
+}
+// A code-block type's kCodeOffset (code_offset), else -1.
+template <int64_t kType>
+constexpr int code_block_offset() {
+  if constexpr (is_code_block_type(kType))
+    return code_offset<CodeBlockDecoder<kType>>::value;
+  else
+    return -1;
+}
 
 // q8_dot_super_blocks for a type computed as code blocks: each weight row's super-block decoded
 // once (its CodeBlockDecoder), its signed codes meeting every row of x as |code| times x with

@@ -28,23 +28,6 @@ constexpr int kCols = 4;      // weight rows a micro-kernel call (its sums stay 
 // every tile of x passes over it.
 constexpr int64_t kPanelCodeBytes = 128 << 10;
 
-// Whether a type computed as code blocks (gguf_code_blocks.h) has mins; false for the others.
-template <int64_t kType>
-constexpr bool code_block_mins() {
-  if constexpr (is_code_block_type(kType))
-    return CodeBlockDecoder<kType>::kHasMins;
-  else
-    return false;
-}
-// A code-block type's kCodeOffset (gguf_q8_dot.h's code_offset), else -1.
-template <int64_t kType>
-constexpr int code_block_offset() {
-  if constexpr (is_code_block_type(kType))
-    return code_offset<CodeBlockDecoder<kType>>::value;
-  else
-    return -1;
-}
-
 // A weight type as this GEMM sees it: weight = scale * (code - kOffset) + min, one scale a unit
 // of kUnit weights, x quantized in groups of kGroup. Signed codes (kSigned: Q8_0's, IQ4_NL's and
 // MXFP4's table values, the code blocks' without a kCodeOffset) stay signed: |w| times x with

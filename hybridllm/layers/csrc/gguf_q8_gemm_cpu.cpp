@@ -37,15 +37,6 @@ constexpr int64_t kTileRows = 16 * kH;
 // every tile of x passes over it.
 constexpr int64_t kPanelCodeBytes = 128 << 10;
 
-// Whether a type computed as code blocks (gguf_code_blocks.h) has mins; false for the others.
-template <int64_t kType>
-constexpr bool code_block_mins() {
-  if constexpr (is_code_block_type(kType))
-    return CodeBlockDecoder<kType>::kHasMins;
-  else
-    return false;
-}
-
 // A weight type as the GEMM sees it: weight = scale * (code - kOffset) + min, with codes
 // unsigned bytes, one scale (and min) per kUnit weights, and x quantized in groups of kGroup.
 // Q4_1's and Q5_1's mins are floats (kFloatMins); a K-quant's (kCodeMins) are 6-bit codes times

@@ -60,14 +60,18 @@ def main() -> None:
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 5, 7, 8, 16])
     ap.add_argument("--calls", type=int, default=100, help="timed calls of each form")
     args = ap.parse_args()
-    if not load_cpu_kernels() or not torch.ops.hybridllm.x8_supported():
-        raise SystemExit("needs the native kernels with AVX512-VNNI (x8 groups)")
+    if not load_cpu_kernels() or not torch.ops.hybridllm.x8_source_types():
+        raise SystemExit(
+            "needs the native kernels with x8 groups (AVX512-VNNI, or AVX2's Q4_K/Q6_K)"
+        )
     op = torch.ops.hybridllm.gguf_linear
     rng = np.random.default_rng(0)
     for name in args.types:
         fmt = int(Q[name])
-        if fmt not in X8_TYPES:
-            raise SystemExit(f"{name} has no x8 form (those with one: {sorted(X8_TYPES)})")
+        if fmt not in torch.ops.hybridllm.x8_source_types():
+            raise SystemExit(
+                f"this build computes no {name} in x8 groups (those with an x8 form: {sorted(X8_TYPES)})"
+            )
         for shape in args.shapes:
             n, k = (int(v) for v in shape.split("x"))
             rows = torch.from_numpy(random_rows(fmt, n, k, rng))

@@ -79,11 +79,18 @@ X8_TYPES = {
 X8_SOURCE_TYPES = {x8: source for source, x8 in X8_TYPES.items()}
 
 
+def x8_source_types() -> list[int]:
+    """The ggml types this build computes in x8 groups: every type of X8_TYPES where the CPU has
+    AVX512-VNNI, Q4_K and Q6_K on AVX2 alone, none else. Call only where the native kernels
+    are loaded."""
+    return torch.ops.hybridllm.x8_source_types()
+
+
 def x8_repacking(activations: int) -> bool:
     """Whether a CPU worker computing with `activations` repacks block weights into x8 groups
-    when it loads: int8 activations and a build with the x8 kernels (AVX512-VNNI). Call only
-    where the native kernels are loaded."""
-    return activations == INT8_ACTIVATIONS and torch.ops.hybridllm.x8_supported()
+    when it loads (those of `x8_source_types()`): int8 activations and a build with x8 kernels.
+    Call only where the native kernels are loaded."""
+    return activations == INT8_ACTIVATIONS and bool(x8_source_types())
 
 
 def repack_x8(blocks: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, int]:
@@ -94,9 +101,9 @@ def repack_x8(blocks: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, int]:
 def repack_x8_where_grouped(
     blocks: torch.Tensor, ggml_type: int, rows: int
 ) -> tuple[torch.Tensor, int]:
-    """`repack_x8` where `ggml_type` has an x8 form and a matrix's `rows` are whole groups of 8;
-    else (blocks, ggml_type) unchanged."""
-    if ggml_type in X8_TYPES and rows % 8 == 0:
+    """`repack_x8` where this build computes `ggml_type` in x8 groups (`x8_source_types`) and a
+    matrix's `rows` are whole groups of 8; else (blocks, ggml_type) unchanged."""
+    if rows % 8 == 0 and ggml_type in x8_source_types():
         return repack_x8(blocks, ggml_type)
     return blocks, ggml_type
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hybridllm.layers.gguf_linear import repack_x8, x8_repacking
+from hybridllm.layers.gguf_linear import repack_x8, x8_repacking, x8_source_types
 from hybridllm.layers.prepared_attention import PreparedAttention
 
 
@@ -82,7 +82,7 @@ class LatentAttention:
         uk_t = blocks(w[:, :nope].transpose(1, 2).reshape(-1, nope)).view(heads, latent_dim, -1)
         uv = blocks(w[:, nope:].reshape(-1, latent_dim)).view(heads, self.v_dim, -1)
         ggml_type = int(q8)
-        if x8_repacking(activations) and self.v_dim % 8 == 0:
+        if x8_repacking(activations) and ggml_type in x8_source_types() and self.v_dim % 8 == 0:
             # each matrix's rows (H * (nope + v), L, v) in groups of 8: DeepSeek-V3's two
             # absorbing products from DRAM took 0.91x the plain rows' time at 1 decode row,
             # 0.73x at 4 (2-core Zen 5, alternating in one process)

@@ -8,7 +8,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from hybridllm import LLM, SamplingParams, envs
-from hybridllm.layers.gguf_linear import X8_TYPES
+from hybridllm.layers.gguf_linear import X8_TYPES, x8_source_types
 from hybridllm.layers.linear import Linear
 from tests.gguf_helpers import tokenizer_vocab, write_k_m_like_gguf
 from tests.kernel_helpers import require_cpu_kernels
@@ -91,8 +91,8 @@ def test_k_quant_prompt_logprobs_in_int8_chunks(tmp_path, base):
     (fp32, fp32_types), (int8, types) = run("fp32"), run("int8")
     # the K-quant linears (base, and v / down's Q6_K) compute from the x8 layout on the int8 path
     # (the prompt's chunks: the GEMM unpacking it); the fp32 path keeps the types' own layouts
-    x8 = torch.ops.hybridllm.x8_supported()
     for fmt in (base, Q.Q6_K):
+        x8 = int(fmt) in x8_source_types()
         assert (X8_TYPES[int(fmt)] in types) == x8 and (int(fmt) in types) != x8
         assert int(fmt) in fp32_types and X8_TYPES[int(fmt)] not in fp32_types
     deltas = [abs(a - b) for a, b in zip(fp32, int8)]

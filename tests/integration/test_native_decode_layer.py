@@ -164,9 +164,13 @@ def test_moe_layers_native_attention_equals_per_op(arch, tmp_path):
 def test_gguf_moe_stack_with_x8_experts_equals_per_op(fmt, tmp_path):
     # Qwen3-MoE from GGUF, K-quant experts on the int8 path: their blocks are repacked in x8
     # groups and the stack runs routing and experts; the per-layer path the same
-    import torch
 
-    from hybridllm.layers.gguf_linear import INT8_ACTIVATIONS, X8_TYPES, own_f32_gemm_preferred
+    from hybridllm.layers.gguf_linear import (
+        INT8_ACTIVATIONS,
+        X8_TYPES,
+        own_f32_gemm_preferred,
+        x8_source_types,
+    )
     from tests.moe_helpers import build_tiny_moe_model, write_moe_gguf
 
     model = build_tiny_moe_model(
@@ -177,8 +181,7 @@ def test_gguf_moe_stack_with_x8_experts_equals_per_op(fmt, tmp_path):
     llm = LLM(path, skip_tokenizer_init=True, use_tqdm=False, gguf_activations="int8")
     try:
         layers = llm.llm_engine.executor.workers[0].model_runner.model.layers
-        x8 = torch.ops.hybridllm.x8_supported()
-        expected = X8_TYPES[int(fmt)] if x8 else int(fmt)
+        expected = X8_TYPES[int(fmt)] if int(fmt) in x8_source_types() else int(fmt)
         experts = [layer.mlp.experts for layer in layers]
         assert all(e.w13.ggml_type == expected for e in experts)
         assert (

@@ -11,7 +11,13 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from hybridllm.layers.expert_weights import StackedExpertWeight
-from hybridllm.layers.gguf_linear import INT8_ACTIVATIONS, X8_TYPES, repack_x8, unpack_x8
+from hybridllm.layers.gguf_linear import (
+    INT8_ACTIVATIONS,
+    X8_TYPES,
+    repack_x8,
+    unpack_x8,
+    x8_source_types,
+)
 from hybridllm.layers.linear import Linear
 from hybridllm.layers.vocab_embedding import LMHead, VocabEmbedding
 from hybridllm.loader.quantized_tensor import QuantizedTensor
@@ -24,8 +30,14 @@ from tests.unit.test_gguf_linear_kernel import random_blocks as random_k_blocks
 @pytest.fixture(scope="module", autouse=True)
 def _kernels():
     require_cpu_kernels()
-    if not torch.ops.hybridllm.x8_supported():
-        pytest.skip("this build has no x8 kernels (AVX512-VNNI)")
+    if not x8_source_types():
+        pytest.skip("this build has no x8 kernels (AVX512-VNNI, or AVX2 for Q4_K / Q6_K)")
+
+
+def require_x8_kernels(fmt):
+    """Skips a test of `fmt`'s x8 kernels where this build has none (AVX2: Q4_K and Q6_K only)."""
+    if int(fmt) not in x8_source_types():
+        pytest.skip(f"this build computes no {fmt.name} in x8 groups")
 
 
 X8_FORMATS = pytest.mark.parametrize(
@@ -76,6 +88,7 @@ def test_repack_round_trip_is_byte_exact(fmt):
 @X8_FORMATS
 @pytest.mark.parametrize("n,k", [(8, 256), (64, 512), (200, 2560)])
 def test_gguf_linear_equals_the_source_type(fmt, n, k):
+    require_x8_kernels(fmt)
     op = torch.ops.hybridllm.gguf_linear
     blocks, weight = random_blocks(fmt, n, k, seed=n)
     x8, x8_type = repack_x8(blocks, int(fmt))
@@ -116,6 +129,7 @@ def test_bad_arguments_name_the_problem():
 
 @X8_FORMATS
 def test_fused_moe_equals_the_source_type(fmt):
+    require_x8_kernels(fmt)
     experts, hidden, width = 6, 512, 256
     w13, weight13 = random_blocks(fmt, experts * 2 * width, hidden, seed=1)
     w2, weight2 = random_blocks(fmt, experts * hidden, width, seed=2)
@@ -168,7 +182,8 @@ def test_linear_repacks_the_blocks_of_x8_types_only():
     x = torch.randn(3, k)
     before = layer.local_linear(x, None)
     layer.repack_for_cpu()
-    assert [t for _, t, _ in layer.shard_blocks] == [112, 113, int(Q.Q5_0)]
+    built = x8_source_types()  # Q5_K: AVX512-VNNI builds only
+    assert [t for _, t, _ in layer.shard_blocks] == [112, 113 if Q.Q5_K in built else 13, 6]
     torch.testing.assert_close(layer.dense_weight(), torch.cat(parts))
     assert_same_integer_sums(layer.local_linear(x, None), before, x, torch.cat(parts))
 
@@ -211,6 +226,7 @@ def test_untied_lm_head_repacks():
 
 @X8_FORMATS
 def test_tied_lm_head_repacks_and_its_embedding_reads_rows_from_the_groups(fmt):
+    require_x8_kernels(fmt)
     vocab, k, cpu = 64, 512, torch.device("cpu")
     blocks, weight = random_blocks(fmt, vocab, k)
     embedding = VocabEmbedding(vocab, k, torch.float32, cpu)

@@ -52,14 +52,7 @@ at::Tensor gguf_head_linear(const at::Tensor& x, const at::Tensor& qweight, int6
   TORCH_CHECK(activations >= kFp32Activations && activations <= kQ8Scalar,
               "gguf_head_linear: activations must be 0 (fp32) to ", int64_t{kQ8Scalar}, ", got ",
               activations);
-  if (is_x8_type(ggml_type)) {
-    TORCH_CHECK(N % kX8GroupRows == 0, "gguf_head_linear: x8 weights come in groups of ",
-                kX8GroupRows, " rows, got out_features=", N);
-    TORCH_CHECK(activations == kQ8Best || activations == kQ8Avx512Vnni,
-                "gguf_head_linear: x8 weights (ggml_type ", ggml_type,
-                ") need int8 activations on the AVX512-VNNI path (activations 1 or 2), got ",
-                activations);
-  }
+  if (is_x8_type(ggml_type)) check_x8_weight("gguf_head_linear", ggml_type, N, activations);
 
   // Heads outermost, each head's B rows together: [H, B, in] (a view, no copy, at B = 1), the
   // result [H, B, out] turned back. Any strides of x are fine.

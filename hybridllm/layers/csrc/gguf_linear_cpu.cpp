@@ -551,14 +551,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
               "gguf_linear: activations must be 0 (fp32) to ", int64_t{kQ8Scalar}, ", got ",
               activations);
 
-  if (is_x8_type(ggml_type)) {
-    TORCH_CHECK(N % kX8GroupRows == 0, "gguf_linear: x8 weights come in groups of ", kX8GroupRows,
-                " rows, got out_features=", N);
-    TORCH_CHECK(activations == kQ8Best || activations == kQ8Avx512Vnni,
-                "gguf_linear: x8 weights (ggml_type ", ggml_type,
-                ") need int8 activations on the AVX512-VNNI path (activations 1 or 2), got ",
-                activations);
-  }
+  if (is_x8_type(ggml_type)) check_x8_weight("gguf_linear", ggml_type, N, activations);
 
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({M, N}, xc.options());
@@ -569,7 +562,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
     float* yp = y.data_ptr<float>();
     const bool done = M < int8_gemm_min_rows(ggml_type) ? x8_linear(ggml_type, xp, M, K, qw, N, yp)
                                          : q8_gemm(ggml_type, xp, M, K, qw, N, yp);
-    TORCH_CHECK(done, "gguf_linear: this build has no kernels for x8 weights (AVX512-VNNI)");
+    TORCH_CHECK(done, "gguf_linear: this build has no kernels for x8 weights of ggml_type ",
+                ggml_type, " (see x8_source_types())");
     return y;
   }
   // int8 activations where asked for (fp32 weights stay fp32): the few-rows kernels below

@@ -16,6 +16,7 @@
 #include "gguf_q8_linear.h"
 #include "gguf_q8_quantize.h"
 #include "gguf_q8_simd.h"
+#include "gguf_x8.h"
 
 namespace hybridllm_gguf {
 
@@ -329,11 +330,18 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
 }
 
 // Weight rows [0, count) from `rows` (row_bytes apart) into w, and zero weights up to a whole
-// number of micro-kernel calls.
-template <int64_t kType>
+// number of micro-kernel calls. kX8: the rows are kType in x8 groups (count a whole number of
+// them), unpacked 8 at a time.
+template <int64_t kType, bool kX8>
 void unpack_panel(const uint8_t* rows, int64_t row_bytes, int64_t count, int64_t K,
                   const Panel& w) {
-  for (int64_t j = 0; j < (count + kCols - 1) / kCols * kCols; ++j) {
+  if constexpr (kX8) {
+    for (int64_t j = 0; j < count; j += kX8GroupRows)
+      x8_unpack_group(x8_type_of(kType), rows + j * row_bytes, K, w.codes + j * K, K,
+                      w.scales + j * w.units, w.min_codes + j * w.units, w.mins + j * w.units,
+                      w.units);
+  }
+  for (int64_t j = kX8 ? count : 0; j < (count + kCols - 1) / kCols * kCols; ++j) {
     if (j < count) {
       unpack_row<kType>(rows + j * row_bytes, K, w.codes + j * K, w.scales + j * w.units,
                         w.mins + j * w.units, w.min_codes + j * w.units);
@@ -346,18 +354,21 @@ void unpack_panel(const uint8_t* rows, int64_t row_bytes, int64_t count, int64_t
   }
 }
 
-template <int64_t kType>
+// kX8: the weight is kType in x8 groups.
+template <int64_t kType, bool kX8 = false>
 void q8_gemm_typed(const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N, float* y) {
   using T = GemmType<kType>;
   thread_local std::vector<uint8_t> quantized, packed;  // kept from call to call
   const Q8Rows rows = quantize_rows<T::kGroup>(x, M, K, quantized);
   const PackedX px = pack_x<kType>(rows, M, K, packed);
   const int64_t tiles = (M + kTile - 1) / kTile;
-  const int64_t row_bytes = row_bytes_of(kType, K);
+  const int64_t row_bytes = row_bytes_of(kX8 ? x8_type_of(kType) : kType, K);
   const int64_t threads = at::get_num_threads();
-  const int64_t steps = (N + kCols - 1) / kCols;  // rows in kCols pieces
+  // rows in pieces of kCols, or of whole x8 groups
+  constexpr int64_t kStep = kX8 ? std::max<int64_t>(kCols, kX8GroupRows) : kCols;
+  const int64_t steps = (N + kStep - 1) / kStep;
   // each thread a contiguous run of rows, cut into panels of at most kPanelCodeBytes of codes
-  const int64_t panel_rows = std::max<int64_t>(1, kPanelCodeBytes / K / kCols) * kCols;
+  const int64_t panel_rows = std::max<int64_t>(1, kPanelCodeBytes / K / kStep) * kStep;
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     // block_scales writes whole 16-wide vectors: a row's scales and mins padded to 16
     const int64_t units_padded = (K / T::kUnit + 15) / 16 * 16 + 16;
@@ -371,11 +382,11 @@ void q8_gemm_typed(const float* x, int64_t M, int64_t K, const uint8_t* qw, int6
                   units_padded};
     alignas(32) float out[kCols * kTile];
     for (int64_t share = begin; share < end; ++share) {
-      const int64_t first = std::min(N, steps * share / threads * kCols);
-      const int64_t last = std::min(N, steps * (share + 1) / threads * kCols);
+      const int64_t first = std::min(N, steps * share / threads * kStep);
+      const int64_t last = std::min(N, steps * (share + 1) / threads * kStep);
       for (int64_t n0 = first; n0 < last; n0 += panel_rows) {
         const int64_t count = std::min(panel_rows, last - n0);
-        unpack_panel<kType>(qw + n0 * row_bytes, row_bytes, count, K, w);
+        unpack_panel<kType, kX8>(qw + n0 * row_bytes, row_bytes, count, K, w);
         for (int64_t t = 0; t < tiles; ++t) {
           const int64_t tile_rows = std::min(kTile, M - t * kTile);
           for (int64_t c0 = 0; c0 < count; c0 += kCols) {
@@ -396,6 +407,17 @@ void q8_gemm_typed(const float* x, int64_t M, int64_t K, const uint8_t* qw, int6
 bool q8_gemm(int64_t type, const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N,
              float* y) {
   bool done = false;
+  if (is_x8_type(type)) {
+    dispatch_gguf_type<kX8Kernels>(
+        type,
+        [&](auto t) {
+          constexpr int64_t kSource = decltype(t)::value;
+          if constexpr (x8_source_built(kSource))
+            q8_gemm_typed<kSource, true>(x, M, K, qw, N, y), done = true;
+        },
+        [] {});
+    return done;  // false: x8 weights of a type this build does not repack
+  }
   dispatch_gguf_type<kInt8Kernels>(
       type, [&](auto t) { q8_gemm_typed<decltype(t)::value>(x, M, K, qw, N, y), done = true; },
       [] {});

@@ -194,13 +194,13 @@ int64_t checked_path(int64_t path) {
   return path;
 }
 
-// x8 weights: their own kernels, which only the AVX512-VNNI path has
+// x8 weights: their own kernels, on the build's best int8 path only
 void x8_only(int64_t type, int64_t path, const float* x, const int64_t* starts, int64_t groups,
              int64_t K, const uint8_t* const* weights, int64_t N, float* y) {
-  TORCH_CHECK(path == kQ8Avx512Vnni &&
+  TORCH_CHECK(path == q8_paths().front() &&
                   x8_linear_grouped(type, x, starts, groups, K, weights, N, y),
-              "gguf_linear: x8 weights (ggml_type ", type,
-              ") have kernels on the AVX512-VNNI int8 path only, not path ", path);
+              "gguf_linear: x8 weights (ggml_type ", type, ") have kernels on int8 path ",
+              q8_paths().front(), " of this build only (see x8_source_types()), not path ", path);
 }
 
 // what q8_linear and q8_linear_grouped do for a type without int8 kernels

@@ -62,6 +62,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -83,6 +84,20 @@ constexpr int64_t kSourceBytes = gguf_type_info(kType).unit_bytes;
 template <int64_t kType>
 constexpr int64_t kGroupBytes = 8 * gguf_type_info(x8_type_of(kType)).unit_bytes;
 
+// Where a Q4_K / Q5_K / Q6_K group super-block's codes start.
+template <int64_t kType>
+constexpr int64_t kGroupCodes = kType == kQ6_K ? 144 : 160;
+// Where chunk q's 64 code bytes start in a group super-block; Q5_K's 16 bytes of fifth bits and
+// Q6_K's 32 of top 2 bits follow them. Chunk by chunk the kernel reads one forward stream: with
+// the extra bits apart (a second stream 1 KB on), Q6_K read 2.5-3x slower from DRAM than from
+// cache on the 2-core Zen 5, the prefetchers following neither stream well.
+template <int64_t kType>
+constexpr int64_t chunk_code_offset(int q) {
+  return kGroupCodes<kType> + (kType == kQ4_K ? 64 : kType == kQ5_K ? 80 : 96) * q;
+}
+constexpr int64_t q5_high_offset(int q) { return chunk_code_offset<kQ5_K>(q) + 64; }
+constexpr int64_t q6_top_offset(int q) { return chunk_code_offset<kQ6_K>(q) + 64; }
+
 // The 32-weight block types with an x8 form (gguf_x8_block_cpu.cpp).
 constexpr bool is_block_x8_source(int64_t type) {
   return type == kQ4_0 || type == kQ4_1 || type == kQ8_0 || type == kIQ4_NL;
@@ -91,9 +106,27 @@ constexpr bool is_block_x8_source(int64_t type) {
 // The x8 types and their source types: gguf_types.h (x8_type_of, x8_source_type, is_x8_type;
 // dispatch_gguf_type<kX8Kernels> gives a body the source type).
 
+// AVX2 builds without AVX-512 have x8 kernels for Q4_K and Q6_K only (gguf_x8_avx2_cpu.cpp).
+#if defined(HYBRIDLLM_Q8_AVX2) && !defined(HYBRIDLLM_Q8_AVX512)
+#define HYBRIDLLM_X8_AVX2 1
+#endif
+
+// Whether this build computes weights of x8 source type `type` in x8 groups, and so repacks
+// them at load: every x8 source type with AVX512-VNNI, Q4_K and Q6_K on AVX2 alone, none else.
+constexpr bool x8_source_built(int64_t type) {
+#if defined(HYBRIDLLM_Q8_AVX512)
+  return x8_type_of(type) >= 0;
+#elif defined(HYBRIDLLM_X8_AVX2)
+  return type == kQ4_K || type == kQ6_K;
+#else
+  (void)type;
+  return false;
+#endif
+}
+
 // y [M, N] = x [M, K] W^T for W of an x8 type (N % 8 == 0), x quantized as q8_linear quantizes
 // it for K-quants; the integer sums are the source type's int8 path's, so y equals it up to fp32
-// rounding. False where this build has no AVX512-VNNI kernels (then no weight is repacked).
+// rounding. False where this build has no kernels for the type (x8_source_built).
 bool x8_linear(int64_t type, const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N,
                float* y);
 
@@ -111,7 +144,27 @@ void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* cod
                      int64_t code_stride, float* scales, int16_t* min_codes, float* min_scales,
                      int64_t unit_stride);
 
-bool x8_kernels_built();
+// An op's check of x8 weights (ggml_type `type`, N rows): whole groups of 8 rows, and int8
+// activations on the build's best path, the only one with x8 kernels.
+inline void check_x8_weight(const char* op, int64_t type, int64_t N, int64_t activations) {
+  TORCH_CHECK(N % kX8GroupRows == 0, op, ": x8 weights come in groups of ", kX8GroupRows,
+              " rows, got out_features=", N);
+  TORCH_CHECK(activations == kQ8Best || activations == q8_paths().front(), op,
+              ": x8 weights (ggml_type ", type,
+              ") need int8 activations on this build's best path (activations 1 or ",
+              q8_paths().front(), "), got ", activations);
+}
+
+#if defined(HYBRIDLLM_X8_AVX2)
+// x8_linear_grouped's and x8_unpack_group's kernels on AVX2 builds (source_type kQ4_K or
+// kQ6_K; gguf_x8_avx2_cpu.cpp).
+void avx2_x8_linear_grouped(int64_t source_type, const float* x, const int64_t* starts,
+                            int64_t groups, int64_t K, const uint8_t* const* weights, int64_t N,
+                            float* y);
+void avx2_x8_unpack_group(int64_t source_type, const uint8_t* group, int64_t K, uint8_t* codes,
+                          int64_t code_stride, float* scales, int16_t* min_codes,
+                          float* min_scales, int64_t unit_stride);
+#endif
 
 // From this many rows of x the int8 GEMM runs for weights of `type` instead of the few-rows
 // kernels: kQ8GemmMinRows, except Q2_K and Q3_K in x8 groups, whose kernels take a tile of 4
@@ -157,6 +210,15 @@ void for_x8_row_groups(const int64_t* starts, int64_t groups, int64_t K,
   // in 8 of 8 rounds; the Qwen3-30B-A3B-shaped Q2_K MoE file 104.7 against 84.2 (4 of 5); the
   // compute-bound 1B Q2_K file alike (52.3 against 52.6). With more rows of x (64 sequences'
   // decode on the MoE file) no prefetching at all was 4% slower, so those keep their window.
+  // On the AVX2-only Zen 3 (machine C) the hardware prefetchers alone fell far short instead:
+  // the AVX2 Q4_K kernel at one row of x read 39-45 G multiply-adds a second from DRAM with
+  // them, 50-59 with start_prefetch's non-temporal window (4-8 KB alike).
+  constexpr bool kHardwareOnly =
+#if defined(HYBRIDLLM_X8_AVX2)
+      false;
+#else
+      true;
+#endif
   bool streaming = true;
   for (int64_t p = 0; p < groups; ++p) streaming = streaming && starts[p + 1] - starts[p] <= 1;
   at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
@@ -165,9 +227,11 @@ void for_x8_row_groups(const int64_t* starts, int64_t groups, int64_t K,
       const int64_t g1 = std::min(end, (p + 1) * row_groups) - p * row_groups;
       if (starts[p + 1] == starts[p]) continue;
       const uint8_t* first = weights[p] + g0 * group_bytes;
+      const int64_t bytes = (g1 - g0) * group_bytes;
       body(p, g0, g1,
-           streaming ? hardware_prefetch_only(first)
-                     : start_prefetch(first, (g1 - g0) * group_bytes, kX8MaxPrefetchBytes));
+           !streaming      ? start_prefetch(first, bytes, kX8MaxPrefetchBytes)
+           : kHardwareOnly ? hardware_prefetch_only(first)
+                           : start_prefetch(first, bytes, kX8MaxPrefetchBytes, true));
     }
   });
 }

@@ -50,21 +50,9 @@ void pack_scale_min(const uint8_t* sc, const uint8_t* m, uint8_t* q) {
 inline int chunk_weight(int c, int h, int b) { return 16 * c + 4 * h + b; }
 
 // Where a source super-block's 4-bit codes start (Q5_K: its 32 high-bit bytes first, bit j of
-// byte v weight v's of sub-block j), and a group super-block's (kGroupBytes: gguf_x8.h).
+// byte v weight v's of sub-block j); a group super-block's: kGroupCodes (gguf_x8.h).
 template <int64_t kType>
 constexpr int64_t kSourceNibbles = kType == kQ4_K ? 16 : 48;
-template <int64_t kType>
-constexpr int64_t kGroupCodes = kType == kQ6_K ? 144 : 160;
-// Where chunk q's 64 code bytes start in a group super-block; Q5_K's 16 bytes of fifth bits and
-// Q6_K's 32 of top 2 bits follow them. Chunk by chunk the kernel reads one forward stream: with
-// the extra bits apart (a second stream 1 KB on), Q6_K read 2.5-3x slower from DRAM than from
-// cache on the 2-core Zen 5, the prefetchers following neither stream well.
-template <int64_t kType>
-constexpr int64_t chunk_code_offset(int q) {
-  return kGroupCodes<kType> + (kType == kQ4_K ? 64 : kType == kQ5_K ? 80 : 96) * q;
-}
-constexpr int64_t q5_high_offset(int q) { return chunk_code_offset<kQ5_K>(q) + 64; }
-constexpr int64_t q6_top_offset(int q) { return chunk_code_offset<kQ6_K>(q) + 64; }
 
 // Where a Q6_K super-block (ggml's layout) keeps weight w's (0-255) low 4 bits and top 2 bits:
 // byte offsets and shifts, as q6_k_bits gives them for its block w / 32.
@@ -208,6 +196,23 @@ std::pair<int64_t, int64_t> group_shape(const at::Tensor& blocks, int64_t super_
   return {rows / kX8GroupRows, bytes / super_bytes};
 }
 
+// One group: repack, the 8 source rows of `nsb` units at src (one after the other) into the
+// group at dst; else the group at src back into rows at dst.
+template <int64_t kType>
+void convert_group(const uint8_t* src, int64_t nsb, uint8_t* dst, bool repack) {
+  if constexpr (is_block_x8_source(kType)) {
+    block_x8_convert(kType, src, nsb, dst, repack);
+  } else if constexpr (is_code_block_type(kType)) {
+    code_x8_convert(kType, src, nsb, dst, repack);
+  } else if constexpr (kType == kQ6_K) {
+    if (repack) repack_q6_group(src, nsb, dst);
+    else unpack_q6_group(src, nsb, dst);
+  } else {
+    if (repack) repack_group<kType>(src, nsb, dst);
+    else unpack_group<kType>(src, nsb, dst);
+  }
+}
+
 // `blocks` of ggml_type `type` (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, Q4_0, Q4_1, Q8_0, IQ4_NL) into
 // x8 groups (repack) or back (unpack).
 at::Tensor convert(const at::Tensor& blocks, int64_t type, bool repack) {
@@ -226,19 +231,8 @@ at::Tensor convert(const at::Tensor& blocks, int64_t type, bool repack) {
         at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
           for (int64_t g = begin; g < end; ++g) {
             const int64_t rows = g * 8 * nsb * source, x8 = g * nsb * group;  // byte offsets
-            if constexpr (is_block_x8_source(kType)) {
-              if (repack) block_x8_convert(kType, src + rows, nsb, dst + x8, true);
-              else block_x8_convert(kType, src + x8, nsb, dst + rows, false);
-            } else if constexpr (is_code_block_type(kType)) {
-              if (repack) code_x8_convert(kType, src + rows, nsb, dst + x8, true);
-              else code_x8_convert(kType, src + x8, nsb, dst + rows, false);
-            } else if constexpr (kType == kQ6_K) {
-              if (repack) repack_q6_group(src + rows, nsb, dst + x8);
-              else unpack_q6_group(src + x8, nsb, dst + rows);
-            } else {
-              if (repack) repack_group<kType>(src + rows, nsb, dst + x8);
-              else unpack_group<kType>(src + x8, nsb, dst + rows);
-            }
+            if (repack) convert_group<kType>(src + rows, nsb, dst + x8, true);
+            else convert_group<kType>(src + x8, nsb, dst + rows, false);
           }
         });
         return out;
@@ -505,14 +499,6 @@ void x8_unpack_typed(const uint8_t* group, int64_t K, uint8_t* codes, int64_t co
 
 }  // namespace
 
-bool x8_kernels_built() {
-#if defined(HYBRIDLLM_Q8_AVX512)
-  return true;
-#else
-  return false;
-#endif
-}
-
 bool x8_linear(int64_t type, const float* x, int64_t M, int64_t K, const uint8_t* qw, int64_t N,
                float* y) {
   const int64_t starts[2] = {0, M};
@@ -535,6 +521,11 @@ bool x8_linear_grouped(int64_t type, const float* x, const int64_t* starts, int6
         return true;
       },
       [] { return false; });
+#elif defined(HYBRIDLLM_X8_AVX2)
+  const int64_t source = x8_source_type(type);
+  if (!x8_source_built(source)) return false;
+  avx2_x8_linear_grouped(source, x, starts, groups, K, weights, N, y);
+  return true;
 #else
   (void)type, (void)x, (void)starts, (void)groups, (void)K, (void)weights, (void)N, (void)y;
   return false;
@@ -562,6 +553,12 @@ void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* cod
       },
       [] { return false; });
   if (done) return;
+#elif defined(HYBRIDLLM_X8_AVX2)
+  if (x8_source_built(x8_source_type(type))) {
+    avx2_x8_unpack_group(x8_source_type(type), group, K, codes, code_stride, scales, min_codes,
+                         min_scales, unit_stride);
+    return;
+  }
 #else
   (void)group, (void)K, (void)codes, (void)code_stride, (void)scales, (void)min_codes;
   (void)min_scales, (void)unit_stride;
@@ -578,5 +575,10 @@ TORCH_LIBRARY_IMPL(hybridllm, CPU, m) {
 
 // Without a tensor argument (schema in torch_bindings.cpp): for every dispatch key.
 TORCH_LIBRARY_IMPL(hybridllm, CompositeImplicitAutograd, m) {
-  m.impl("x8_supported", [] { return hybridllm_gguf::x8_kernels_built(); });
+  m.impl("x8_source_types", [] {
+    std::vector<int64_t> types;
+    for (int64_t type = 0; type < 256; ++type)
+      if (hybridllm_gguf::x8_source_built(type)) types.push_back(type);
+    return types;
+  });
 }

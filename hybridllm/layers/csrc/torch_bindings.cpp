@@ -50,8 +50,9 @@ TORCH_LIBRARY(hybridllm, m) {
   // source type).
   m.def("repack_x8(Tensor blocks, int ggml_type) -> Tensor");
   m.def("unpack_x8(Tensor blocks, int ggml_type) -> Tensor");
-  // Whether this build computes x8 weights (AVX512-VNNI); where not, nothing is repacked.
-  m.def("x8_supported() -> bool");
+  // The ggml_types this build computes in x8 groups, and so repacks at load: every type with an
+  // x8 form where the CPU has AVX512-VNNI, Q4_K and Q6_K on AVX2 alone, none else.
+  m.def("x8_source_types() -> int[]");
 
   // --- rms_norm_cpu.cpp
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

@@ -1,0 +1,274 @@
+// Q4_K and Q6_K weights in x8 groups (gguf_x8.h) at few rows of x on AVX2 builds without
+// AVX-512. A 64-byte chunk of a group's codes is two 32-byte vectors whose 32-bit lanes are the
+// group's 8 rows (lanes 0-7 and 8-15 of the AVX-512 layout), so vpmaddubsw multiplies 4 codes
+// of each row by 4 values of x broadcast to every lane; a sub-block's products add up in int16
+// and meet the 8 rows' scales in one vpmaddwd, and a super-block's float arithmetic is done for
+// 8 rows at once. The row kernels (gguf_q8_dot.h) do that arithmetic, and a horizontal sum, a
+// row at a time: on the AVX2-only Zen 3 of docs/benchmarks.md (machine C), one 8192 x 2048 Q4_K
+// matrix at one row of x, 2 threads, read 51-58 G multiply-adds a second from DRAM against their
+// 37, and a core computed a row's super-block in 13-15 cycles from L2 against 26-28.
+#include "gguf_x8.h"
+
+#if defined(HYBRIDLLM_X8_AVX2)
+#include <immintrin.h>
+
+#include <cstring>
+#include <vector>
+
+#include "gguf_blocks.h"
+#include "gguf_q8_quantize.h"
+
+namespace hybridllm_gguf {
+namespace {
+
+// Rows of x a tile: each group super-block's codes are decoded once for all of them; 4 rows'
+// accumulators no longer fit the 16 vector registers beside the codes.
+constexpr int kTileRows = 2;
+
+// x's 4 int8 values at p, in every 32-bit lane
+inline __m256i x_quad(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm256_set1_epi32(v);
+}
+
+// 8 bytes of the rows' scales as the 16-bit pairs vpmaddwd takes: lane r's two words row r's
+// scale (unsigned: Q4_K's sub-block scales; signed: Q6_K's chunk scales).
+template <bool kSigned>
+inline __m256i row_scales(const uint8_t* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m256i v = kSigned ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+  return _mm256_blend_epi16(v, _mm256_slli_epi32(v, 16), 0xAA);
+}
+
+// Chunk q's four code vectors: [0] the first 32 bytes' low nibbles (lane r: row r's weights
+// 16 q + 0..3), [1] the last 32 bytes' (16 q + 4..7), [2], [3] their high nibbles (16 q + 8..11,
+// 16 q + 12..15); Q6_K's top 2 bits added as bits 4-5.
+template <int64_t kType>
+inline void chunk_codes(const uint8_t* o, int q, __m256i codes[4]) {
+  const uint8_t* c = o + chunk_code_offset<kType>(q);
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32));
+  const __m256i m4 = _mm256_set1_epi8(15);
+  codes[0] = _mm256_and_si256(a, m4);
+  codes[1] = _mm256_and_si256(b, m4);
+  codes[2] = _mm256_and_si256(_mm256_srli_epi16(a, 4), m4);
+  codes[3] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+  if constexpr (kType == kQ6_K) {
+    // 128-bit lane G of the chunk's 64 bytes (a: G = 0, 1; b: 2, 3) has its top bits at bits
+    // 2 G, 2 G + 1 of the 16 top bytes (the low nibbles' first, then the high nibbles'): moved
+    // to bits 4, 5 within each byte
+    const auto tops = [&](int half) {
+      return _mm256_broadcastsi128_si256(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + q6_top_offset(q) + 16 * half)));
+    };
+    const __m256i m2 = _mm256_set1_epi8(0x30), up = _mm256_setr_epi64x(4, 4, 2, 2),
+                  down = _mm256_setr_epi64x(0, 0, 2, 2);
+    for (int half = 0; half < 2; ++half) {
+      const __m256i t = tops(half);
+      codes[2 * half] =
+          _mm256_or_si256(codes[2 * half], _mm256_and_si256(_mm256_sllv_epi64(t, up), m2));
+      codes[2 * half + 1] =
+          _mm256_or_si256(codes[2 * half + 1], _mm256_and_si256(_mm256_srlv_epi64(t, down), m2));
+    }
+  }
+}
+
+// x's values that chunk_codes' vectors meet, multiplied in: 4 int16 pair sums a lane each.
+inline void chunk_products(const __m256i codes[4], const int8_t* x, __m256i products[4]) {
+  products[0] = _mm256_maddubs_epi16(codes[0], x_quad(x));
+  products[1] = _mm256_maddubs_epi16(codes[1], x_quad(x + 4));
+  products[2] = _mm256_maddubs_epi16(codes[2], x_quad(x + 8));
+  products[3] = _mm256_maddubs_epi16(codes[3], x_quad(x + 12));
+}
+
+// y[r * ldy + i] = dot(x row r, weight row i of the group at wg) for the kRows rows of x, x
+// quantized in groups of 256 (xq); `first`: the tile that reads the group from memory, which
+// prefetches ahead.
+template <int64_t kType, int kRows>
+void group_tile(const Q8Rows& xq, int64_t nsb, const uint8_t* wg, float* y, int64_t ldy,
+                bool first, const PrefetchWindow& prefetch) {
+  constexpr int64_t kBytes = kGroupBytes<kType>;
+  __m256 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* o = wg + s * kBytes;
+    if (first) {
+      const char* ahead = reinterpret_cast<const char*>(o) + prefetch.distance;
+      if (ahead < prefetch.stop)
+        for (int64_t b = 0; b < kBytes; b += 64) prefetch_line(ahead + b, prefetch.streaming);
+    }
+    __m256i sums[kRows];
+    for (int r = 0; r < kRows; ++r) sums[r] = _mm256_setzero_si256();
+    __m256i codes[4], products[4];
+    if constexpr (kType == kQ6_K) {
+#pragma GCC unroll 16
+      for (int q = 0; q < 16; ++q) {
+        chunk_codes<kType>(o, q, codes);
+        const __m256i scale = row_scales<true>(o + 16 + 8 * q);
+        for (int r = 0; r < kRows; ++r) {
+          chunk_products(codes, xq.q + r * xq.q_stride + 256 * s + 16 * q, products);
+          // codes <= 63: two pair sums fit int16, four need not
+          sums[r] = _mm256_add_epi32(
+              sums[r], _mm256_add_epi32(
+                           _mm256_madd_epi16(_mm256_add_epi16(products[0], products[1]), scale),
+                           _mm256_madd_epi16(_mm256_add_epi16(products[2], products[3]), scale)));
+        }
+      }
+      // codes are q + 32: take off 32 * sum_q scale_q * (x's sum over chunk q), the chunks'
+      // scales in pairs (chunks 2 p, 2 p + 1 of row r in lane r) against x's 16-value sums
+      for (int p = 0; p < 8; ++p) {
+        const __m128i two =
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16 + 16 * p));  // chunks 2p, 2p+1
+        const __m256i pairs = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(two, _mm_srli_si128(two, 8)));
+        for (int r = 0; r < kRows; ++r) {
+          int32_t bsums;
+          std::memcpy(&bsums, xq.bsums + r * xq.bsum_stride + 16 * s + 2 * p, sizeof(bsums));
+          sums[r] = _mm256_sub_epi32(
+              sums[r],
+              _mm256_slli_epi32(_mm256_madd_epi16(pairs, _mm256_set1_epi32(bsums)), 5));
+        }
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {  // chunks 2 j, 2 j + 1: sub-block j
+        __m256i next[4];
+        chunk_codes<kType>(o, 2 * j, codes);
+        chunk_codes<kType>(o, 2 * j + 1, next);
+        const __m256i scale = row_scales<false>(o + 32 + 8 * j);
+        for (int r = 0; r < kRows; ++r) {
+          const int8_t* x = xq.q + r * xq.q_stride + 256 * s + 32 * j;
+          // codes <= 15: the sub-block's 8 pair sums fit int16 (<= 8 * 2 * 15 * 128)
+          chunk_products(codes, x, products);
+          __m256i t = _mm256_add_epi16(_mm256_add_epi16(products[0], products[1]),
+                                       _mm256_add_epi16(products[2], products[3]));
+          chunk_products(next, x + 16, products);
+          t = _mm256_add_epi16(t, _mm256_add_epi16(_mm256_add_epi16(products[0], products[1]),
+                                                   _mm256_add_epi16(products[2], products[3])));
+          sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(t, scale));
+        }
+      }
+      // the mins: dmin * sum_j m_j * (x's sum over sub-block j), the 8 rows' min codes of
+      // sub-blocks 2 p, 2 p + 1 as int16 pairs, taken off the integer sums in d's units would
+      // not be exact: kept apart in float
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16)));
+      for (int r = 0; r < kRows; ++r) {
+        const int16_t* b = xq.bsums + r * xq.bsum_stride + 16 * s;
+        __m256i mins = _mm256_setzero_si256();
+        for (int p = 0; p < 4; ++p) {
+          const __m256i m = _mm256_cvtepu8_epi16(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 96 + 16 * p)));
+          const uint32_t lo = static_cast<uint16_t>(b[4 * p] + b[4 * p + 1]);
+          const uint32_t hi = static_cast<uint16_t>(b[4 * p + 2] + b[4 * p + 3]);
+          mins = _mm256_add_epi32(
+              mins, _mm256_madd_epi16(m, _mm256_set1_epi32(static_cast<int32_t>(lo | hi << 16))));
+        }
+        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins),
+                                  _mm256_mul_ps(dmin, _mm256_set1_ps(xq.d[r * xq.g_stride + s])),
+                                  acc[r]);
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
+    for (int r = 0; r < kRows; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]),
+                               _mm256_mul_ps(d, _mm256_set1_ps(xq.d[r * xq.g_stride + s])), acc[r]);
+  }
+  for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
+}
+
+template <int64_t kType>
+void groups_typed(const Q8Rows& x, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t ldy,
+                  int64_t g0, int64_t g1, const PrefetchWindow& prefetch) {
+  const int64_t nsb = K / 256, group_bytes = nsb * kGroupBytes<kType>;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = w + g * group_bytes;
+    for (int64_t r0 = 0; r0 < M; r0 += kTileRows) {
+      const Q8Rows xt = x.row(r0);
+      float* yt = y + r0 * ldy + 8 * g;
+      const bool first = r0 == 0;  // the weights come from memory once, for the first tile
+      if (M - r0 == 1)
+        group_tile<kType, 1>(xt, nsb, wg, yt, ldy, first, prefetch);
+      else
+        group_tile<kType, 2>(xt, nsb, wg, yt, ldy, first, prefetch);
+    }
+  }
+}
+
+template <int64_t kType>
+void linear_grouped_typed(const float* x, const int64_t* starts, int64_t groups, int64_t K,
+                          const uint8_t* const* weights, int64_t N, float* y) {
+  thread_local std::vector<uint8_t> quantized;  // kept from call to call
+  const Q8Rows xq = quantize_rows<256>(x, starts[groups], K, quantized);
+  for_x8_row_groups(starts, groups, K, weights, N, K / 256 * kGroupBytes<kType>,
+                    [&](int64_t p, int64_t g0, int64_t g1, const PrefetchWindow& window) {
+                      const int64_t r0 = starts[p];
+                      groups_typed<kType>(xq.row(r0), starts[p + 1] - r0, K, weights[p],
+                                          y + r0 * N, N, g0, g1, window);
+                    });
+}
+
+// The int8 GEMM's unpacking of a group (x8_unpack_group): chunk_codes' 4 vectors are a 4 x 8
+// matrix of 32-bit words (4 codes of a row each), transposed into each row's 16 codes.
+template <int64_t kType>
+void unpack_group_typed(const uint8_t* group, int64_t K, uint8_t* codes, int64_t code_stride,
+                        float* scales, int16_t* min_codes, float* min_scales,
+                        int64_t unit_stride) {
+  for (int64_t s = 0; s < K / 256; ++s) {
+    const uint8_t* o = group + s * kGroupBytes<kType>;
+    for (int q = 0; q < 16; ++q) {
+      __m256i c[4];
+      chunk_codes<kType>(o, q, c);
+      const __m256i a = _mm256_unpacklo_epi32(c[0], c[1]), b = _mm256_unpackhi_epi32(c[0], c[1]);
+      const __m256i e = _mm256_unpacklo_epi32(c[2], c[3]), f = _mm256_unpackhi_epi32(c[2], c[3]);
+      // rows 0 and 4, 1 and 5, 2 and 6, 3 and 7 (the low and high 128-bit lanes)
+      const __m256i rows[4] = {_mm256_unpacklo_epi64(a, e), _mm256_unpackhi_epi64(a, e),
+                               _mm256_unpacklo_epi64(b, f), _mm256_unpackhi_epi64(b, f)};
+      uint8_t* out = codes + 256 * s + 16 * q;
+      for (int r = 0; r < 4; ++r) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r * code_stride),
+                         _mm256_castsi256_si128(rows[r]));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (r + 4) * code_stride),
+                         _mm256_extracti128_si256(rows[r], 1));
+      }
+    }
+    for (int r = 0; r < 8; ++r) {
+      const float d = half_to_float(load_u16(o + 2 * r));
+      if constexpr (kType == kQ6_K) {
+        for (int q = 0; q < 16; ++q)
+          scales[r * unit_stride + 16 * s + q] =
+              d * static_cast<float>(static_cast<int8_t>(o[16 + 8 * q + r]));
+      } else {
+        min_scales[r * unit_stride + s] = -half_to_float(load_u16(o + 16 + 2 * r));
+        for (int j = 0; j < 8; ++j) {
+          scales[r * unit_stride + 8 * s + j] = d * static_cast<float>(o[32 + 8 * j + r]);
+          min_codes[r * unit_stride + 8 * s + j] = o[96 + 16 * (j / 2) + 2 * r + j % 2];
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void avx2_x8_unpack_group(int64_t source_type, const uint8_t* group, int64_t K, uint8_t* codes,
+                          int64_t code_stride, float* scales, int16_t* min_codes,
+                          float* min_scales, int64_t unit_stride) {
+  if (source_type == kQ4_K)
+    unpack_group_typed<kQ4_K>(group, K, codes, code_stride, scales, min_codes, min_scales,
+                              unit_stride);
+  else
+    unpack_group_typed<kQ6_K>(group, K, codes, code_stride, scales, min_codes, min_scales,
+                              unit_stride);
+}
+
+void avx2_x8_linear_grouped(int64_t source_type, const float* x, const int64_t* starts,
+                            int64_t groups, int64_t K, const uint8_t* const* weights, int64_t N,
+                            float* y) {
+  if (source_type == kQ4_K)
+    linear_grouped_typed<kQ4_K>(x, starts, groups, K, weights, N, y);
+  else
+    linear_grouped_typed<kQ6_K>(x, starts, groups, K, weights, N, y);
+}
+
+}  // namespace hybridllm_gguf
+#endif

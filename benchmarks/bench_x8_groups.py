@@ -62,7 +62,7 @@ def main() -> None:
     args = ap.parse_args()
     if not load_cpu_kernels() or not torch.ops.hybridllm.x8_source_types():
         raise SystemExit(
-            "needs the native kernels with x8 groups (AVX512-VNNI, or AVX2's Q4_K/Q6_K)"
+            "needs the native kernels with x8 groups (AVX512-VNNI, or AVX2's K-quants)"
         )
     op = torch.ops.hybridllm.gguf_linear
     rng = np.random.default_rng(0)

@@ -81,8 +81,8 @@ X8_SOURCE_TYPES = {x8: source for source, x8 in X8_TYPES.items()}
 
 def x8_source_types() -> list[int]:
     """The ggml types this build computes in x8 groups: every type of X8_TYPES where the CPU has
-    AVX512-VNNI, Q4_K and Q6_K on AVX2 alone, none else. Call only where the native kernels
-    are loaded."""
+    AVX512-VNNI, the K-quants (Q4_K, Q5_K, Q6_K) on AVX2 alone, none else. Call only where the
+    native kernels are loaded."""
     return torch.ops.hybridllm.x8_source_types()
 
 

@@ -106,18 +106,19 @@ constexpr bool is_block_x8_source(int64_t type) {
 // The x8 types and their source types: gguf_types.h (x8_type_of, x8_source_type, is_x8_type;
 // dispatch_gguf_type<kX8Kernels> gives a body the source type).
 
-// AVX2 builds without AVX-512 have x8 kernels for Q4_K and Q6_K only (gguf_x8_avx2_cpu.cpp).
+// AVX2 builds without AVX-512 have x8 kernels for Q4_K, Q5_K and Q6_K only
+// (gguf_x8_avx2_cpu.cpp).
 #if defined(HYBRIDLLM_Q8_AVX2) && !defined(HYBRIDLLM_Q8_AVX512)
 #define HYBRIDLLM_X8_AVX2 1
 #endif
 
 // Whether this build computes weights of x8 source type `type` in x8 groups, and so repacks
-// them at load: every x8 source type with AVX512-VNNI, Q4_K and Q6_K on AVX2 alone, none else.
+// them at load: every x8 source type with AVX512-VNNI, the K-quants on AVX2 alone, none else.
 constexpr bool x8_source_built(int64_t type) {
 #if defined(HYBRIDLLM_Q8_AVX512)
   return x8_type_of(type) >= 0;
 #elif defined(HYBRIDLLM_X8_AVX2)
-  return type == kQ4_K || type == kQ6_K;
+  return type == kQ4_K || type == kQ5_K || type == kQ6_K;
 #else
   (void)type;
   return false;
@@ -156,7 +157,7 @@ inline void check_x8_weight(const char* op, int64_t type, int64_t N, int64_t act
 }
 
 #if defined(HYBRIDLLM_X8_AVX2)
-// x8_linear_grouped's and x8_unpack_group's kernels on AVX2 builds (source_type kQ4_K or
+// x8_linear_grouped's and x8_unpack_group's kernels on AVX2 builds (source_type kQ4_K, kQ5_K or
 // kQ6_K; gguf_x8_avx2_cpu.cpp).
 void avx2_x8_linear_grouped(int64_t source_type, const float* x, const int64_t* starts,
                             int64_t groups, int64_t K, const uint8_t* const* weights, int64_t N,

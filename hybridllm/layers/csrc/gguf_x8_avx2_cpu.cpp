@@ -1,5 +1,5 @@
-// Q4_K and Q6_K weights in x8 groups (gguf_x8.h) at few rows of x on AVX2 builds without
-// AVX-512. A 64-byte chunk of a group's codes is two 32-byte vectors whose 32-bit lanes are the
+// Q4_K, Q5_K and Q6_K weights in x8 groups (gguf_x8.h) at few rows of x, and their unpacking for
+// the int8 GEMM, on AVX2 builds without AVX-512. A 64-byte chunk of a group's codes is two 32-byte vectors whose 32-bit lanes are the
 // group's 8 rows (lanes 0-7 and 8-15 of the AVX-512 layout), so vpmaddubsw multiplies 4 codes
 // of each row by 4 values of x broadcast to every lane; a sub-block's products add up in int16
 // and meet the 8 rows' scales in one vpmaddwd, and a super-block's float arithmetic is done for
@@ -13,6 +13,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "gguf_blocks.h"
@@ -43,7 +44,7 @@ inline __m256i row_scales(const uint8_t* p) {
 
 // Chunk q's four code vectors: [0] the first 32 bytes' low nibbles (lane r: row r's weights
 // 16 q + 0..3), [1] the last 32 bytes' (16 q + 4..7), [2], [3] their high nibbles (16 q + 8..11,
-// 16 q + 12..15); Q6_K's top 2 bits added as bits 4-5.
+// 16 q + 12..15); Q5_K's fifth bit added as 16, Q6_K's top 2 bits as bits 4-5.
 template <int64_t kType>
 inline void chunk_codes(const uint8_t* o, int q, __m256i codes[4]) {
   const uint8_t* c = o + chunk_code_offset<kType>(q);
@@ -54,6 +55,22 @@ inline void chunk_codes(const uint8_t* o, int q, __m256i codes[4]) {
   codes[1] = _mm256_and_si256(b, m4);
   codes[2] = _mm256_and_si256(_mm256_srli_epi16(a, 4), m4);
   codes[3] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+  if constexpr (kType == kQ5_K) {
+    // bit i of the 8 bytes after the codes is code byte i's fifth bit for its low nibble, of the
+    // next 8 for its high nibble: 32 bits at p spread to 16 in byte i where bit i is set
+    const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+    const __m256i which = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
+                                           2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const uint8_t* bits = o + q5_high_offset(q);
+    for (int v = 0; v < 4; ++v) {  // the vectors' bits at bits + 4 (v % 2) + 8 (v / 2)
+      int32_t word;
+      std::memcpy(&word, bits + 4 * (v % 2) + 8 * (v / 2), sizeof(word));
+      const __m256i spread = _mm256_and_si256(
+          _mm256_shuffle_epi8(_mm256_set1_epi32(word), which), select);
+      codes[v] = _mm256_add_epi8(codes[v], _mm256_and_si256(_mm256_cmpeq_epi8(spread, select),
+                                                            _mm256_set1_epi8(16)));
+    }
+  }
   if constexpr (kType == kQ6_K) {
     // 128-bit lane G of the chunk's 64 bytes (a: G = 0, 1; b: 2, 3) has its top bits at bits
     // 2 G, 2 G + 1 of the 16 top bytes (the low nibbles' first, then the high nibbles'): moved
@@ -138,14 +155,18 @@ void group_tile(const Q8Rows& xq, int64_t nsb, const uint8_t* wg, float* y, int6
         const __m256i scale = row_scales<false>(o + 32 + 8 * j);
         for (int r = 0; r < kRows; ++r) {
           const int8_t* x = xq.q + r * xq.q_stride + 256 * s + 32 * j;
-          // codes <= 15: the sub-block's 8 pair sums fit int16 (<= 8 * 2 * 15 * 128)
+          // a chunk's 4 pair sums fit int16 (<= 4 * 2 * 31 * 128), and for Q4_K's codes
+          // (<= 15) a sub-block's 8
           chunk_products(codes, x, products);
-          __m256i t = _mm256_add_epi16(_mm256_add_epi16(products[0], products[1]),
-                                       _mm256_add_epi16(products[2], products[3]));
+          const __m256i t0 = _mm256_add_epi16(_mm256_add_epi16(products[0], products[1]),
+                                              _mm256_add_epi16(products[2], products[3]));
           chunk_products(next, x + 16, products);
-          t = _mm256_add_epi16(t, _mm256_add_epi16(_mm256_add_epi16(products[0], products[1]),
-                                                   _mm256_add_epi16(products[2], products[3])));
-          sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(t, scale));
+          const __m256i t1 = _mm256_add_epi16(_mm256_add_epi16(products[0], products[1]),
+                                              _mm256_add_epi16(products[2], products[3]));
+          sums[r] = _mm256_add_epi32(
+              sums[r], kType == kQ4_K ? _mm256_madd_epi16(_mm256_add_epi16(t0, t1), scale)
+                                      : _mm256_add_epi32(_mm256_madd_epi16(t0, scale),
+                                                         _mm256_madd_epi16(t1, scale)));
         }
       }
       // the mins: dmin * sum_j m_j * (x's sum over sub-block j), the 8 rows' min codes of
@@ -248,26 +269,31 @@ void unpack_group_typed(const uint8_t* group, int64_t K, uint8_t* codes, int64_t
   }
 }
 
+// body(std::integral_constant<int64_t, T>) for source type T (Q4_K, Q5_K or Q6_K)
+template <class Body>
+void dispatch_source(int64_t source_type, Body body) {
+  if (source_type == kQ4_K) body(std::integral_constant<int64_t, kQ4_K>{});
+  else if (source_type == kQ5_K) body(std::integral_constant<int64_t, kQ5_K>{});
+  else body(std::integral_constant<int64_t, kQ6_K>{});
+}
+
 }  // namespace
 
 void avx2_x8_unpack_group(int64_t source_type, const uint8_t* group, int64_t K, uint8_t* codes,
                           int64_t code_stride, float* scales, int16_t* min_codes,
                           float* min_scales, int64_t unit_stride) {
-  if (source_type == kQ4_K)
-    unpack_group_typed<kQ4_K>(group, K, codes, code_stride, scales, min_codes, min_scales,
-                              unit_stride);
-  else
-    unpack_group_typed<kQ6_K>(group, K, codes, code_stride, scales, min_codes, min_scales,
-                              unit_stride);
+  dispatch_source(source_type, [&](auto type) {
+    unpack_group_typed<decltype(type)::value>(group, K, codes, code_stride, scales, min_codes,
+                                              min_scales, unit_stride);
+  });
 }
 
 void avx2_x8_linear_grouped(int64_t source_type, const float* x, const int64_t* starts,
                             int64_t groups, int64_t K, const uint8_t* const* weights, int64_t N,
                             float* y) {
-  if (source_type == kQ4_K)
-    linear_grouped_typed<kQ4_K>(x, starts, groups, K, weights, N, y);
-  else
-    linear_grouped_typed<kQ6_K>(x, starts, groups, K, weights, N, y);
+  dispatch_source(source_type, [&](auto type) {
+    linear_grouped_typed<decltype(type)::value>(x, starts, groups, K, weights, N, y);
+  });
 }
 
 }  // namespace hybridllm_gguf

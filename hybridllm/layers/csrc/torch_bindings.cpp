@@ -51,7 +51,7 @@ TORCH_LIBRARY(hybridllm, m) {
   m.def("repack_x8(Tensor blocks, int ggml_type) -> Tensor");
   m.def("unpack_x8(Tensor blocks, int ggml_type) -> Tensor");
   // The ggml_types this build computes in x8 groups, and so repacks at load: every type with an
-  // x8 form where the CPU has AVX512-VNNI, Q4_K and Q6_K on AVX2 alone, none else.
+  // x8 form where the CPU has AVX512-VNNI, Q4_K, Q5_K and Q6_K on AVX2 alone, none else.
   m.def("x8_source_types() -> int[]");
 
   // --- rms_norm_cpu.cpp

@@ -212,8 +212,8 @@ void for_x8_row_groups(const int64_t* starts, int64_t groups, int64_t K,
   // compute-bound 1B Q2_K file alike (52.3 against 52.6). With more rows of x (64 sequences'
   // decode on the MoE file) no prefetching at all was 4% slower, so those keep their window.
   // On the AVX2-only Zen 3 (machine C) the hardware prefetchers alone fell far short instead:
-  // the AVX2 Q4_K kernel at one row of x read 39-45 G multiply-adds a second from DRAM with
-  // them, 50-59 with start_prefetch's non-temporal window (4-8 KB alike).
+  // a loop over Q4_K groups at one row of x (8192 x 2048, 2 threads) read 41-45 G multiply-adds
+  // a second from DRAM with them, 46-59 with a non-temporal window 4-8 KB ahead.
   constexpr bool kHardwareOnly =
 #if defined(HYBRIDLLM_X8_AVX2)
       false;

@@ -1,12 +1,14 @@
-// Q4_K, Q5_K and Q6_K weights in x8 groups (gguf_x8.h) at few rows of x, and their unpacking for
-// the int8 GEMM, on AVX2 builds without AVX-512. A 64-byte chunk of a group's codes is two 32-byte vectors whose 32-bit lanes are the
-// group's 8 rows (lanes 0-7 and 8-15 of the AVX-512 layout), so vpmaddubsw multiplies 4 codes
-// of each row by 4 values of x broadcast to every lane; a sub-block's products add up in int16
-// and meet the 8 rows' scales in one vpmaddwd, and a super-block's float arithmetic is done for
-// 8 rows at once. The row kernels (gguf_q8_dot.h) do that arithmetic, and a horizontal sum, a
-// row at a time: on the AVX2-only Zen 3 of docs/benchmarks.md (machine C), one 8192 x 2048 Q4_K
-// matrix at one row of x, 2 threads, read 51-58 G multiply-adds a second from DRAM against their
-// 37, and a core computed a row's super-block in 13-15 cycles from L2 against 26-28.
+// Q4_K, Q5_K and Q6_K weights in x8 groups (gguf_x8.h) at few rows of x, and their unpacking
+// for the int8 GEMM, on AVX2 builds without AVX-512. A 64-byte chunk of a group's codes is two
+// 32-byte vectors whose 32-bit lanes are the group's 8 rows (lanes 0-7 and 8-15 of the AVX-512
+// layout), so vpmaddubsw multiplies 4 codes of each row by 4 values of x broadcast to every
+// lane; the products add up in int16 as far as the codes' size allows (a Q4_K sub-block's, a
+// Q5_K chunk's, half a Q6_K chunk's) and meet the 8 rows' scales in one vpmaddwd, and a
+// super-block's float arithmetic is done for 8 rows at once. The row kernels (gguf_q8_dot.h) do
+// that arithmetic, and a horizontal sum, a row at a time: on the AVX2-only Zen 3 of
+// docs/benchmarks.md (machine C), an 8192 x 2048 matrix at one row of x from DRAM, 2 threads,
+// read 49 against their 35 G multiply-adds a second for Q4_K, 33 against 28 for Q6_K; from L2 a
+// core computed a row's super-block in 16 against 29 cycles (Q4_K), 29 against 35 (Q6_K).
 #include "gguf_x8.h"
 
 #if defined(HYBRIDLLM_X8_AVX2)
@@ -22,8 +24,8 @@
 namespace hybridllm_gguf {
 namespace {
 
-// Rows of x a tile: each group super-block's codes are decoded once for all of them; 4 rows'
-// accumulators no longer fit the 16 vector registers beside the codes.
+// Rows of x a tile: each group super-block's codes are decoded once for all of them. 2, so that
+// a tile's sums and the decoded codes stay in the 16 vector registers (4 was not measured).
 constexpr int kTileRows = 2;
 
 // x's 4 int8 values at p, in every 32-bit lane
@@ -134,10 +136,10 @@ void group_tile(const Q8Rows& xq, int64_t nsb, const uint8_t* wg, float* y, int6
       }
       // codes are q + 32: take off 32 * sum_q scale_q * (x's sum over chunk q), the chunks'
       // scales in pairs (chunks 2 p, 2 p + 1 of row r in lane r) against x's 16-value sums
-      for (int p = 0; p < 8; ++p) {
-        const __m128i two =
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16 + 16 * p));  // chunks 2p, 2p+1
-        const __m256i pairs = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(two, _mm_srli_si128(two, 8)));
+      for (int p = 0; p < 8; ++p) {  // chunks 2 p, 2 p + 1
+        const __m128i two = _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16 + 16 * p));
+        const __m256i pairs =
+            _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(two, _mm_srli_si128(two, 8)));
         for (int r = 0; r < kRows; ++r) {
           int32_t bsums;
           std::memcpy(&bsums, xq.bsums + r * xq.bsum_stride + 16 * s + 2 * p, sizeof(bsums));
@@ -169,10 +171,10 @@ void group_tile(const Q8Rows& xq, int64_t nsb, const uint8_t* wg, float* y, int6
                                                          _mm256_madd_epi16(t1, scale)));
         }
       }
-      // the mins: dmin * sum_j m_j * (x's sum over sub-block j), the 8 rows' min codes of
-      // sub-blocks 2 p, 2 p + 1 as int16 pairs, taken off the integer sums in d's units would
-      // not be exact: kept apart in float
-      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16)));
+      // the mins, dmin * sum_j m_j * (x's sum over sub-block j): the 8 rows' min codes of
+      // sub-blocks 2 p, 2 p + 1 as int16 pairs against x's sums over the two
+      const __m256 dmin =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16)));
       for (int r = 0; r < kRows; ++r) {
         const int16_t* b = xq.bsums + r * xq.bsum_stride + 16 * s;
         __m256i mins = _mm256_setzero_si256();

@@ -196,23 +196,6 @@ std::pair<int64_t, int64_t> group_shape(const at::Tensor& blocks, int64_t super_
   return {rows / kX8GroupRows, bytes / super_bytes};
 }
 
-// One group: repack, the 8 source rows of `nsb` units at src (one after the other) into the
-// group at dst; else the group at src back into rows at dst.
-template <int64_t kType>
-void convert_group(const uint8_t* src, int64_t nsb, uint8_t* dst, bool repack) {
-  if constexpr (is_block_x8_source(kType)) {
-    block_x8_convert(kType, src, nsb, dst, repack);
-  } else if constexpr (is_code_block_type(kType)) {
-    code_x8_convert(kType, src, nsb, dst, repack);
-  } else if constexpr (kType == kQ6_K) {
-    if (repack) repack_q6_group(src, nsb, dst);
-    else unpack_q6_group(src, nsb, dst);
-  } else {
-    if (repack) repack_group<kType>(src, nsb, dst);
-    else unpack_group<kType>(src, nsb, dst);
-  }
-}
-
 // `blocks` of ggml_type `type` (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, Q4_0, Q4_1, Q8_0, IQ4_NL) into
 // x8 groups (repack) or back (unpack).
 at::Tensor convert(const at::Tensor& blocks, int64_t type, bool repack) {
@@ -231,8 +214,19 @@ at::Tensor convert(const at::Tensor& blocks, int64_t type, bool repack) {
         at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
           for (int64_t g = begin; g < end; ++g) {
             const int64_t rows = g * 8 * nsb * source, x8 = g * nsb * group;  // byte offsets
-            if (repack) convert_group<kType>(src + rows, nsb, dst + x8, true);
-            else convert_group<kType>(src + x8, nsb, dst + rows, false);
+            if constexpr (is_block_x8_source(kType)) {
+              if (repack) block_x8_convert(kType, src + rows, nsb, dst + x8, true);
+              else block_x8_convert(kType, src + x8, nsb, dst + rows, false);
+            } else if constexpr (is_code_block_type(kType)) {
+              if (repack) code_x8_convert(kType, src + rows, nsb, dst + x8, true);
+              else code_x8_convert(kType, src + x8, nsb, dst + rows, false);
+            } else if constexpr (kType == kQ6_K) {
+              if (repack) repack_q6_group(src + rows, nsb, dst + x8);
+              else unpack_q6_group(src + x8, nsb, dst + rows);
+            } else {
+              if (repack) repack_group<kType>(src + rows, nsb, dst + x8);
+              else unpack_group<kType>(src + x8, nsb, dst + rows);
+            }
           }
         });
         return out;
@@ -577,7 +571,7 @@ TORCH_LIBRARY_IMPL(hybridllm, CPU, m) {
 TORCH_LIBRARY_IMPL(hybridllm, CompositeImplicitAutograd, m) {
   m.impl("x8_source_types", [] {
     std::vector<int64_t> types;
-    for (int64_t type = 0; type < 256; ++type)
+    for (int64_t type = 0; type < 256; ++type)  // every ggml type id
       if (hybridllm_gguf::x8_source_built(type)) types.push_back(type);
     return types;
   });

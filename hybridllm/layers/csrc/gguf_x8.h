@@ -112,6 +112,15 @@ constexpr bool is_block_x8_source(int64_t type) {
 #define HYBRIDLLM_X8_AVX2 1
 #endif
 
+// x's sums over a K-quant's sub-blocks 2 p and 2 p + 1, from its four 16-value bsums at b, as
+// the int16 pair a 32-bit lane holds against the two sub-blocks' min codes (vpmaddwd); each sum
+// is at most 32 * 127.
+inline int32_t k_min_pair(const int16_t* b) {
+  const uint32_t lo = static_cast<uint16_t>(b[0] + b[1]);
+  const uint32_t hi = static_cast<uint16_t>(b[2] + b[3]);
+  return static_cast<int32_t>(lo | (hi << 16));
+}
+
 // Whether this build computes weights of x8 source type `type` in x8 groups, and so repacks
 // them at load: every x8 source type with AVX512-VNNI, the K-quants on AVX2 alone, none else.
 constexpr bool x8_source_built(int64_t type) {

@@ -102,11 +102,11 @@ inline void chunk_products(const __m256i codes[4], const int8_t* x, __m256i prod
 }
 
 // y[r * ldy + i] = dot(x row r, weight row i of the group at wg) for the kRows rows of x, x
-// quantized in groups of 256 (xq); `first`: the tile that reads the group from memory, which
-// prefetches ahead.
+// quantized in groups of 256 (xq), and for Q4_K / Q5_K their k_min_pair sums (min_pairs, 4 nsb
+// a row; null for Q6_K); `first`: the tile that reads the group from memory, which prefetches ahead.
 template <int64_t kType, int kRows>
-void group_tile(const Q8Rows& xq, int64_t nsb, const uint8_t* wg, float* y, int64_t ldy,
-                bool first, const PrefetchWindow& prefetch) {
+void group_tile(const Q8Rows& xq, const int32_t* min_pairs, int64_t nsb, const uint8_t* wg,
+                float* y, int64_t ldy, bool first, const PrefetchWindow& prefetch) {
   constexpr int64_t kBytes = kGroupBytes<kType>;
   __m256 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
@@ -176,15 +176,12 @@ void group_tile(const Q8Rows& xq, int64_t nsb, const uint8_t* wg, float* y, int6
       const __m256 dmin =
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16)));
       for (int r = 0; r < kRows; ++r) {
-        const int16_t* b = xq.bsums + r * xq.bsum_stride + 16 * s;
+        const int32_t* pairs = min_pairs + (r * nsb + s) * 4;
         __m256i mins = _mm256_setzero_si256();
         for (int p = 0; p < 4; ++p) {
           const __m256i m = _mm256_cvtepu8_epi16(
               _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 96 + 16 * p)));
-          const uint32_t lo = static_cast<uint16_t>(b[4 * p] + b[4 * p + 1]);
-          const uint32_t hi = static_cast<uint16_t>(b[4 * p + 2] + b[4 * p + 3]);
-          mins = _mm256_add_epi32(
-              mins, _mm256_madd_epi16(m, _mm256_set1_epi32(static_cast<int32_t>(lo | hi << 16))));
+          mins = _mm256_add_epi32(mins, _mm256_madd_epi16(m, _mm256_set1_epi32(pairs[p])));
         }
         acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins),
                                   _mm256_mul_ps(dmin, _mm256_set1_ps(xq.d[r * xq.g_stride + s])),
@@ -200,19 +197,21 @@ void group_tile(const Q8Rows& xq, int64_t nsb, const uint8_t* wg, float* y, int6
 }
 
 template <int64_t kType>
-void groups_typed(const Q8Rows& x, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t ldy,
-                  int64_t g0, int64_t g1, const PrefetchWindow& prefetch) {
+void groups_typed(const Q8Rows& x, const int32_t* min_pairs, int64_t M, int64_t K,
+                  const uint8_t* w, float* y, int64_t ldy, int64_t g0, int64_t g1,
+                  const PrefetchWindow& prefetch) {
   const int64_t nsb = K / 256, group_bytes = nsb * kGroupBytes<kType>;
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* wg = w + g * group_bytes;
     for (int64_t r0 = 0; r0 < M; r0 += kTileRows) {
       const Q8Rows xt = x.row(r0);
+      const int32_t* pt = kType == kQ6_K ? nullptr : min_pairs + r0 * 4 * nsb;
       float* yt = y + r0 * ldy + 8 * g;
       const bool first = r0 == 0;  // the weights come from memory once, for the first tile
       if (M - r0 == 1)
-        group_tile<kType, 1>(xt, nsb, wg, yt, ldy, first, prefetch);
+        group_tile<kType, 1>(xt, pt, nsb, wg, yt, ldy, first, prefetch);
       else
-        group_tile<kType, 2>(xt, nsb, wg, yt, ldy, first, prefetch);
+        group_tile<kType, 2>(xt, pt, nsb, wg, yt, ldy, first, prefetch);
     }
   }
 }
@@ -221,11 +220,23 @@ template <int64_t kType>
 void linear_grouped_typed(const float* x, const int64_t* starts, int64_t groups, int64_t K,
                           const uint8_t* const* weights, int64_t N, float* y) {
   thread_local std::vector<uint8_t> quantized;  // kept from call to call
-  const Q8Rows xq = quantize_rows<256>(x, starts[groups], K, quantized);
+  thread_local std::vector<int32_t> min_pairs;
+  const int64_t M = starts[groups];
+  const Q8Rows xq = quantize_rows<256>(x, M, K, quantized);
+  // once a call, not once a weight group: x's sums over each two sub-blocks
+  if constexpr (kType != kQ6_K) {
+    min_pairs.resize(M * K / 64);
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t p = 0; p < K / 64; ++p)
+        min_pairs[r * K / 64 + p] = k_min_pair(xq.row(r).bsums + 4 * p);
+  }
+  // the calling thread's buffer (a thread_local named in the loop's body is each thread's own)
+  const int32_t* all_pairs = kType == kQ6_K ? nullptr : min_pairs.data();
   for_x8_row_groups(starts, groups, K, weights, N, K / 256 * kGroupBytes<kType>,
                     [&](int64_t p, int64_t g0, int64_t g1, const PrefetchWindow& window) {
                       const int64_t r0 = starts[p];
-                      groups_typed<kType>(xq.row(r0), starts[p + 1] - r0, K, weights[p],
+                      const int32_t* pairs = all_pairs ? all_pairs + r0 * K / 64 : nullptr;
+                      groups_typed<kType>(xq.row(r0), pairs, starts[p + 1] - r0, K, weights[p],
                                           y + r0 * N, N, g0, g1, window);
                     });
 }

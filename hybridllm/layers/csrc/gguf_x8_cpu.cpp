@@ -297,13 +297,8 @@ X8Rows prepare_rows(const float* x, int64_t M, int64_t K) {
           offsets[r * offsets_stride + 2 * c + h] = -32 * sum;
         }
     } else {
-      for (int64_t p = 0; p < K / 64; ++p) {
-        // sub-block 2p: bsums 4p, 4p + 1; 2p + 1: the next two
-        const int16_t* b = row.bsums + 4 * p;
-        const uint32_t lo = static_cast<uint16_t>(b[0] + b[1]);
-        const uint32_t hi = static_cast<uint16_t>(b[2] + b[3]);
-        mins[r * mins_stride + p] = static_cast<int32_t>(lo | (hi << 16));
-      }
+      for (int64_t p = 0; p < K / 64; ++p)
+        mins[r * mins_stride + p] = k_min_pair(row.bsums + 4 * p);
     }
   }
   return {q8.q, q8.d, mins, offsets, q8.q_stride, q8.g_stride, mins_stride, offsets_stride};

@@ -66,6 +66,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "gguf_blocks.h"
@@ -98,6 +99,21 @@ constexpr int64_t chunk_code_offset(int q) {
 constexpr int64_t q5_high_offset(int q) { return chunk_code_offset<kQ5_K>(q) + 64; }
 constexpr int64_t q6_top_offset(int q) { return chunk_code_offset<kQ6_K>(q) + 64; }
 
+// Where a Q2_K / Q3_K group super-block's chunk pair p starts: its 64 code bytes, then Q3_K's
+// 32 bytes of high bits.
+template <int64_t kType>
+constexpr int64_t code_pair_offset(int p) {
+  return kType == kQ2_K ? 160 + 64 * p : 112 + 96 * p;
+}
+// Q2_K / Q3_K: the group's scale j of unit u (16 weights) of row r; the two units of a pair side
+// by side for each row, as vpmaddwd / vpdpwssd take them as int16 pairs.
+constexpr int code_unit_index(int u, int r) { return 16 * (u / 2) + 2 * r + u % 2; }
+// Q3_K's 6-bit scale j (0-127, code_unit_index) of the group super-block at o (0..63; the
+// weight's scale is this minus 32).
+inline int x8_q3_scale(const uint8_t* o, int j) {
+  return ((o[16 + j % 64] >> (4 * (j / 64))) & 15) | ((o[80 + j % 32] >> (2 * (j / 32))) & 3) << 4;
+}
+
 // The 32-weight block types with an x8 form (gguf_x8_block_cpu.cpp).
 constexpr bool is_block_x8_source(int64_t type) {
   return type == kQ4_0 || type == kQ4_1 || type == kQ8_0 || type == kIQ4_NL;
@@ -106,8 +122,8 @@ constexpr bool is_block_x8_source(int64_t type) {
 // The x8 types and their source types: gguf_types.h (x8_type_of, x8_source_type, is_x8_type;
 // dispatch_gguf_type<kX8Kernels> gives a body the source type).
 
-// AVX2 builds without AVX-512 have x8 kernels for Q4_K, Q5_K and Q6_K only
-// (gguf_x8_avx2_cpu.cpp).
+// AVX2 builds without AVX-512 have x8 kernels for the K-quants only: Q4_K, Q5_K, Q6_K
+// (gguf_x8_avx2_cpu.cpp), Q2_K and Q3_K (gguf_x8_code_avx2_cpu.cpp).
 #if defined(HYBRIDLLM_Q8_AVX2) && !defined(HYBRIDLLM_Q8_AVX512)
 #define HYBRIDLLM_X8_AVX2 1
 #endif
@@ -127,7 +143,7 @@ constexpr bool x8_source_built(int64_t type) {
 #if defined(HYBRIDLLM_Q8_AVX512)
   return x8_type_of(type) >= 0;
 #elif defined(HYBRIDLLM_X8_AVX2)
-  return type == kQ4_K || type == kQ5_K || type == kQ6_K;
+  return type == kQ4_K || type == kQ5_K || type == kQ6_K || type == kQ2_K || type == kQ3_K;
 #else
   (void)type;
   return false;
@@ -147,7 +163,8 @@ bool x8_linear_grouped(int64_t type, const float* x, const int64_t* starts, int6
 // Group `group`'s 8 rows unpacked for the int8 GEMM, as its source type's unpack gives them:
 // codes [8][K] (rows `code_stride` apart); Q4_K / Q5_K: scales d * sc and 6-bit min codes m
 // [8][K / 32], and min scales -dmin [8][K / 256]; Q6_K: scales d * scale [8][K / 16], no mins;
-// Q2_K / Q3_K: the scaled codes (scaled_field below), scales d or -d [8][K / 256], and
+// Q2_K / Q3_K: on AVX-512 builds the scaled codes (scaled_field below), scales d or -d
+// [8][K / 256], on AVX2 builds the codes (Q3_K's plus 4) and scales d * scale [8][K / 16], and
 // Q2_K's 4-bit min codes [8][K / 16] and -dmin [8][K / 256]; Q4_0 / Q4_1 / Q8_0 / IQ4_NL:
 // scales d [8][K / 32], Q4_1's m in min_scales (rows `unit_stride` apart).
 void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* codes,
@@ -166,8 +183,36 @@ inline void check_x8_weight(const char* op, int64_t type, int64_t N, int64_t act
 }
 
 #if defined(HYBRIDLLM_X8_AVX2)
-// x8_linear_grouped's and x8_unpack_group's kernels on AVX2 builds (source_type kQ4_K, kQ5_K or
-// kQ6_K; gguf_x8_avx2_cpu.cpp).
+// x's 4 int8 values at p, in every 32-bit lane
+inline __m256i avx2_x_quad(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm256_set1_epi32(v);
+}
+
+// A chunk's 4 code vectors (vector k, lane r: row r's codes of the chunk's weights 4 k .. 4 k + 3)
+// times x's 16 values at x: 4 int16 pair sums a lane each.
+inline void avx2_chunk_products(const __m256i codes[4], const int8_t* x, __m256i products[4]) {
+  for (int k = 0; k < 4; ++k) products[k] = _mm256_maddubs_epi16(codes[k], avx2_x_quad(x + 4 * k));
+}
+
+// The int8 GEMM's unpacking: a chunk's 4 code vectors, a 4 x 8 matrix of 32-bit words (4 codes
+// of a row each), transposed into 16 bytes a row in weight order, row r at dst + r * stride.
+inline void avx2_store_chunk_rows(const __m256i c[4], uint8_t* dst, int64_t stride) {
+  const __m256i a = _mm256_unpacklo_epi32(c[0], c[1]), b = _mm256_unpackhi_epi32(c[0], c[1]);
+  const __m256i e = _mm256_unpacklo_epi32(c[2], c[3]), f = _mm256_unpackhi_epi32(c[2], c[3]);
+  // rows 0 and 4, 1 and 5, 2 and 6, 3 and 7 (the low and high 128-bit lanes)
+  const __m256i rows[4] = {_mm256_unpacklo_epi64(a, e), _mm256_unpackhi_epi64(a, e),
+                           _mm256_unpacklo_epi64(b, f), _mm256_unpackhi_epi64(b, f)};
+  for (int r = 0; r < 4; ++r) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + r * stride), _mm256_castsi256_si128(rows[r]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (r + 4) * stride),
+                     _mm256_extracti128_si256(rows[r], 1));
+  }
+}
+
+// x8_linear_grouped's and x8_unpack_group's kernels on AVX2 builds for Q4_K, Q5_K and Q6_K
+// (gguf_x8_avx2_cpu.cpp; Q2_K and Q3_K: code_x8_linear_grouped, code_x8_unpack_group).
 void avx2_x8_linear_grouped(int64_t source_type, const float* x, const int64_t* starts,
                             int64_t groups, int64_t K, const uint8_t* const* weights, int64_t N,
                             float* y);
@@ -316,7 +361,8 @@ void block_x8_unpack_group(int64_t source_type, const uint8_t* group, int64_t K,
 // of 8 source rows (src, rows nsb super-blocks apart) into one group (repack), or back.
 void code_x8_convert(int64_t source_type, const uint8_t* src, int64_t nsb, uint8_t* dst,
                      bool repack);
-#if defined(HYBRIDLLM_Q8_AVX512)
+#if defined(HYBRIDLLM_Q8_AVX512) || defined(HYBRIDLLM_X8_AVX2)
+// (AVX2 builds: gguf_x8_code_avx2_cpu.cpp)
 void code_x8_linear_grouped(int64_t source_type, const float* x, const int64_t* starts,
                             int64_t groups, int64_t K, const uint8_t* const* weights, int64_t N,
                             float* y);

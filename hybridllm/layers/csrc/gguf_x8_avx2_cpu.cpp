@@ -28,13 +28,6 @@ namespace {
 // a tile's sums and the decoded codes stay in the 16 vector registers (4 was not measured).
 constexpr int kTileRows = 2;
 
-// x's 4 int8 values at p, in every 32-bit lane
-inline __m256i x_quad(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return _mm256_set1_epi32(v);
-}
-
 // 8 bytes of the rows' scales as the 16-bit pairs vpmaddwd takes: lane r's two words row r's
 // scale (unsigned: Q4_K's sub-block scales; signed: Q6_K's chunk scales).
 template <bool kSigned>
@@ -93,14 +86,6 @@ inline void chunk_codes(const uint8_t* o, int q, __m256i codes[4]) {
   }
 }
 
-// x's values that chunk_codes' vectors meet, multiplied in: 4 int16 pair sums a lane each.
-inline void chunk_products(const __m256i codes[4], const int8_t* x, __m256i products[4]) {
-  products[0] = _mm256_maddubs_epi16(codes[0], x_quad(x));
-  products[1] = _mm256_maddubs_epi16(codes[1], x_quad(x + 4));
-  products[2] = _mm256_maddubs_epi16(codes[2], x_quad(x + 8));
-  products[3] = _mm256_maddubs_epi16(codes[3], x_quad(x + 12));
-}
-
 // y[r * ldy + i] = dot(x row r, weight row i of the group at wg) for the kRows rows of x, x
 // quantized in groups of 256 (xq), and for Q4_K / Q5_K their k_min_pair sums (min_pairs, 4 nsb
 // a row; null for Q6_K); `first`: the tile that reads the group from memory, which prefetches ahead.
@@ -126,7 +111,7 @@ void group_tile(const Q8Rows& xq, const int32_t* min_pairs, int64_t nsb, const u
         chunk_codes<kType>(o, q, codes);
         const __m256i scale = row_scales<true>(o + 16 + 8 * q);
         for (int r = 0; r < kRows; ++r) {
-          chunk_products(codes, xq.q + r * xq.q_stride + 256 * s + 16 * q, products);
+          avx2_chunk_products(codes, xq.q + r * xq.q_stride + 256 * s + 16 * q, products);
           // codes <= 63: two pair sums fit int16, four need not
           sums[r] = _mm256_add_epi32(
               sums[r], _mm256_add_epi32(
@@ -159,10 +144,10 @@ void group_tile(const Q8Rows& xq, const int32_t* min_pairs, int64_t nsb, const u
           const int8_t* x = xq.q + r * xq.q_stride + 256 * s + 32 * j;
           // a chunk's 4 pair sums fit int16 (<= 4 * 2 * 31 * 128), and for Q4_K's codes
           // (<= 15) a sub-block's 8
-          chunk_products(codes, x, products);
+          avx2_chunk_products(codes, x, products);
           const __m256i t0 = _mm256_add_epi16(_mm256_add_epi16(products[0], products[1]),
                                               _mm256_add_epi16(products[2], products[3]));
-          chunk_products(next, x + 16, products);
+          avx2_chunk_products(next, x + 16, products);
           const __m256i t1 = _mm256_add_epi16(_mm256_add_epi16(products[0], products[1]),
                                               _mm256_add_epi16(products[2], products[3]));
           sums[r] = _mm256_add_epi32(
@@ -241,8 +226,8 @@ void linear_grouped_typed(const float* x, const int64_t* starts, int64_t groups,
                     });
 }
 
-// The int8 GEMM's unpacking of a group (x8_unpack_group): chunk_codes' 4 vectors are a 4 x 8
-// matrix of 32-bit words (4 codes of a row each), transposed into each row's 16 codes.
+// The int8 GEMM's unpacking of a group (x8_unpack_group): chunk_codes' 4 vectors transposed
+// into each row's 16 codes.
 template <int64_t kType>
 void unpack_group_typed(const uint8_t* group, int64_t K, uint8_t* codes, int64_t code_stride,
                         float* scales, int16_t* min_codes, float* min_scales,
@@ -252,18 +237,7 @@ void unpack_group_typed(const uint8_t* group, int64_t K, uint8_t* codes, int64_t
     for (int q = 0; q < 16; ++q) {
       __m256i c[4];
       chunk_codes<kType>(o, q, c);
-      const __m256i a = _mm256_unpacklo_epi32(c[0], c[1]), b = _mm256_unpackhi_epi32(c[0], c[1]);
-      const __m256i e = _mm256_unpacklo_epi32(c[2], c[3]), f = _mm256_unpackhi_epi32(c[2], c[3]);
-      // rows 0 and 4, 1 and 5, 2 and 6, 3 and 7 (the low and high 128-bit lanes)
-      const __m256i rows[4] = {_mm256_unpacklo_epi64(a, e), _mm256_unpackhi_epi64(a, e),
-                               _mm256_unpacklo_epi64(b, f), _mm256_unpackhi_epi64(b, f)};
-      uint8_t* out = codes + 256 * s + 16 * q;
-      for (int r = 0; r < 4; ++r) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r * code_stride),
-                         _mm256_castsi256_si128(rows[r]));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (r + 4) * code_stride),
-                         _mm256_extracti128_si256(rows[r], 1));
-      }
+      avx2_store_chunk_rows(c, codes + 256 * s + 16 * q, code_stride);
     }
     for (int r = 0; r < 8; ++r) {
       const float d = half_to_float(load_u16(o + 2 * r));

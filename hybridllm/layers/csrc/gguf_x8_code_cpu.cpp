@@ -21,11 +21,6 @@ namespace {
 
 static_assert(kSourceBytes<kQ2_K> == 84 && kSourceBytes<kQ3_K> == 110);
 static_assert(kGroupBytes<kQ2_K> == 8 * 84 && kGroupBytes<kQ3_K> == 8 * 110);
-// Where chunk pair p's 64 code bytes start (Q3_K: its 32 bytes of high bits follow them).
-template <int64_t kType>
-constexpr int64_t pair_offset(int p) {
-  return kType == kQ2_K ? 160 + 64 * p : 112 + 96 * p;
-}
 
 // Code byte i (0-63) of chunk pair p, bits 2 f, 2 f + 1 (f 0-3): row `row`'s code of `weight`.
 // Lane L = i / 4 is row L % 8; field f is chunk 2 p + f / 2, its weights 8 (f % 2) + 4 (L / 8) +
@@ -37,9 +32,6 @@ inline CodePlace code_place(int p, int i, int f) {
   const int lane = i / 4;
   return {lane % 8, 16 * (2 * p + f / 2) + 8 * (f % 2) + 4 * (lane / 8) + i % 4};
 }
-// Where unit u (16 weights) of row r keeps its scale (and Q2_K's min) among the group's 128:
-// the two units of a pair side by side for each row, as the kernel's int16 pairs take them.
-inline int unit_index(int u, int r) { return 16 * (u / 2) + 2 * r + u % 2; }
 
 // The source layouts' fields (gguf_code_decoders.h): 2-bit q of weight w, Q3_K's 6-bit scale k.
 inline int two_bit(const uint8_t* qs, int w) {
@@ -55,11 +47,6 @@ inline void or_q3_scale(uint8_t* s, int k, int v) {
   s[k % 8] |= static_cast<uint8_t>((v & 15) << (4 * (k / 8)));
   s[8 + k % 4] |= static_cast<uint8_t>((v >> 4) << (2 * (k / 4)));
 }
-// Q3_K x8's scale j (0-127, unit_index): low 4 bits in byte 16 + j % 64 (nibble j / 64), top 2
-// at bits 2 (j / 32) of byte 80 + j % 32.
-inline int x8_q3_scale(const uint8_t* o, int j) {
-  return ((o[16 + j % 64] >> (4 * (j / 64))) & 15) | ((o[80 + j % 32] >> (2 * (j / 32))) & 3) << 4;
-}
 
 template <int64_t kType>
 void repack_group(const uint8_t* rows, int64_t nsb, uint8_t* out) {
@@ -74,11 +61,11 @@ void repack_group(const uint8_t* rows, int64_t nsb, uint8_t* out) {
       if constexpr (kType == kQ2_K) {
         std::memcpy(o + 2 * r, q + 80, 2);       // d
         std::memcpy(o + 16 + 2 * r, q + 82, 2);  // dmin
-        for (int u = 0; u < 16; ++u) o[32 + unit_index(u, r)] = q[u];
+        for (int u = 0; u < 16; ++u) o[32 + code_unit_index(u, r)] = q[u];
       } else {
         std::memcpy(o + 2 * r, q + 108, 2);
         for (int u = 0; u < 16; ++u) {
-          const int j = unit_index(u, r), v = q3_scale(q + 96, u);
+          const int j = code_unit_index(u, r), v = q3_scale(q + 96, u);
           o[16 + j % 64] |= static_cast<uint8_t>((v & 15) << (4 * (j / 64)));
           o[80 + j % 32] |= static_cast<uint8_t>((v >> 4) << (2 * (j / 32)));
         }
@@ -89,10 +76,10 @@ void repack_group(const uint8_t* rows, int64_t nsb, uint8_t* out) {
         for (int f = 0; f < 4; ++f) {
           const CodePlace c = code_place(p, i, f);
           const uint8_t* q = source(c.row);
-          o[pair_offset<kType>(p) + i] |= static_cast<uint8_t>(two_bit(q + kQs, c.weight) << 2 * f);
+          o[code_pair_offset<kType>(p) + i] |= static_cast<uint8_t>(two_bit(q + kQs, c.weight) << 2 * f);
           if constexpr (kType == kQ3_K)
             if ((q[c.weight % 32] >> (c.weight / 32)) & 1)
-              o[pair_offset<kType>(p) + 64 + 8 * f + i / 8] |= static_cast<uint8_t>(1 << (i % 8));
+              o[code_pair_offset<kType>(p) + 64 + 8 * f + i / 8] |= static_cast<uint8_t>(1 << (i % 8));
         }
   }
 }
@@ -110,10 +97,10 @@ void unpack_group(const uint8_t* group, int64_t nsb, uint8_t* rows) {
       if constexpr (kType == kQ2_K) {
         std::memcpy(q + 80, o + 2 * r, 2);
         std::memcpy(q + 82, o + 16 + 2 * r, 2);
-        for (int u = 0; u < 16; ++u) q[u] = o[32 + unit_index(u, r)];
+        for (int u = 0; u < 16; ++u) q[u] = o[32 + code_unit_index(u, r)];
       } else {
         std::memcpy(q + 108, o + 2 * r, 2);
-        for (int u = 0; u < 16; ++u) or_q3_scale(q + 96, u, x8_q3_scale(o, unit_index(u, r)));
+        for (int u = 0; u < 16; ++u) or_q3_scale(q + 96, u, x8_q3_scale(o, code_unit_index(u, r)));
       }
     }
     for (int p = 0; p < 8; ++p)
@@ -121,9 +108,9 @@ void unpack_group(const uint8_t* group, int64_t nsb, uint8_t* rows) {
         for (int f = 0; f < 4; ++f) {
           const CodePlace c = code_place(p, i, f);
           uint8_t* q = source(c.row);
-          or_two_bit(q + kQs, c.weight, (o[pair_offset<kType>(p) + i] >> 2 * f) & 3);
+          or_two_bit(q + kQs, c.weight, (o[code_pair_offset<kType>(p) + i] >> 2 * f) & 3);
           if constexpr (kType == kQ3_K)
-            if ((o[pair_offset<kType>(p) + 64 + 8 * f + i / 8] >> (i % 8)) & 1)
+            if ((o[code_pair_offset<kType>(p) + 64 + 8 * f + i / 8] >> (i % 8)) & 1)
               q[c.weight % 32] |= static_cast<uint8_t>(1 << (c.weight / 32));
         }
   }
@@ -134,7 +121,7 @@ void unpack_group(const uint8_t* group, int64_t nsb, uint8_t* rows) {
 // half f % 2): Q2_K's q, Q3_K's q + 4 where its high bit is set (its code + 4).
 template <int64_t kType>
 inline void pair_codes(const uint8_t* o, int p, __m512i v[4]) {
-  const uint8_t* c = o + pair_offset<kType>(p);
+  const uint8_t* c = o + code_pair_offset<kType>(p);
   const __m512i bytes = _mm512_loadu_si512(c), three = _mm512_set1_epi8(3);
   v[0] = _mm512_and_si512(bytes, three);
   v[1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 2), three);
@@ -148,7 +135,7 @@ inline void pair_codes(const uint8_t* o, int p, __m512i v[4]) {
     }
 }
 
-// Q3_K's 128 scales of a group super-block, minus 32, as int8 at unit_index: j < 64 in lo, the
+// Q3_K's 128 scales of a group super-block, minus 32, as int8 at code_unit_index: j < 64 in lo, the
 // rest in hi.
 inline void q3_scales(const uint8_t* o, __m512i* lo, __m512i* hi) {
   const __m512i low = _mm512_loadu_si512(o + 16), nibble = _mm512_set1_epi8(15);

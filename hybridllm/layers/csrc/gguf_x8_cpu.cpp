@@ -513,7 +513,10 @@ bool x8_linear_grouped(int64_t type, const float* x, const int64_t* starts, int6
 #elif defined(HYBRIDLLM_X8_AVX2)
   const int64_t source = x8_source_type(type);
   if (!x8_source_built(source)) return false;
-  avx2_x8_linear_grouped(source, x, starts, groups, K, weights, N, y);
+  if (is_code_block_type(source))
+    code_x8_linear_grouped(source, x, starts, groups, K, weights, N, y);
+  else
+    avx2_x8_linear_grouped(source, x, starts, groups, K, weights, N, y);
   return true;
 #else
   (void)type, (void)x, (void)starts, (void)groups, (void)K, (void)weights, (void)N, (void)y;
@@ -543,9 +546,14 @@ void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* cod
       [] { return false; });
   if (done) return;
 #elif defined(HYBRIDLLM_X8_AVX2)
-  if (x8_source_built(x8_source_type(type))) {
-    avx2_x8_unpack_group(x8_source_type(type), group, K, codes, code_stride, scales, min_codes,
-                         min_scales, unit_stride);
+  const int64_t source = x8_source_type(type);
+  if (x8_source_built(source)) {
+    if (is_code_block_type(source))
+      code_x8_unpack_group(source, group, K, codes, code_stride, scales, min_codes, min_scales,
+                           unit_stride);
+    else
+      avx2_x8_unpack_group(source, group, K, codes, code_stride, scales, min_codes, min_scales,
+                           unit_stride);
     return;
   }
 #else

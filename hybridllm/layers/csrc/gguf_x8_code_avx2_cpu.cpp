@@ -1,0 +1,246 @@
+// Q2_K and Q3_K weights in x8 groups (gguf_x8.h's Q2_KX8, Q3_KX8) at few rows of x, and their
+// unpacking for the int8 GEMM, on AVX2 builds without AVX-512. As for the K-quants'
+// (gguf_x8_avx2_cpu.cpp), the first and last 32 bytes of a chunk pair's codes hold the group's 8
+// rows in their 32-bit lanes: a field of 2 bits (Q3_K: plus its high bit as 4) is 4 codes of each
+// row, vpmaddubsw multiplies them by 4 values of x broadcast to every lane, a unit's (16 weights')
+// products add up in int16 and meet the 8 rows' unit scales in one vpmaddwd. Q2_K's mins and
+// Q3_K's offset of 4 are the rows' min (scale) pairs against x's unit sums, one vpmaddwd a pair of
+// units; a super-block's float arithmetic is done for 8 rows at once.
+#include "gguf_x8.h"
+
+#if defined(HYBRIDLLM_X8_AVX2)
+#include <immintrin.h>
+
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "gguf_blocks.h"
+#include "gguf_q8_quantize.h"
+
+namespace hybridllm_gguf {
+namespace {
+
+static_assert(kGroupBytes<kQ2_K> == 8 * 84 && kGroupBytes<kQ3_K> == 8 * 110);
+
+// Rows of x a tile: each group super-block's codes are decoded once for all of them.
+constexpr int kTileRows = 2;
+
+// Unit q's (chunk q's) four code vectors as unsigned bytes, vector k (lane r) row r's codes of
+// weights 16 q + 4 k .. + 3: field f = 2 (q % 2) + k / 2 of the pair's first (k even) or last
+// (k odd) 32 code bytes; Q3_K's high bit added as 4 (its codes are then code + 4).
+template <int64_t kType>
+inline void unit_codes(const uint8_t* o, int q, __m256i codes[4]) {
+  const uint8_t* c = o + code_pair_offset<kType>(q / 2);
+  const __m256i three = _mm256_set1_epi8(3);
+  for (int k = 0; k < 4; ++k) {
+    const int f = 2 * (q % 2) + k / 2;
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * (k % 2)));
+    codes[k] = _mm256_and_si256(_mm256_srli_epi16(bytes, 2 * f), three);
+    if constexpr (kType == kQ3_K) {
+      // bit i of the field's 32 bits (4 of its 8 bytes) is code byte i's high bit: spread to
+      // byte i, tested, added as 4
+      const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+      const __m256i which = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2,
+                                             2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+      int32_t word;
+      std::memcpy(&word, c + 64 + 8 * f + 4 * (k % 2), sizeof(word));
+      const __m256i spread =
+          _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(word), which), select);
+      codes[k] = _mm256_or_si256(
+          codes[k], _mm256_and_si256(_mm256_cmpeq_epi8(spread, select), _mm256_set1_epi8(4)));
+    }
+  }
+}
+
+// Q3_K's 128 scales of a group super-block, minus 32, as int8 at code_unit_index: v[i] the
+// 32 of unit pairs 2 i, 2 i + 1 (the low 4 bits of pairs 0-3 in the low nibbles of bytes 16-79,
+// of pairs 4-7 in the high nibbles; the top 2 bits of pairs 2 i, 2 i + 1 at bits 2 i of bytes
+// 80-111).
+inline void q3_scales(const uint8_t* o, __m256i v[4]) {
+  const __m256i lo0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 16));
+  const __m256i lo1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 48));
+  const __m256i top = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 80));
+  const __m256i nibble = _mm256_set1_epi8(15), high = _mm256_set1_epi8(0x30);
+  const __m256i bias = _mm256_set1_epi8(32);
+  const __m256i low[4] = {lo0, lo1, _mm256_srli_epi16(lo0, 4), _mm256_srli_epi16(lo1, 4)};
+  const __m256i tops[4] = {_mm256_slli_epi16(top, 4), _mm256_slli_epi16(top, 2), top,
+                           _mm256_srli_epi16(top, 2)};
+  for (int i = 0; i < 4; ++i)
+    v[i] = _mm256_sub_epi8(
+        _mm256_or_si256(_mm256_and_si256(low[i], nibble), _mm256_and_si256(tops[i], high)), bias);
+}
+
+// Unit pair p's scale bytes as int16 pairs, lane r row r's (unit 2 p, unit 2 p + 1): Q2_K's bytes
+// (the scale in the low nibble, the min in the high one); Q3_K's scales from q3_scales.
+template <int64_t kType>
+inline __m256i pair_bytes(const uint8_t* o, int p, const __m256i q3[4]) {
+  if constexpr (kType == kQ2_K) {
+    (void)q3;
+    return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 32 + 16 * p)));
+  } else {
+    (void)o;
+    const __m256i v = q3[p / 2];
+    return _mm256_cvtepi8_epi16(p % 2 ? _mm256_extracti128_si256(v, 1) : _mm256_castsi256_si128(v));
+  }
+}
+
+// y[r * ldy + i] = dot(x row r, weight row i of the group at wg) for the kRows rows of x, x
+// quantized in groups of 256 with its 16-value sums; `first`: the tile that reads the group from
+// memory, which prefetches ahead.
+template <int64_t kType, int kRows>
+void group_tile(const Q8Rows& xq, int64_t nsb, const uint8_t* wg, float* y, int64_t ldy,
+                bool first, const PrefetchWindow& prefetch) {
+  constexpr int64_t kBytes = kGroupBytes<kType>;
+  __m256 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* o = wg + s * kBytes;
+    if (first) {
+      const char* ahead = reinterpret_cast<const char*>(o) + prefetch.distance;
+      if (ahead < prefetch.stop)
+        for (int64_t b = 0; b < kBytes; b += 64) prefetch_line(ahead + b, prefetch.streaming);
+    }
+    __m256i q3[4];
+    if constexpr (kType == kQ3_K) q3_scales(o, q3);
+    // sums: sum_u scale_u * (codes . x) over unit u; mins (Q2_K): sum_u min_u * (x's sum over u)
+    __m256i sums[kRows], mins[kRows];
+    for (int r = 0; r < kRows; ++r) sums[r] = mins[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p) {  // units 2 p, 2 p + 1
+      const __m256i bytes = pair_bytes<kType>(o, p, q3);
+      // Q2_K: the scales are the low nibbles, the mins the high ones; Q3_K: the scales as they
+      // are, and their pairs times 4 take the codes' offset off against x's unit sums
+      const __m256i pair = kType == kQ2_K ? _mm256_and_si256(bytes, _mm256_set1_epi16(15)) : bytes;
+      const __m256i against_sums =
+          kType == kQ2_K ? _mm256_srli_epi16(bytes, 4) : _mm256_slli_epi16(bytes, 2);
+      // each unit's scale in both words of a row's lane
+      const __m256i scale[2] = {_mm256_blend_epi16(pair, _mm256_slli_epi32(pair, 16), 0xAA),
+                                _mm256_blend_epi16(_mm256_srli_epi32(pair, 16), pair, 0xAA)};
+      for (int u = 0; u < 2; ++u) {
+        __m256i codes[4], products[4];
+        unit_codes<kType>(o, 2 * p + u, codes);
+        for (int r = 0; r < kRows; ++r) {
+          avx2_chunk_products(codes, xq.q + r * xq.q_stride + 256 * s + 32 * p + 16 * u,
+                              products);
+          // codes <= 7: a unit's 4 pair sums fit int16 (<= 4 * 2 * 7 * 127)
+          const __m256i t = _mm256_add_epi16(_mm256_add_epi16(products[0], products[1]),
+                                             _mm256_add_epi16(products[2], products[3]));
+          sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(t, scale[u]));
+        }
+      }
+      for (int r = 0; r < kRows; ++r) {
+        int32_t x_pair;  // x's sums over units 2 p, 2 p + 1 as one int16 pair
+        std::memcpy(&x_pair, xq.bsums + r * xq.bsum_stride + 16 * s + 2 * p, sizeof(x_pair));
+        const __m256i m = _mm256_madd_epi16(against_sums, _mm256_set1_epi32(x_pair));
+        if constexpr (kType == kQ2_K)
+          mins[r] = _mm256_add_epi32(mins[r], m);
+        else
+          sums[r] = _mm256_sub_epi32(sums[r], m);
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 xd = _mm256_set1_ps(xq.d[r * xq.g_stride + s]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, xd), acc[r]);
+      if constexpr (kType == kQ2_K) {
+        const __m256 dmin =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16)));
+        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins[r]), _mm256_mul_ps(dmin, xd), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
+}
+
+template <int64_t kType>
+void groups_typed(const Q8Rows& x, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t ldy,
+                  int64_t g0, int64_t g1, const PrefetchWindow& prefetch) {
+  const int64_t nsb = K / 256, group_bytes = nsb * kGroupBytes<kType>;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = w + g * group_bytes;
+    for (int64_t r0 = 0; r0 < M; r0 += kTileRows) {
+      float* yt = y + r0 * ldy + 8 * g;
+      const bool first = r0 == 0;  // the weights come from memory once, for the first tile
+      if (M - r0 == 1)
+        group_tile<kType, 1>(x.row(r0), nsb, wg, yt, ldy, first, prefetch);
+      else
+        group_tile<kType, 2>(x.row(r0), nsb, wg, yt, ldy, first, prefetch);
+    }
+  }
+}
+
+template <int64_t kType>
+void linear_grouped_typed(const float* x, const int64_t* starts, int64_t groups, int64_t K,
+                          const uint8_t* const* weights, int64_t N, float* y) {
+  thread_local std::vector<uint8_t> quantized;  // kept from call to call
+  const Q8Rows xq = quantize_rows<256>(x, starts[groups], K, quantized);
+  for_x8_row_groups(starts, groups, K, weights, N, K / 256 * kGroupBytes<kType>,
+                    [&](int64_t p, int64_t g0, int64_t g1, const PrefetchWindow& window) {
+                      const int64_t r0 = starts[p];
+                      groups_typed<kType>(xq.row(r0), starts[p + 1] - r0, K, weights[p],
+                                          y + r0 * N, N, g0, g1, window);
+                    });
+}
+
+// The group's 8 rows as the AVX2 int8 GEMM unpacks a Q2_K / Q3_K row (gguf_q8_gemm_avx2_cpu.cpp's
+// unpack_row): the codes (Q3_K's plus 4), d * scale a unit, Q2_K's 4-bit mins and -dmin.
+template <int64_t kType>
+void unpack_group_typed(const uint8_t* group, int64_t K, uint8_t* codes, int64_t code_stride,
+                        float* scales, int16_t* min_codes, float* min_scales,
+                        int64_t unit_stride) {
+  for (int64_t s = 0; s < K / 256; ++s) {
+    const uint8_t* o = group + s * kGroupBytes<kType>;
+    for (int q = 0; q < 16; ++q) {
+      __m256i c[4];
+      unit_codes<kType>(o, q, c);
+      avx2_store_chunk_rows(c, codes + 256 * s + 16 * q, code_stride);
+    }
+    for (int r = 0; r < 8; ++r) {
+      const float d = half_to_float(load_u16(o + 2 * r));
+      float* row_scales = scales + r * unit_stride + 16 * s;
+      if constexpr (kType == kQ2_K) {
+        min_scales[r * unit_stride + s] = -half_to_float(load_u16(o + 16 + 2 * r));
+        for (int u = 0; u < 16; ++u) {
+          const uint8_t byte = o[32 + code_unit_index(u, r)];
+          row_scales[u] = d * static_cast<float>(byte & 15);
+          min_codes[r * unit_stride + 16 * s + u] = byte >> 4;
+        }
+      } else {
+        for (int u = 0; u < 16; ++u)
+          row_scales[u] = d * static_cast<float>(x8_q3_scale(o, code_unit_index(u, r)) - 32);
+      }
+    }
+  }
+}
+
+// body(std::integral_constant<int64_t, T>) for source type T (Q2_K or Q3_K)
+template <class Body>
+void dispatch_code(int64_t source_type, Body body) {
+  if (source_type == kQ2_K)
+    body(std::integral_constant<int64_t, kQ2_K>{});
+  else
+    body(std::integral_constant<int64_t, kQ3_K>{});
+}
+
+}  // namespace
+
+void code_x8_linear_grouped(int64_t source_type, const float* x, const int64_t* starts,
+                            int64_t groups, int64_t K, const uint8_t* const* weights, int64_t N,
+                            float* y) {
+  dispatch_code(source_type, [&](auto type) {
+    linear_grouped_typed<decltype(type)::value>(x, starts, groups, K, weights, N, y);
+  });
+}
+
+void code_x8_unpack_group(int64_t source_type, const uint8_t* group, int64_t K, uint8_t* codes,
+                          int64_t code_stride, float* scales, int16_t* min_codes,
+                          float* min_scales, int64_t unit_stride) {
+  dispatch_code(source_type, [&](auto type) {
+    unpack_group_typed<decltype(type)::value>(group, K, codes, code_stride, scales, min_codes,
+                                              min_scales, unit_stride);
+  });
+}
+
+}  // namespace hybridllm_gguf
+#endif

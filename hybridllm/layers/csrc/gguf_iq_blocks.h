@@ -54,6 +54,9 @@
 #define HYBRIDLLM_IQ_AVX512 0
 #define HYBRIDLLM_IQ_SIMD 0
 #endif
+// AVX2 builds without AVX-512: IQ2_XXS, IQ2_XS and IQ2_S also serve gguf_q8_dot.h's q8_dot_grid
+// (their CodeBlockDecoder's kGrid, grid_index and unpack).
+#define HYBRIDLLM_IQ_AVX2_GRID (HYBRIDLLM_IQ_SIMD && !HYBRIDLLM_IQ_AVX512)
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -109,6 +112,52 @@ constexpr ByteMasks byte_masks() {
 }
 inline constexpr ByteMasks kByteMasks = byte_masks();
 
+#if defined(__AVX2__)
+// The 8-byte table entries table[a], table[b], table[c], table[d] in one vector: vmovq and vmovhpd
+// from memory, not vpinsrq (its shuffle takes an FP pipe 3 cycles in llvm-mca's Zen 3 model).
+inline __m256i table_entries4(const uint64_t* table, uint32_t a, uint32_t b, uint32_t c,
+                              uint32_t d) {
+  const auto pair = [&](uint32_t i, uint32_t j) {
+    const __m128d low =
+        _mm_castsi128_pd(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(table + i)));
+    return _mm_castpd_si128(_mm_loadh_pd(low, reinterpret_cast<const double*>(table + j)));
+  };
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(pair(a, b)), pair(c, d), 1);
+}
+
+// Step c's 32 grid values (unsigned bytes, weights 32 c ..): kWidth 8, a uint64_t grid's entries
+// at indices 4 c .. 4 c + 3; kWidth 4, a uint32_t grid's at 8 c .. 8 c + 7.
+template <int kWidth, class Entry>
+inline __m256i grid_values(const Entry* grid, const Unpacked& u, int c) {
+  static_assert(kWidth == 8 || kWidth == 4, "grids of 8 or 4 values");
+  if constexpr (kWidth == 8) {
+#if HYBRIDLLM_IQ_AVX512
+    const __m128i vi = _mm_load_si128(reinterpret_cast<const __m128i*>(u.index + 4 * c));
+    return _mm256_i32gather_epi64(reinterpret_cast<const long long*>(grid), vi, 8);
+#else
+    // four scalar loads: on a 2-core Zen 3, IQ2_XXS at one row of x (8192 x 2048) took
+    // 1.10-1.13 ms against 1.28 with vpgatherdq
+    const uint32_t* at = u.index + 4 * c;
+    return table_entries4(grid, at[0], at[1], at[2], at[3]);
+#endif
+  } else {
+    const __m256i vi = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.index + 8 * c));
+    return _mm256_i32gather_epi32(reinterpret_cast<const int*>(grid), vi, 4);
+  }
+}
+
+// 0xff in byte 8 j + k where bit k of signs[j] (j = 0..3) is set, else 0.
+inline __m256i sign_mask(const uint8_t* signs) {
+  // sign byte j broadcast into bytes 8j..8j+7, then bit k of byte 8j + k tested
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  const __m256i s =
+      _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(load32(signs))), spread);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(s, bit), bit);
+}
+#endif
+
 // codes[8g + k] for the 32 groups g: the grid's values at the unpacked indices, negated where
 // the group's sign bit k is set; kDelta (IQ1): instead value + 1, or value - 1 where it is set.
 // kWidth: 8 (a uint64_t grid, 32 indices) or 4 (a uint32_t grid, 64 indices).
@@ -116,31 +165,9 @@ template <int kWidth, bool kDelta, class Entry>
 inline void expand(const Entry* grid, const Unpacked& u, int8_t* codes) {
   static_assert(kWidth == 8 || kWidth == 4, "grids of 8 or 4 values");
 #if defined(__AVX2__)
-  // Sign byte j of the 4 broadcast into bytes 8j..8j+7, then bit k of byte 8j + k tested.
-  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
-                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
   for (int c = 0; c < 8; ++c) {  // 32 codes a step
-    __m256i v;
-    if constexpr (kWidth == 8) {
-#if HYBRIDLLM_IQ_AVX512
-      const __m128i vi = _mm_load_si128(reinterpret_cast<const __m128i*>(u.index + 4 * c));
-      v = _mm256_i32gather_epi64(reinterpret_cast<const long long*>(grid), vi, 8);
-#else
-      // four scalar loads: on a 2-core Zen 3, IQ2_XXS at one row of x (8192 x 2048) took
-      // 1.10-1.13 ms against 1.28 with vpgatherdq
-      const uint32_t* at = u.index + 4 * c;
-      v = _mm256_setr_epi64x(
-          static_cast<long long>(grid[at[0]]), static_cast<long long>(grid[at[1]]),
-          static_cast<long long>(grid[at[2]]), static_cast<long long>(grid[at[3]]));
-#endif
-    } else {
-      const __m256i vi = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.index + 8 * c));
-      v = _mm256_i32gather_epi32(reinterpret_cast<const int*>(grid), vi, 4);
-    }
-    const __m256i s = _mm256_shuffle_epi8(
-        _mm256_set1_epi32(static_cast<int>(load32(u.signs + 4 * c))), spread);
-    const __m256i m = _mm256_cmpeq_epi8(_mm256_and_si256(s, bit), bit);
+    __m256i v = grid_values<kWidth>(grid, u, c);
+    const __m256i m = sign_mask(u.signs + 4 * c);
     if constexpr (kDelta)
       v = _mm256_sub_epi8(_mm256_add_epi8(v, _mm256_set1_epi8(1)),
                           _mm256_and_si256(m, _mm256_set1_epi8(2)));
@@ -551,8 +578,7 @@ inline void store_index8(Unpacked* u, int at, __m256i index) {
   _mm256_store_si256(reinterpret_cast<__m256i*>(u->index + at), index);
 }
 
-inline void decode_iq2_xxs(const uint8_t* super, CodeBlock* out) {
-  Unpacked u;
+inline void unpack_iq2_xxs(const uint8_t* super, Unpacked& u, CodeBlock* out) {
   const __m256i even_odd = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
   const __m256i p = _mm256_permutevar8x32_epi32(
       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 2)), even_odd);
@@ -565,7 +591,6 @@ inline void decode_iq2_xxs(const uint8_t* super, CodeBlock* out) {
   store_index8(&u, 24, _mm256_cvtepu8_epi32(_mm_srli_si128(qi, 8)));
   _mm256_store_si256(reinterpret_cast<__m256i*>(u.signs),
                      aux_signs(_mm256_permute2x128_si256(p, q, 0x31), out));
-  expand<8, false>(kIQ2XXSGrid, u, out->codes);
 }
 
 // 16 uint16 sign indices (7 bits) to their sign bytes, in 16-bit lanes.
@@ -576,8 +601,7 @@ inline __m256i with_parity16(__m256i x) {
   return _mm256_or_si256(x, _mm256_slli_epi16(_mm256_and_si256(t, _mm256_set1_epi16(1)), 7));
 }
 
-inline void decode_iq2_xs(const uint8_t* super, CodeBlock* out) {
-  Unpacked u;
+inline void unpack_iq2_xs(const uint8_t* super, Unpacked& u, CodeBlock* out) {
   const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 2));
   const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 34));
   const __m256i mask9 = _mm256_set1_epi16(511);
@@ -590,11 +614,9 @@ inline void decode_iq2_xs(const uint8_t* super, CodeBlock* out) {
                                         with_parity16(_mm256_srli_epi16(q1, 9)));
   _mm256_store_si256(reinterpret_cast<__m256i*>(u.signs), _mm256_permute4x64_epi64(s, 0xd8));
   nibble_scales16(super + 66, out);
-  expand<8, false>(kIQ2XSGrid, u, out->codes);
 }
 
-inline void decode_iq2_s(const uint8_t* super, CodeBlock* out) {
-  Unpacked u;
+inline void unpack_iq2_s(const uint8_t* super, Unpacked& u, CodeBlock* out) {
   const __m256i shift = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
   for (int k = 0; k < 4; ++k) {  // 8 groups, two bytes of high index bits
     const __m256i h = _mm256_srlv_epi32(_mm256_set1_epi32(load16(super + 66 + 2 * k)), shift);
@@ -604,20 +626,16 @@ inline void decode_iq2_s(const uint8_t* super, CodeBlock* out) {
   }
   std::memcpy(u.signs, super + 34, 32);
   nibble_scales16(super + 74, out);
-  expand<8, false>(kIQ2SGrid, u, out->codes);
 }
 
-inline void decode_iq3_xxs(const uint8_t* super, CodeBlock* out) {
-  Unpacked u;
+inline void unpack_iq3_xxs(const uint8_t* super, Unpacked& u, CodeBlock* out) {
   for (int k = 0; k < 8; ++k)
     store_index8(&u, 8 * k, _mm256_cvtepu8_epi32(load64(super + 2 + 8 * k)));
   const __m256i aux = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 66));
   _mm256_store_si256(reinterpret_cast<__m256i*>(u.signs), aux_signs(aux, out));
-  expand<4, false>(kIQ3XXSGrid, u, out->codes);
 }
 
-inline void decode_iq3_s(const uint8_t* super, CodeBlock* out) {
-  Unpacked u;
+inline void unpack_iq3_s(const uint8_t* super, Unpacked& u, CodeBlock* out) {
   const __m256i shift = _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1);  // bit k to bit 8
   const __m256i bit8 = _mm256_set1_epi32(256);
   for (int k = 0; k < 8; ++k) {  // 8 entries, one byte of high bits
@@ -629,6 +647,37 @@ inline void decode_iq3_s(const uint8_t* super, CodeBlock* out) {
   const __m128i x = _mm_cvtepu8_epi16(_mm_cvtsi32_si128(static_cast<int>(load32(super + 106))));
   scales32_to_16(_mm_unpacklo_epi16(_mm_and_si128(x, _mm_set1_epi16(15)), _mm_srli_epi16(x, 4)),
                  out);
+}
+
+// The grid types' decoders: their unpacking, then expand (the fused int8 kernel of
+// gguf_q8_dot.h calls the unpacking alone).
+inline void decode_iq2_xxs(const uint8_t* super, CodeBlock* out) {
+  Unpacked u;
+  unpack_iq2_xxs(super, u, out);
+  expand<8, false>(kIQ2XXSGrid, u, out->codes);
+}
+
+inline void decode_iq2_xs(const uint8_t* super, CodeBlock* out) {
+  Unpacked u;
+  unpack_iq2_xs(super, u, out);
+  expand<8, false>(kIQ2XSGrid, u, out->codes);
+}
+
+inline void decode_iq2_s(const uint8_t* super, CodeBlock* out) {
+  Unpacked u;
+  unpack_iq2_s(super, u, out);
+  expand<8, false>(kIQ2SGrid, u, out->codes);
+}
+
+inline void decode_iq3_xxs(const uint8_t* super, CodeBlock* out) {
+  Unpacked u;
+  unpack_iq3_xxs(super, u, out);
+  expand<4, false>(kIQ3XXSGrid, u, out->codes);
+}
+
+inline void decode_iq3_s(const uint8_t* super, CodeBlock* out) {
+  Unpacked u;
+  unpack_iq3_s(super, u, out);
   expand<4, false>(kIQ3SGrid, u, out->codes);
 }
 
@@ -681,6 +730,17 @@ inline void decode_iq1_m(const uint8_t* super, CodeBlock* out) {
 template <>
 struct CodeBlockDecoder<kIQ2_XXS> {
   static constexpr bool kHasMins = false;
+#if HYBRIDLLM_IQ_AVX2_GRID
+  static constexpr const uint64_t* kGrid = kIQ2XXSGrid;
+  static uint32_t grid_index(const uint8_t* super, int g) {
+    return super[2 + 8 * (g / 4) + g % 4];
+  }
+  // d, the scales and the signs (u.signs) unpacked: decode without its codes
+  static void unpack(const uint8_t* super, iq::Unpacked& u, CodeBlock* out) {
+    out->d = half_to_float(iq::load16(super)) * 0.125f;
+    iq::unpack_iq2_xxs(super, u, out);
+  }
+#endif
   static void decode(const uint8_t* super, CodeBlock* out) {
     out->d = half_to_float(iq::load16(super)) * 0.125f;
     iq::clear_mins(out);
@@ -705,6 +765,17 @@ struct CodeBlockDecoder<kIQ2_XXS> {
 template <>
 struct CodeBlockDecoder<kIQ2_XS> {
   static constexpr bool kHasMins = false;
+#if HYBRIDLLM_IQ_AVX2_GRID
+  static constexpr const uint64_t* kGrid = kIQ2XSGrid;
+  static uint32_t grid_index(const uint8_t* super, int g) {
+    return iq::load16(super + 2 + 2 * g) & 511;
+  }
+  // d, the scales and the signs (u.signs) unpacked: decode without its codes
+  static void unpack(const uint8_t* super, iq::Unpacked& u, CodeBlock* out) {
+    out->d = half_to_float(iq::load16(super)) * 0.125f;
+    iq::unpack_iq2_xs(super, u, out);
+  }
+#endif
   static void decode(const uint8_t* super, CodeBlock* out) {
     out->d = half_to_float(iq::load16(super)) * 0.125f;
     iq::clear_mins(out);
@@ -730,6 +801,17 @@ struct CodeBlockDecoder<kIQ2_XS> {
 template <>
 struct CodeBlockDecoder<kIQ2_S> {
   static constexpr bool kHasMins = false;
+#if HYBRIDLLM_IQ_AVX2_GRID
+  static constexpr const uint64_t* kGrid = kIQ2SGrid;
+  static uint32_t grid_index(const uint8_t* super, int g) {
+    return super[2 + g] | ((super[66 + g / 4] >> (2 * (g % 4))) & 3) << 8;
+  }
+  // d, the scales and the signs (u.signs) unpacked: decode without its codes
+  static void unpack(const uint8_t* super, iq::Unpacked& u, CodeBlock* out) {
+    out->d = half_to_float(iq::load16(super)) * 0.125f;
+    iq::unpack_iq2_s(super, u, out);
+  }
+#endif
   static void decode(const uint8_t* super, CodeBlock* out) {
     out->d = half_to_float(iq::load16(super)) * 0.125f;
     iq::clear_mins(out);

@@ -183,8 +183,34 @@ void linear_grouped_typed(const float* x, const int64_t* starts, int64_t groups,
                     });
 }
 
+// An 8 x 8 matrix of 16-bit words transposed: out[r]'s word p is in[p]'s word r.
+inline void transpose_words(const __m128i in[8], __m128i out[8]) {
+  __m128i a[8], b[8];
+  for (int i = 0; i < 4; ++i) {
+    a[2 * i] = _mm_unpacklo_epi16(in[2 * i], in[2 * i + 1]);      // words 0-3 of both
+    a[2 * i + 1] = _mm_unpackhi_epi16(in[2 * i], in[2 * i + 1]);  // words 4-7
+  }
+  for (int h = 0; h < 2; ++h)  // in[0-3], in[4-7]
+    for (int k = 0; k < 2; ++k) {  // words 0-3, 4-7
+      b[4 * h + 2 * k] = _mm_unpacklo_epi32(a[4 * h + k], a[4 * h + 2 + k]);
+      b[4 * h + 2 * k + 1] = _mm_unpackhi_epi32(a[4 * h + k], a[4 * h + 2 + k]);
+    }
+  for (int j = 0; j < 4; ++j) {  // words 2 j, 2 j + 1
+    out[2 * j] = _mm_unpacklo_epi64(b[j], b[4 + j]);
+    out[2 * j + 1] = _mm_unpackhi_epi64(b[j], b[4 + j]);
+  }
+}
+
+// 16 int32 unit scales times d, as floats at out.
+inline void store_unit_scales(__m256i lo, __m256i hi, float d, float* out) {
+  const __m256 dv = _mm256_set1_ps(d);
+  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(lo), dv));
+  _mm256_storeu_ps(out + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(hi), dv));
+}
+
 // The group's 8 rows as the AVX2 int8 GEMM unpacks a Q2_K / Q3_K row (gguf_q8_gemm_avx2_cpu.cpp's
-// unpack_row): the codes (Q3_K's plus 4), d * scale a unit, Q2_K's 4-bit mins and -dmin.
+// unpack_row): the codes (Q3_K's plus 4), d * scale a unit, Q2_K's 4-bit mins and -dmin. A row's
+// 16 scale bytes are word r of each unit pair's 16 bytes: an 8 x 8 transpose of words.
 template <int64_t kType>
 void unpack_group_typed(const uint8_t* group, int64_t K, uint8_t* codes, int64_t code_stride,
                         float* scales, int16_t* min_codes, float* min_scales,
@@ -196,19 +222,32 @@ void unpack_group_typed(const uint8_t* group, int64_t K, uint8_t* codes, int64_t
       unit_codes<kType>(o, q, c);
       avx2_store_chunk_rows(c, codes + 256 * s + 16 * q, code_stride);
     }
+    __m128i pairs[8], rows[8];  // unit pair p's scale bytes; row r's 16, in unit order
+    if constexpr (kType == kQ2_K) {
+      for (int p = 0; p < 8; ++p)
+        pairs[p] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 32 + 16 * p));
+    } else {
+      __m256i q3[4];
+      q3_scales(o, q3);
+      for (int i = 0; i < 4; ++i) {
+        pairs[2 * i] = _mm256_castsi256_si128(q3[i]);
+        pairs[2 * i + 1] = _mm256_extracti128_si256(q3[i], 1);
+      }
+    }
+    transpose_words(pairs, rows);
     for (int r = 0; r < 8; ++r) {
       const float d = half_to_float(load_u16(o + 2 * r));
       float* row_scales = scales + r * unit_stride + 16 * s;
       if constexpr (kType == kQ2_K) {
+        const __m128i low = _mm_and_si128(rows[r], _mm_set1_epi8(15));
+        store_unit_scales(_mm256_cvtepu8_epi32(low), _mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)),
+                          d, row_scales);
+        const __m256i mins = _mm256_srli_epi16(_mm256_cvtepu8_epi16(rows[r]), 4);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(min_codes + r * unit_stride + 16 * s), mins);
         min_scales[r * unit_stride + s] = -half_to_float(load_u16(o + 16 + 2 * r));
-        for (int u = 0; u < 16; ++u) {
-          const uint8_t byte = o[32 + code_unit_index(u, r)];
-          row_scales[u] = d * static_cast<float>(byte & 15);
-          min_codes[r * unit_stride + 16 * s + u] = byte >> 4;
-        }
       } else {
-        for (int u = 0; u < 16; ++u)
-          row_scales[u] = d * static_cast<float>(x8_q3_scale(o, code_unit_index(u, r)) - 32);
+        store_unit_scales(_mm256_cvtepi8_epi32(rows[r]),
+                          _mm256_cvtepi8_epi32(_mm_srli_si128(rows[r], 8)), d, row_scales);
       }
     }
   }

@@ -146,8 +146,9 @@ def test_fused_moe_equals_the_source_type(fmt):
         # The gate / up sums agree up to fp32 rounding, but SiLU-and-mul's output is quantized
         # to int8 again for the down projection, where a value on a rounding boundary can land
         # one step apart in the two (a whole token's row then differs by ~1%; one random input
-        # in ~50 did): both are held to their distance from the float computation instead, and
-        # most rows must still agree closely.
+        # in ~50 did, Q2_K on AVX2 1 seed in 40 at 3 tokens): both are held to their distance
+        # from the float computation instead, and all rows but one in ten (at least one) must
+        # still agree closely.
         exact = torch.zeros(n, hidden)
         for t in range(n):
             for j in range(2):
@@ -156,7 +157,7 @@ def test_fused_moe_equals_the_source_type(fmt):
         scale = exact.abs().max()
         assert (got - exact).abs().max() <= 1.5 * (ref - exact).abs().max() + 1e-6 * scale
         close_rows = ((got - ref).abs() <= 1e-4 * scale).all(dim=1)
-        assert close_rows.float().mean() >= 0.9
+        assert (~close_rows).sum() <= max(1, n // 10)
     x, ids, weights = torch.randn(1, hidden), torch.tensor([[0, 1]]), torch.rand(1, 2)
     with pytest.raises(RuntimeError, match="not a multiple of 8"):  # part of a group
         torch.ops.hybridllm.fused_moe(

@@ -651,34 +651,27 @@ inline void unpack_iq3_s(const uint8_t* super, Unpacked& u, CodeBlock* out) {
 
 // The grid types' decoders: their unpacking, then expand (the fused int8 kernel of
 // gguf_q8_dot.h calls the unpacking alone).
+template <int kWidth, class Entry>
+inline void decode_grid(const Entry* grid, void (*unpack)(const uint8_t*, Unpacked&, CodeBlock*),
+                        const uint8_t* super, CodeBlock* out) {
+  Unpacked u;
+  unpack(super, u, out);
+  expand<kWidth, false>(grid, u, out->codes);
+}
 inline void decode_iq2_xxs(const uint8_t* super, CodeBlock* out) {
-  Unpacked u;
-  unpack_iq2_xxs(super, u, out);
-  expand<8, false>(kIQ2XXSGrid, u, out->codes);
+  decode_grid<8>(kIQ2XXSGrid, unpack_iq2_xxs, super, out);
 }
-
 inline void decode_iq2_xs(const uint8_t* super, CodeBlock* out) {
-  Unpacked u;
-  unpack_iq2_xs(super, u, out);
-  expand<8, false>(kIQ2XSGrid, u, out->codes);
+  decode_grid<8>(kIQ2XSGrid, unpack_iq2_xs, super, out);
 }
-
 inline void decode_iq2_s(const uint8_t* super, CodeBlock* out) {
-  Unpacked u;
-  unpack_iq2_s(super, u, out);
-  expand<8, false>(kIQ2SGrid, u, out->codes);
+  decode_grid<8>(kIQ2SGrid, unpack_iq2_s, super, out);
 }
-
 inline void decode_iq3_xxs(const uint8_t* super, CodeBlock* out) {
-  Unpacked u;
-  unpack_iq3_xxs(super, u, out);
-  expand<4, false>(kIQ3XXSGrid, u, out->codes);
+  decode_grid<4>(kIQ3XXSGrid, unpack_iq3_xxs, super, out);
 }
-
 inline void decode_iq3_s(const uint8_t* super, CodeBlock* out) {
-  Unpacked u;
-  unpack_iq3_s(super, u, out);
-  expand<4, false>(kIQ3SGrid, u, out->codes);
+  decode_grid<4>(kIQ3SGrid, unpack_iq3_s, super, out);
 }
 
 inline void decode_iq1_s(const uint8_t* super, CodeBlock* out) {

@@ -108,11 +108,6 @@ constexpr int64_t code_pair_offset(int p) {
 // Q2_K / Q3_K: the group's scale j of unit u (16 weights) of row r; the two units of a pair side
 // by side for each row, as vpmaddwd / vpdpwssd take them as int16 pairs.
 constexpr int code_unit_index(int u, int r) { return 16 * (u / 2) + 2 * r + u % 2; }
-// Q3_K's 6-bit scale j (0-127, code_unit_index) of the group super-block at o (0..63; the
-// weight's scale is this minus 32).
-inline int x8_q3_scale(const uint8_t* o, int j) {
-  return ((o[16 + j % 64] >> (4 * (j / 64))) & 15) | ((o[80 + j % 32] >> (2 * (j / 32))) & 3) << 4;
-}
 
 // The 32-weight block types with an x8 form (gguf_x8_block_cpu.cpp).
 constexpr bool is_block_x8_source(int64_t type) {
@@ -209,6 +204,21 @@ inline void avx2_store_chunk_rows(const __m256i c[4], uint8_t* dst, int64_t stri
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (r + 4) * stride),
                      _mm256_extracti128_si256(rows[r], 1));
   }
+}
+
+// The AVX2 x8 kernels' walk over groups [g0, g1) and tiles of 2 rows of x (each group super-block's
+// codes decoded once for both, and the tile's sums and codes kept in the 16 vector registers):
+// tile(g, r0, rows, first), rows a std::integral_constant<int, 1 or 2>; `first`: the tile that
+// reads the group from memory (and prefetches ahead).
+template <class Tile>
+void avx2_x8_tiles(int64_t M, int64_t g0, int64_t g1, Tile tile) {
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t r0 = 0; r0 < M; r0 += 2) {
+      if (M - r0 == 1)
+        tile(g, r0, std::integral_constant<int, 1>{}, r0 == 0);
+      else
+        tile(g, r0, std::integral_constant<int, 2>{}, r0 == 0);
+    }
 }
 
 // x8_linear_grouped's and x8_unpack_group's kernels on AVX2 builds for Q4_K, Q5_K and Q6_K
@@ -356,6 +366,15 @@ void block_x8_linear_grouped(int64_t source_type, const float* x, const int64_t*
 void block_x8_unpack_group(int64_t source_type, const uint8_t* group, int64_t K, uint8_t* codes,
                            int64_t code_stride, float* scales, float* mins, int64_t unit_stride);
 #endif
+
+// body(std::integral_constant<int64_t, T>) for source type T: kQ2_K, else kQ3_K.
+template <class Body>
+void dispatch_code_x8(int64_t source_type, Body body) {
+  if (source_type == kQ2_K)
+    body(std::integral_constant<int64_t, kQ2_K>{});
+  else
+    body(std::integral_constant<int64_t, kQ3_K>{});
+}
 
 // Q2_K and Q3_K's groups (gguf_x8_code_cpu.cpp; source_type kQ2_K or kQ3_K): `nsb` super-blocks
 // of 8 source rows (src, rows nsb super-blocks apart) into one group (repack), or back.

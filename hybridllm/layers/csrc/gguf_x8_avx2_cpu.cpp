@@ -24,10 +24,6 @@
 namespace hybridllm_gguf {
 namespace {
 
-// Rows of x a tile: each group super-block's codes are decoded once for all of them. 2, so that
-// a tile's sums and the decoded codes stay in the 16 vector registers (4 was not measured).
-constexpr int kTileRows = 2;
-
 // 8 bytes of the rows' scales as the 16-bit pairs vpmaddwd takes: lane r's two words row r's
 // scale (unsigned: Q4_K's sub-block scales; signed: Q6_K's chunk scales).
 template <bool kSigned>
@@ -88,7 +84,8 @@ inline void chunk_codes(const uint8_t* o, int q, __m256i codes[4]) {
 
 // y[r * ldy + i] = dot(x row r, weight row i of the group at wg) for the kRows rows of x, x
 // quantized in groups of 256 (xq), and for Q4_K / Q5_K their k_min_pair sums (min_pairs, 4 nsb
-// a row; null for Q6_K); `first`: the tile that reads the group from memory, which prefetches ahead.
+// a row; null for Q6_K); `first`: the tile that reads the group from memory, which prefetches
+// ahead.
 template <int64_t kType, int kRows>
 void group_tile(const Q8Rows& xq, const int32_t* min_pairs, int64_t nsb, const uint8_t* wg,
                 float* y, int64_t ldy, bool first, const PrefetchWindow& prefetch) {
@@ -186,19 +183,11 @@ void groups_typed(const Q8Rows& x, const int32_t* min_pairs, int64_t M, int64_t 
                   const uint8_t* w, float* y, int64_t ldy, int64_t g0, int64_t g1,
                   const PrefetchWindow& prefetch) {
   const int64_t nsb = K / 256, group_bytes = nsb * kGroupBytes<kType>;
-  for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* wg = w + g * group_bytes;
-    for (int64_t r0 = 0; r0 < M; r0 += kTileRows) {
-      const Q8Rows xt = x.row(r0);
-      const int32_t* pt = kType == kQ6_K ? nullptr : min_pairs + r0 * 4 * nsb;
-      float* yt = y + r0 * ldy + 8 * g;
-      const bool first = r0 == 0;  // the weights come from memory once, for the first tile
-      if (M - r0 == 1)
-        group_tile<kType, 1>(xt, pt, nsb, wg, yt, ldy, first, prefetch);
-      else
-        group_tile<kType, 2>(xt, pt, nsb, wg, yt, ldy, first, prefetch);
-    }
-  }
+  avx2_x8_tiles(M, g0, g1, [&](int64_t g, int64_t r0, auto rows, bool first) {
+    const int32_t* pairs = kType == kQ6_K ? nullptr : min_pairs + r0 * 4 * nsb;
+    group_tile<kType, decltype(rows)::value>(x.row(r0), pairs, nsb, w + g * group_bytes,
+                                             y + r0 * ldy + 8 * g, ldy, first, prefetch);
+  });
 }
 
 template <int64_t kType>

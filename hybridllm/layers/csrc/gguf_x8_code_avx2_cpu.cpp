@@ -23,9 +23,6 @@ namespace {
 
 static_assert(kGroupBytes<kQ2_K> == 8 * 84 && kGroupBytes<kQ3_K> == 8 * 110);
 
-// Rows of x a tile: each group super-block's codes are decoded once for all of them.
-constexpr int kTileRows = 2;
-
 // Unit q's (chunk q's) four code vectors as unsigned bytes, vector k (lane r) row r's codes of
 // weights 16 q + 4 k .. + 3: field f = 2 (q % 2) + k / 2 of the pair's first (k even) or last
 // (k odd) 32 code bytes; Q3_K's high bit added as 4 (its codes are then code + 4).
@@ -157,17 +154,10 @@ template <int64_t kType>
 void groups_typed(const Q8Rows& x, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t ldy,
                   int64_t g0, int64_t g1, const PrefetchWindow& prefetch) {
   const int64_t nsb = K / 256, group_bytes = nsb * kGroupBytes<kType>;
-  for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* wg = w + g * group_bytes;
-    for (int64_t r0 = 0; r0 < M; r0 += kTileRows) {
-      float* yt = y + r0 * ldy + 8 * g;
-      const bool first = r0 == 0;  // the weights come from memory once, for the first tile
-      if (M - r0 == 1)
-        group_tile<kType, 1>(x.row(r0), nsb, wg, yt, ldy, first, prefetch);
-      else
-        group_tile<kType, 2>(x.row(r0), nsb, wg, yt, ldy, first, prefetch);
-    }
-  }
+  avx2_x8_tiles(M, g0, g1, [&](int64_t g, int64_t r0, auto rows, bool first) {
+    group_tile<kType, decltype(rows)::value>(x.row(r0), nsb, w + g * group_bytes,
+                                             y + r0 * ldy + 8 * g, ldy, first, prefetch);
+  });
 }
 
 template <int64_t kType>
@@ -253,21 +243,12 @@ void unpack_group_typed(const uint8_t* group, int64_t K, uint8_t* codes, int64_t
   }
 }
 
-// body(std::integral_constant<int64_t, T>) for source type T (Q2_K or Q3_K)
-template <class Body>
-void dispatch_code(int64_t source_type, Body body) {
-  if (source_type == kQ2_K)
-    body(std::integral_constant<int64_t, kQ2_K>{});
-  else
-    body(std::integral_constant<int64_t, kQ3_K>{});
-}
-
 }  // namespace
 
 void code_x8_linear_grouped(int64_t source_type, const float* x, const int64_t* starts,
                             int64_t groups, int64_t K, const uint8_t* const* weights, int64_t N,
                             float* y) {
-  dispatch_code(source_type, [&](auto type) {
+  dispatch_code_x8(source_type, [&](auto type) {
     linear_grouped_typed<decltype(type)::value>(x, starts, groups, K, weights, N, y);
   });
 }
@@ -275,7 +256,7 @@ void code_x8_linear_grouped(int64_t source_type, const float* x, const int64_t* 
 void code_x8_unpack_group(int64_t source_type, const uint8_t* group, int64_t K, uint8_t* codes,
                           int64_t code_stride, float* scales, int16_t* min_codes,
                           float* min_scales, int64_t unit_stride) {
-  dispatch_code(source_type, [&](auto type) {
+  dispatch_code_x8(source_type, [&](auto type) {
     unpack_group_typed<decltype(type)::value>(group, K, codes, code_stride, scales, min_codes,
                                               min_scales, unit_stride);
   });

@@ -48,6 +48,12 @@ inline void or_q3_scale(uint8_t* s, int k, int v) {
   s[8 + k % 4] |= static_cast<uint8_t>((v >> 4) << (2 * (k / 4)));
 }
 
+// Q3_K x8's 6-bit scale j (0-127, code_unit_index): low 4 bits in byte 16 + j % 64 (nibble
+// j / 64), top 2 at bits 2 (j / 32) of byte 80 + j % 32.
+inline int x8_q3_scale(const uint8_t* o, int j) {
+  return ((o[16 + j % 64] >> (4 * (j / 64))) & 15) | ((o[80 + j % 32] >> (2 * (j / 32))) & 3) << 4;
+}
+
 template <int64_t kType>
 void repack_group(const uint8_t* rows, int64_t nsb, uint8_t* out) {
   constexpr int64_t kSource = kSourceBytes<kType>, kGroup = kGroupBytes<kType>;
@@ -76,10 +82,11 @@ void repack_group(const uint8_t* rows, int64_t nsb, uint8_t* out) {
         for (int f = 0; f < 4; ++f) {
           const CodePlace c = code_place(p, i, f);
           const uint8_t* q = source(c.row);
-          o[code_pair_offset<kType>(p) + i] |= static_cast<uint8_t>(two_bit(q + kQs, c.weight) << 2 * f);
+          uint8_t* pair = o + code_pair_offset<kType>(p);
+          pair[i] |= static_cast<uint8_t>(two_bit(q + kQs, c.weight) << 2 * f);
           if constexpr (kType == kQ3_K)
             if ((q[c.weight % 32] >> (c.weight / 32)) & 1)
-              o[code_pair_offset<kType>(p) + 64 + 8 * f + i / 8] |= static_cast<uint8_t>(1 << (i % 8));
+              pair[64 + 8 * f + i / 8] |= static_cast<uint8_t>(1 << (i % 8));
         }
   }
 }
@@ -100,7 +107,8 @@ void unpack_group(const uint8_t* group, int64_t nsb, uint8_t* rows) {
         for (int u = 0; u < 16; ++u) q[u] = o[32 + code_unit_index(u, r)];
       } else {
         std::memcpy(q + 108, o + 2 * r, 2);
-        for (int u = 0; u < 16; ++u) or_q3_scale(q + 96, u, x8_q3_scale(o, code_unit_index(u, r)));
+        for (int u = 0; u < 16; ++u)
+          or_q3_scale(q + 96, u, x8_q3_scale(o, code_unit_index(u, r)));
       }
     }
     for (int p = 0; p < 8; ++p)
@@ -374,19 +382,11 @@ void unpack_for_gemm(const uint8_t* group, int64_t K, uint8_t* codes, int64_t co
 }
 #endif
 
-template <class Body>
-void dispatch_code(int64_t source_type, Body body) {
-  if (source_type == kQ2_K)
-    body(std::integral_constant<int64_t, kQ2_K>{});
-  else
-    body(std::integral_constant<int64_t, kQ3_K>{});
-}
-
 }  // namespace
 
 void code_x8_convert(int64_t source_type, const uint8_t* src, int64_t nsb, uint8_t* dst,
                      bool repack) {
-  dispatch_code(source_type, [&](auto type) {
+  dispatch_code_x8(source_type, [&](auto type) {
     constexpr int64_t kType = decltype(type)::value;
     if (repack)
       repack_group<kType>(src, nsb, dst);
@@ -399,7 +399,7 @@ void code_x8_convert(int64_t source_type, const uint8_t* src, int64_t nsb, uint8
 void code_x8_linear_grouped(int64_t source_type, const float* x, const int64_t* starts,
                             int64_t groups, int64_t K, const uint8_t* const* weights, int64_t N,
                             float* y) {
-  dispatch_code(source_type, [&](auto type) {
+  dispatch_code_x8(source_type, [&](auto type) {
     grouped_typed<decltype(type)::value>(x, starts, groups, K, weights, N, y);
   });
 }
@@ -407,7 +407,7 @@ void code_x8_linear_grouped(int64_t source_type, const float* x, const int64_t* 
 void code_x8_unpack_group(int64_t source_type, const uint8_t* group, int64_t K, uint8_t* codes,
                           int64_t code_stride, float* scales, int16_t* min_codes,
                           float* min_scales, int64_t unit_stride) {
-  dispatch_code(source_type, [&](auto type) {
+  dispatch_code_x8(source_type, [&](auto type) {
     unpack_for_gemm<decltype(type)::value>(group, K, codes, code_stride, scales, min_codes,
                                            min_scales, unit_stride);
   });

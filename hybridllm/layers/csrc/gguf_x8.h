@@ -43,9 +43,13 @@
 //   [0, 16)      d of rows 0-7, fp16
 //   [16, 80)     the low 4 bits of 6-bit scale j: nibble j / 64 of byte 16 + j % 64
 //   [80, 112)    its top 2 bits: bits 2 (j / 32) of byte 80 + j % 32
-//   [112, 880)   chunk pair p at 112 + 96 p: its 64 code bytes (q, Q3_K's low 2 bits), then 8
-//                bytes each field f: bit i set where code byte i's field has Q3_K's high bit set
+//   [112, 880)   chunk pair p at 112 + 96 p: its 64 code bytes (q, Q3_K's low 2 bits), then 32
+//                bytes of their high bits (q3_high_place): with AVX-512, 8 bytes each field f,
+//                bit i set where code byte i's field has Q3_K's high bit set (a mask); AVX2
+//                builds keep code byte i's 4 in the nibble i / 32 of byte i % 32, field f at its
+//                bit f, to shift into place
 //   Weight = d * (scale - 32) * (q - 4 where the high bit is clear), as in Q3_K.
+// The layouts are in memory only (repacked at load by the build that computes them).
 // Q4_0, Q4_1, Q8_0 and IQ4_NL (gguf_x8_block_cpu.cpp) go a 32-weight block at a time, chunks 0
 // and 1 (weights 0-15, 16-31) as the K-quants' chunks:
 // Q4_0 / IQ4_NL / Q4_1 (144 / 144 / 160 bytes):
@@ -73,6 +77,12 @@
 #include "gguf_prefetch.h"
 #include "gguf_q8_linear.h"
 #include "gguf_q8_simd.h"
+
+// AVX2 builds without AVX-512 have x8 kernels for the K-quants only: Q4_K, Q5_K, Q6_K
+// (gguf_x8_avx2_cpu.cpp), Q2_K and Q3_K (gguf_x8_code_avx2_cpu.cpp).
+#if defined(HYBRIDLLM_Q8_AVX2) && !defined(HYBRIDLLM_Q8_AVX512)
+#define HYBRIDLLM_X8_AVX2 1
+#endif
 
 namespace hybridllm_gguf {
 
@@ -105,6 +115,17 @@ template <int64_t kType>
 constexpr int64_t code_pair_offset(int p) {
   return kType == kQ2_K ? 160 + 64 * p : 112 + 96 * p;
 }
+// Q3_K: where chunk pair code byte i's field f keeps its high bit, from the pair's start.
+struct HighBitPlace {
+  int byte, bit;
+};
+constexpr HighBitPlace q3_high_place(int i, int f) {
+#if defined(HYBRIDLLM_X8_AVX2)
+  return {64 + i % 32, 4 * (i / 32) + f};
+#else
+  return {64 + 8 * f + i / 8, i % 8};
+#endif
+}
 // Q2_K / Q3_K: the group's scale j of unit u (16 weights) of row r; the two units of a pair side
 // by side for each row, as vpmaddwd / vpdpwssd take them as int16 pairs.
 constexpr int code_unit_index(int u, int r) { return 16 * (u / 2) + 2 * r + u % 2; }
@@ -116,12 +137,6 @@ constexpr bool is_block_x8_source(int64_t type) {
 
 // The x8 types and their source types: gguf_types.h (x8_type_of, x8_source_type, is_x8_type;
 // dispatch_gguf_type<kX8Kernels> gives a body the source type).
-
-// AVX2 builds without AVX-512 have x8 kernels for the K-quants only: Q4_K, Q5_K, Q6_K
-// (gguf_x8_avx2_cpu.cpp), Q2_K and Q3_K (gguf_x8_code_avx2_cpu.cpp).
-#if defined(HYBRIDLLM_Q8_AVX2) && !defined(HYBRIDLLM_Q8_AVX512)
-#define HYBRIDLLM_X8_AVX2 1
-#endif
 
 // x's sums over a K-quant's sub-blocks 2 p and 2 p + 1, from its four 16-value bsums at b, as
 // the int16 pair a 32-bit lane holds against the two sub-blocks' min codes (vpmaddwd); each sum

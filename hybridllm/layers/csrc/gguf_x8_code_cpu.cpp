@@ -85,8 +85,10 @@ void repack_group(const uint8_t* rows, int64_t nsb, uint8_t* out) {
           uint8_t* pair = o + code_pair_offset<kType>(p);
           pair[i] |= static_cast<uint8_t>(two_bit(q + kQs, c.weight) << 2 * f);
           if constexpr (kType == kQ3_K)
-            if ((q[c.weight % 32] >> (c.weight / 32)) & 1)
-              pair[64 + 8 * f + i / 8] |= static_cast<uint8_t>(1 << (i % 8));
+            if ((q[c.weight % 32] >> (c.weight / 32)) & 1) {
+              const HighBitPlace h = q3_high_place(i, f);
+              pair[h.byte] |= static_cast<uint8_t>(1 << h.bit);
+            }
         }
   }
 }
@@ -117,9 +119,11 @@ void unpack_group(const uint8_t* group, int64_t nsb, uint8_t* rows) {
           const CodePlace c = code_place(p, i, f);
           uint8_t* q = source(c.row);
           or_two_bit(q + kQs, c.weight, (o[code_pair_offset<kType>(p) + i] >> 2 * f) & 3);
-          if constexpr (kType == kQ3_K)
-            if ((o[code_pair_offset<kType>(p) + 64 + 8 * f + i / 8] >> (i % 8)) & 1)
+          if constexpr (kType == kQ3_K) {
+            const HighBitPlace h = q3_high_place(i, f);
+            if ((o[code_pair_offset<kType>(p) + h.byte] >> h.bit) & 1)
               q[c.weight % 32] |= static_cast<uint8_t>(1 << (c.weight / 32));
+          }
         }
   }
 }

@@ -54,8 +54,8 @@
 #define HYBRIDLLM_IQ_AVX512 0
 #define HYBRIDLLM_IQ_SIMD 0
 #endif
-// AVX2 builds without AVX-512: IQ2_XXS, IQ2_XS and IQ2_S also serve gguf_q8_dot.h's q8_dot_grid
-// (their CodeBlockDecoder's kGrid, grid_index and unpack).
+// AVX2 builds without AVX-512: IQ2_XXS, IQ2_XS and IQ2_S also serve the grid path of
+// gguf_q8_dot.h's q8_dot_code_blocks (their CodeBlockDecoder's kGrid, grid_index and unpack).
 #define HYBRIDLLM_IQ_AVX2_GRID (HYBRIDLLM_IQ_SIMD && !HYBRIDLLM_IQ_AVX512)
 
 #if defined(__AVX2__) || defined(__F16C__)

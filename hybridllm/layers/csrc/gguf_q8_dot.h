@@ -179,74 +179,22 @@ constexpr int code_block_offset() {
     return -1;
 }
 
-#if HYBRIDLLM_IQ_AVX2_GRID
-// Whether a CodeBlockDecoder serves q8_dot_grid (kGrid, grid_index, unpack).
+// Whether a CodeBlockDecoder serves q8_dot_code_blocks's grid path (kGrid, grid_index, unpack:
+// IQ2_XXS, IQ2_XS and IQ2_S on AVX2 builds).
 template <class D, class = void>
 struct has_grid_unpack : std::false_type {};
 template <class D>
 struct has_grid_unpack<D, std::void_t<decltype(D::kGrid)>> : std::true_type {};
 
-// q8_dot_code_blocks for IQ2_XXS, IQ2_XS and IQ2_S on AVX2 builds: the grid's values (unsigned)
-// meet x with the weights' signs applied to x (vpsignb), instead of signed codes being stored,
-// read back, and split again into magnitudes and signs for every row of x. On a Zen 3 core
-// (IQ2_XXS, 1024 x 2048 from L3, one row of x): 69 against 86 cycles a row's super-block.
-template <class S, int64_t kType, int kRows, int kCols>
-void q8_dot_grid(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
-                 int64_t ldy, const PrefetchWindow& prefetch) {
-  using V = typename S::V;
-  using Decoder = CodeBlockDecoder<kType>;
-  constexpr int64_t kSuper = gguf_type_info(kType).unit_bytes;
-  const __m256i one = _mm256_set1_epi8(1);
-  __m256 acc[kRows][kCols];
-  for (int r = 0; r < kRows; ++r)
-    for (int c = 0; c < kCols; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t sb = 0; sb < K / kCodeBlockWeights; ++sb) {
-    prefetch_ahead(prefetch, w, kCols, sb * kSuper, kSuper);
-#pragma GCC unroll 4
-    for (int c = 0; c < kCols; ++c) {
-      const uint8_t* super = w + c * row_bytes + sb * kSuper;
-      iq::Unpacked u;  // its signs
-      CodeBlock cb;    // d and the scales
-      Decoder::unpack(super, u, &cb);
-      V sums[kRows][2];
-      for (int r = 0; r < kRows; ++r) sums[r][0] = sums[r][1] = S::zero();
-#pragma GCC unroll 4
-      for (int z = 0; z < 4; ++z) {  // weights 64 z .. 64 z + 63: units 4 z .. 4 z + 3
-        // groups g .. g + 3, their indices read from the super-block: from the unpacked
-        // indices (vpextrd out of the vectors, or loads of their stores) IQ2_XXS took 1.1x the
-        // time (a Zen 3 core, 1024 x 2048 from L3)
-        const auto values4 = [&](int g) {
-          return iq::table_entries4(
-              Decoder::kGrid, Decoder::grid_index(super, g), Decoder::grid_index(super, g + 1),
-              Decoder::grid_index(super, g + 2), Decoder::grid_index(super, g + 3));
-        };
-        const V values = {values4(8 * z), values4(8 * z + 4)};
-        // -1 where the weight is negative, else 1
-        const V signs = {_mm256_or_si256(iq::sign_mask(u.signs + 8 * z), one),
-                         _mm256_or_si256(iq::sign_mask(u.signs + 8 * z + 4), one)};
-        const V sc = S::code_scales(cb.scales, z);
-        const int8_t* xq = x.q + sb * kCodeBlockWeights + 64 * z;
-        for (int r = 0; r < kRows; ++r)
-          sums[r][z % 2] = S::dot_scaled(sums[r][z % 2], values,
-                                         S::signed_x(S::load64(xq + r * x.q_stride), signs), sc);
-      }
-      for (int r = 0; r < kRows; ++r) {
-        const __m256i total = S::fold(S::add32(sums[r][0], sums[r][1]));
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total),
-                                    _mm256_set1_ps(cb.d * x.row(r).d[sb]), acc[r][c]);
-      }
-    }
-  }
-  for (int r = 0; r < kRows; ++r)
-    for (int c = 0; c < kCols; ++c) y[r * ldy + c] = sum8(acc[r][c]);
-}
-#endif
-
 // q8_dot_super_blocks for a type computed as code blocks: each weight row's super-block decoded
 // once (its CodeBlockDecoder), its signed codes meeting every row of x as |code| times x with
 // the code's sign, or as code + kCodeOffset (vpmaddubsw), times the int16 unit scales into int32
 // (vpdpwssd); then one float multiply a super-block with d * dx, and the mins' dmin * dx *
-// sum_j min_j * bsum_j.
+// sum_j min_j * bsum_j. Grid decoders with an unpacking (has_grid_unpack) skip the codes: the
+// grid's unsigned values meet x with the weights' signs applied to x (vpsignb), instead of signed
+// codes being stored, read back and split again into magnitudes and signs for every row of x. On
+// a Zen 3 core (IQ2_XXS, 1024 x 2048 from L3, one row of x): 69 against 86 cycles a row's
+// super-block.
 template <class S, int64_t kType, int kRows, int kCols>
 void q8_dot_code_blocks(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
                         int64_t ldy, const PrefetchWindow& prefetch) {
@@ -255,6 +203,7 @@ void q8_dot_code_blocks(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, in
   constexpr int64_t kSuper = gguf_type_info(kType).unit_bytes;
   constexpr int kOffset = code_offset<Decoder>::value;
   static_assert(kOffset <= 128, "codes + kCodeOffset must fit vpmaddubsw's unsigned bytes");
+  constexpr bool kGrid = has_grid_unpack<Decoder>::value;
   __m256 acc[kRows][kCols];
   for (int r = 0; r < kRows; ++r)
     for (int c = 0; c < kCols; ++c) acc[r][c] = _mm256_setzero_ps();
@@ -263,23 +212,52 @@ void q8_dot_code_blocks(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, in
     prefetch_ahead(prefetch, w, kCols, sb * kSuper, kSuper);
 #pragma GCC unroll 4
     for (int c = 0; c < kCols; ++c) {
-      Decoder::decode(w + c * row_bytes + sb * kSuper, &cb[c]);
+      const uint8_t* super = w + c * row_bytes + sb * kSuper;
       V sums[kRows][2];
       for (int r = 0; r < kRows; ++r) sums[r][0] = sums[r][1] = S::zero();
+      if constexpr (kGrid) {
+        iq::Unpacked u;  // its signs; cb[c] takes d and the scales
+        Decoder::unpack(super, u, &cb[c]);
+        const __m256i one = _mm256_set1_epi8(1);
 #pragma GCC unroll 4
-      for (int z = 0; z < 4; ++z) {  // codes 64 z .. 64 z + 63: units 4 z .. 4 z + 3
-        const V codes = S::load64(cb[c].codes + 64 * z), sc = S::code_scales(cb[c].scales, z);
-        const int8_t* xq = x.q + sb * kCodeBlockWeights + 64 * z;
-        if constexpr (kOffset >= 0) {
-          const V u = kOffset > 0 ? S::add8(codes, kOffset) : codes;
-          for (int r = 0; r < kRows; ++r)
-            sums[r][z % 2] = S::dot_scaled(sums[r][z % 2], u, S::load64(xq + r * x.q_stride), sc);
-        } else {
-          const V magnitudes = S::abs8(codes);
-          const typename S::Signs signs = S::code_signs(codes);
+        for (int z = 0; z < 4; ++z) {  // weights 64 z .. 64 z + 63: units 4 z .. 4 z + 3
+          // groups g .. g + 3, their indices read from the super-block: from the unpacked
+          // indices (vpextrd out of the vectors, or loads of their stores) IQ2_XXS took 1.1x
+          // the time (a Zen 3 core, 1024 x 2048 from L3)
+          const auto values4 = [&](int g) {
+            return iq::table_entries4(
+                Decoder::kGrid, Decoder::grid_index(super, g), Decoder::grid_index(super, g + 1),
+                Decoder::grid_index(super, g + 2), Decoder::grid_index(super, g + 3));
+          };
+          const V values = {values4(8 * z), values4(8 * z + 4)};
+          // -1 where the weight is negative, else 1
+          const V signs = {_mm256_or_si256(iq::sign_mask(u.signs + 8 * z), one),
+                           _mm256_or_si256(iq::sign_mask(u.signs + 8 * z + 4), one)};
+          const V sc = S::code_scales(cb[c].scales, z);
+          const int8_t* xq = x.q + sb * kCodeBlockWeights + 64 * z;
           for (int r = 0; r < kRows; ++r)
             sums[r][z % 2] = S::dot_scaled(
-                sums[r][z % 2], magnitudes, S::signed_x(S::load64(xq + r * x.q_stride), signs), sc);
+                sums[r][z % 2], values, S::signed_x(S::load64(xq + r * x.q_stride), signs), sc);
+        }
+      } else {
+        Decoder::decode(super, &cb[c]);
+#pragma GCC unroll 4
+        for (int z = 0; z < 4; ++z) {  // codes 64 z .. 64 z + 63: units 4 z .. 4 z + 3
+          const V codes = S::load64(cb[c].codes + 64 * z), sc = S::code_scales(cb[c].scales, z);
+          const int8_t* xq = x.q + sb * kCodeBlockWeights + 64 * z;
+          if constexpr (kOffset >= 0) {
+            const V u = kOffset > 0 ? S::add8(codes, kOffset) : codes;
+            for (int r = 0; r < kRows; ++r)
+              sums[r][z % 2] =
+                  S::dot_scaled(sums[r][z % 2], u, S::load64(xq + r * x.q_stride), sc);
+          } else {
+            const V magnitudes = S::abs8(codes);
+            const typename S::Signs signs = S::code_signs(codes);
+            for (int r = 0; r < kRows; ++r)
+              sums[r][z % 2] =
+                  S::dot_scaled(sums[r][z % 2], magnitudes,
+                                S::signed_x(S::load64(xq + r * x.q_stride), signs), sc);
+          }
         }
       }
       // the offset's share: offset * scale_j, times each row's bsums

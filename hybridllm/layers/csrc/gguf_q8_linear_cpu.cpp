@@ -35,19 +35,12 @@ constexpr int64_t kRowTile = 5;
 template <class S, int64_t kType, int kRows, int kCols>
 void tile(const Q8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t ldy,
           const PrefetchWindow& prefetch) {
-  if constexpr (is_code_block_type(kType)) {
-#if HYBRIDLLM_IQ_AVX2_GRID
-    if constexpr (has_grid_unpack<CodeBlockDecoder<kType>>::value) {
-      q8_dot_grid<S, kType, kRows, kCols>(x, w, row_bytes, K, y, ldy, prefetch);
-      return;
-    }
-#endif
+  if constexpr (is_code_block_type(kType))
     q8_dot_code_blocks<S, kType, kRows, kCols>(x, w, row_bytes, K, y, ldy, prefetch);
-  } else if constexpr (is_k_quant(kType)) {
+  else if constexpr (is_k_quant(kType))
     q8_dot_super_blocks<S, kType, kRows, kCols>(x, w, row_bytes, K, y, ldy, prefetch);
-  } else {
+  else
     q8_dot_blocks<S, kType, kRows, kCols>(x, w, row_bytes, K / kBlock, y, ldy, prefetch);
-  }
 }
 
 template <class S, int64_t kType, int kCols, int... kRows>

@@ -94,11 +94,7 @@ void group_tile(const Q8Rows& xq, const int32_t* min_pairs, int64_t nsb, const u
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t s = 0; s < nsb; ++s) {
     const uint8_t* o = wg + s * kBytes;
-    if (first) {
-      const char* ahead = reinterpret_cast<const char*>(o) + prefetch.distance;
-      if (ahead < prefetch.stop)
-        for (int64_t b = 0; b < kBytes; b += 64) prefetch_line(ahead + b, prefetch.streaming);
-    }
+    if (first) prefetch_ahead(prefetch, o, 1, 0, kBytes);
     __m256i sums[kRows];
     for (int r = 0; r < kRows; ++r) sums[r] = _mm256_setzero_si256();
     __m256i codes[4], products[4];

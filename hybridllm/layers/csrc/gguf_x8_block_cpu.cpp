@@ -159,11 +159,7 @@ void block_group_tile(const BlockRows& x, const uint8_t* wg, float* y, int64_t l
   }
   for (int64_t b = 0; b < x.nb; ++b) {
     const uint8_t* o = wg + b * kBytes;
-    if (first) {
-      const char* ahead = reinterpret_cast<const char*>(o) + prefetch.distance;
-      if (ahead < prefetch.stop)
-        for (int64_t i = 0; i < kBytes; i += 64) prefetch_line(ahead + i, prefetch.streaming);
-    }
+    if (first) prefetch_ahead(prefetch, o, 1, 0, kBytes);
     const __m512i v[4] = {block_codes<kType>(o, 0, 0), block_codes<kType>(o, 0, 1),
                           block_codes<kType>(o, 1, 0), block_codes<kType>(o, 1, 1)};
     const __m512 d = _mm512_cvtph_ps(

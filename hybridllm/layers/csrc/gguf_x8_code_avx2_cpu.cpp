@@ -92,11 +92,7 @@ void group_tile(const Q8Rows& xq, int64_t nsb, const uint8_t* wg, float* y, int6
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t s = 0; s < nsb; ++s) {
     const uint8_t* o = wg + s * kBytes;
-    if (first) {
-      const char* ahead = reinterpret_cast<const char*>(o) + prefetch.distance;
-      if (ahead < prefetch.stop)
-        for (int64_t b = 0; b < kBytes; b += 64) prefetch_line(ahead + b, prefetch.streaming);
-    }
+    if (first) prefetch_ahead(prefetch, o, 1, 0, kBytes);
     __m256i q3[4];
     if constexpr (kType == kQ3_K) q3_scales(o, q3);
     // sums: sum_u scale_u * (codes . x) over unit u; mins (Q2_K): sum_u min_u * (x's sum over u)

@@ -214,11 +214,7 @@ void code_group_tile(const Q8Rows& x, int64_t K, const uint8_t* wg, float* y, in
   }
   for (int64_t s = 0; s < K / 256; ++s) {
     const uint8_t* o = wg + s * kBytes;
-    if (first) {
-      const char* ahead = reinterpret_cast<const char*>(o) + prefetch.distance;
-      if (ahead < prefetch.stop)
-        for (int64_t b = 0; b < kBytes; b += 64) prefetch_line(ahead + b, prefetch.streaming);
-    }
+    if (first) prefetch_ahead(prefetch, o, 1, 0, kBytes);
     __m512i scale_lo = _mm512_setzero_si512(), scale_hi = scale_lo;
     if constexpr (kType == kQ3_K) q3_scales(o, &scale_lo, &scale_hi);
     __m512i sums[kRows], min_sums[kRows];

@@ -348,11 +348,7 @@ void x8_group_tile(const X8Rows& x, int64_t nsb, const uint8_t* wg, float* y, in
   }
   for (int64_t s = 0; s < nsb; ++s) {
     const uint8_t* o = wg + s * kBytes;
-    if (first) {
-      const char* ahead = reinterpret_cast<const char*>(o) + prefetch.distance;
-      if (ahead < prefetch.stop)
-        for (int64_t b = 0; b < kBytes; b += 64) prefetch_line(ahead + b, prefetch.streaming);
-    }
+    if (first) prefetch_ahead(prefetch, o, 1, 0, kBytes);
     __m512i sums[kRows];
     for (int r = 0; r < kRows; ++r) sums[r] = _mm512_setzero_si512();
     if constexpr (kType == kQ6_K) {

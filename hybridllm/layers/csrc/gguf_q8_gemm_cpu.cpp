@@ -546,11 +546,15 @@ bool q8_gemm(int64_t type, const float* x, int64_t M, int64_t K, const uint8_t* 
   };
   const auto run_x8 = [&](auto type_constant) {
     constexpr int64_t kType = decltype(type_constant)::value;
-    if (M <= kTileRows<1>)
-      q8_gemm_typed<kType, 1, true>(x, M, K, qw, N, y);
-    else
-      q8_gemm_typed<kType, 2, true>(x, M, K, qw, N, y);
-    return true;
+    if constexpr (!x8_source_built(kType)) {
+      return false;  // x8 weights this build never makes
+    } else {
+      if (M <= kTileRows<1>)
+        q8_gemm_typed<kType, 1, true>(x, M, K, qw, N, y);
+      else
+        q8_gemm_typed<kType, 2, true>(x, M, K, qw, N, y);
+      return true;
+    }
   };
   const auto none = [] { return false; };
   if (is_x8_type(type)) return dispatch_gguf_type<kX8Kernels>(type, run_x8, none);

@@ -1,9 +1,9 @@
-// Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, Q4_0, Q4_1, Q8_0 and IQ4_NL weights repacked for the int8 kernels
-// in groups of 8 rows (ggml_types kQ4_KX8 ... kIQ4_NLX8, not ggml types): the integer products
-// then run with the 8 rows in the vector lanes, so a (super-)block's scale and min arithmetic is
-// done once for 8 rows instead of once a row, and no horizontal sums are needed. Q4_K / Q5_K take
-// the type's bytes plus 4 a row per 256 weights (the 6-bit scales and mins stored as bytes); the
-// others their own bytes.
+// Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS, Q4_0, Q4_1, Q8_0 and IQ4_NL weights repacked for the
+// int8 kernels in groups of 8 rows (ggml_types kQ4_KX8 ... kIQ4_XSX8, not ggml types): the
+// integer products then run with the 8 rows in the vector lanes, so a (super-)block's scale and
+// min arithmetic is done once for 8 rows instead of once a row, and no horizontal sums are
+// needed. Q4_K / Q5_K take the type's bytes plus 4 a row per 256 weights (the 6-bit scales and
+// mins stored as bytes), IQ4_XS plus 2 (its 6-bit scales as bytes); the others their own bytes.
 //
 // Group g (rows 8g .. 8g + 7), super-block s (weights 256 s ..) takes the B bytes below at
 // (g * K / 256 + s) * B in the weight, which is [N, K / 256 * B / 8] uint8 like any rows (the
@@ -29,6 +29,12 @@
 //                last 16; the nibble of code byte i = 16 G + t has them at bits 2 G, 2 G + 1 of
 //                byte t (one 16-byte run for each 128-bit lane).
 //   Weight = d * scale * (code - 32), as in Q6_K.
+// IQ4_XS (1104 bytes; AVX2 builds only):
+//   [0, 16)      d of rows 0-7, fp16
+//   [16, 80)     scale of sub-block j (32 weights), row r at 16 + 8 j + r: IQ4_XS's 6-bit scale
+//                minus 32, as int8
+//   [80, 1104)   chunk q at 80 + 64 q: the codes (indices into IQ4_XS's 16 values) as Q4_K's
+//   Weight = d * scale * kIq4Values[code], as in IQ4_XS.
 // Q2_K and Q3_K (gguf_x8_code_cpu.cpp) keep 2-bit codes, chunk pair p (units 2 p, 2 p + 1) in 64
 // bytes: bits 2 f, 2 f + 1 of byte 4 L + b (lane L = 8 h + r) hold row r's code of weight
 // 16 (2 p + f / 2) + 8 (f % 2) + 4 h + b. Unit u's scale (and min) of row r is the group's
@@ -78,8 +84,8 @@
 #include "gguf_q8_linear.h"
 #include "gguf_q8_simd.h"
 
-// AVX2 builds without AVX-512 have x8 kernels for the K-quants only: Q4_K, Q5_K, Q6_K
-// (gguf_x8_avx2_cpu.cpp), Q2_K and Q3_K (gguf_x8_code_avx2_cpu.cpp).
+// AVX2 builds without AVX-512 have x8 kernels for the 256-weight types only: Q4_K, Q5_K, Q6_K,
+// IQ4_XS (gguf_x8_avx2_cpu.cpp), Q2_K and Q3_K (gguf_x8_code_avx2_cpu.cpp).
 #if defined(HYBRIDLLM_Q8_AVX2) && !defined(HYBRIDLLM_Q8_AVX512)
 #define HYBRIDLLM_X8_AVX2 1
 #endif
@@ -95,16 +101,16 @@ constexpr int64_t kSourceBytes = gguf_type_info(kType).unit_bytes;
 template <int64_t kType>
 constexpr int64_t kGroupBytes = 8 * gguf_type_info(x8_type_of(kType)).unit_bytes;
 
-// Where a Q4_K / Q5_K / Q6_K group super-block's codes start.
+// Where a Q4_K / Q5_K / Q6_K / IQ4_XS group super-block's codes start.
 template <int64_t kType>
-constexpr int64_t kGroupCodes = kType == kQ6_K ? 144 : 160;
+constexpr int64_t kGroupCodes = kType == kQ6_K ? 144 : kType == kIQ4_XS ? 80 : 160;
 // Where chunk q's 64 code bytes start in a group super-block; Q5_K's 16 bytes of fifth bits and
 // Q6_K's 32 of top 2 bits follow them. Chunk by chunk the kernel reads one forward stream: with
 // the extra bits apart (a second stream 1 KB on), Q6_K read 2.5-3x slower from DRAM than from
 // cache on the 2-core Zen 5, the prefetchers following neither stream well.
 template <int64_t kType>
 constexpr int64_t chunk_code_offset(int q) {
-  return kGroupCodes<kType> + (kType == kQ4_K ? 64 : kType == kQ5_K ? 80 : 96) * q;
+  return kGroupCodes<kType> + (kType == kQ5_K ? 80 : kType == kQ6_K ? 96 : 64) * q;
 }
 constexpr int64_t q5_high_offset(int q) { return chunk_code_offset<kQ5_K>(q) + 64; }
 constexpr int64_t q6_top_offset(int q) { return chunk_code_offset<kQ6_K>(q) + 64; }
@@ -134,6 +140,8 @@ constexpr int code_unit_index(int u, int r) { return 16 * (u / 2) + 2 * r + u % 
 constexpr bool is_block_x8_source(int64_t type) {
   return type == kQ4_0 || type == kQ4_1 || type == kQ8_0 || type == kIQ4_NL;
 }
+// The types whose x8 form keeps 2-bit code fields in chunk pairs (gguf_x8_code_cpu.cpp).
+constexpr bool is_code_x8_source(int64_t type) { return type == kQ2_K || type == kQ3_K; }
 
 // The x8 types and their source types: gguf_types.h (x8_type_of, x8_source_type, is_x8_type;
 // dispatch_gguf_type<kX8Kernels> gives a body the source type).
@@ -148,12 +156,14 @@ inline int32_t k_min_pair(const int16_t* b) {
 }
 
 // Whether this build computes weights of x8 source type `type` in x8 groups, and so repacks
-// them at load: every x8 source type with AVX512-VNNI, the K-quants on AVX2 alone, none else.
+// them at load: with AVX512-VNNI every x8 source type but IQ4_XS (its kernels are AVX2's), on
+// AVX2 alone the 256-weight types, none else.
 constexpr bool x8_source_built(int64_t type) {
 #if defined(HYBRIDLLM_Q8_AVX512)
-  return x8_type_of(type) >= 0;
+  return x8_type_of(type) >= 0 && type != kIQ4_XS;
 #elif defined(HYBRIDLLM_X8_AVX2)
-  return type == kQ4_K || type == kQ5_K || type == kQ6_K || type == kQ2_K || type == kQ3_K;
+  return type == kQ4_K || type == kQ5_K || type == kQ6_K || type == kIQ4_XS || type == kQ2_K ||
+         type == kQ3_K;
 #else
   (void)type;
   return false;
@@ -175,7 +185,8 @@ bool x8_linear_grouped(int64_t type, const float* x, const int64_t* starts, int6
 // [8][K / 32], and min scales -dmin [8][K / 256]; Q6_K: scales d * scale [8][K / 16], no mins;
 // Q2_K / Q3_K: on AVX-512 builds the scaled codes (scaled_field below), scales d or -d
 // [8][K / 256], on AVX2 builds the codes (Q3_K's plus 4) and scales d * scale [8][K / 16], and
-// Q2_K's 4-bit min codes [8][K / 16] and -dmin [8][K / 256]; Q4_0 / Q4_1 / Q8_0 / IQ4_NL:
+// Q2_K's 4-bit min codes [8][K / 16] and -dmin [8][K / 256]; IQ4_XS: its signed values as
+// codes and scales d * scale [8][K / 16] (a sub-block's twice); Q4_0 / Q4_1 / Q8_0 / IQ4_NL:
 // scales d [8][K / 32], Q4_1's m in min_scales (rows `unit_stride` apart).
 void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* codes,
                      int64_t code_stride, float* scales, int16_t* min_codes, float* min_scales,
@@ -236,8 +247,8 @@ void avx2_x8_tiles(int64_t M, int64_t g0, int64_t g1, Tile tile) {
     }
 }
 
-// x8_linear_grouped's and x8_unpack_group's kernels on AVX2 builds for Q4_K, Q5_K and Q6_K
-// (gguf_x8_avx2_cpu.cpp; Q2_K and Q3_K: code_x8_linear_grouped, code_x8_unpack_group).
+// x8_linear_grouped's and x8_unpack_group's kernels on AVX2 builds for Q4_K, Q5_K, Q6_K and
+// IQ4_XS (gguf_x8_avx2_cpu.cpp; Q2_K and Q3_K: code_x8_linear_grouped, code_x8_unpack_group).
 void avx2_x8_linear_grouped(int64_t source_type, const float* x, const int64_t* starts,
                             int64_t groups, int64_t K, const uint8_t* const* weights, int64_t N,
                             float* y);
@@ -258,7 +269,7 @@ void avx2_x8_unpack_group(int64_t source_type, const uint8_t* group, int64_t K, 
 inline int64_t int8_gemm_min_rows(int64_t type) {
   if (!is_x8_type(type)) return kQ8GemmMinRows;
   const int64_t source = x8_source_type(type);
-  if (is_code_block_type(source)) return 14;
+  if (is_code_x8_source(source)) return 14;
   return is_block_x8_source(source) ? 16 : 13;
 }
 

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "gguf_code_decoders.h"
 #include "gguf_q8_quantize.h"
 
 namespace hybridllm_gguf {
@@ -33,9 +34,14 @@ inline __m256i row_scales(const uint8_t* p) {
   return _mm256_blend_epi16(v, _mm256_slli_epi32(v, 16), 0xAA);
 }
 
+// Whether the type has mins (Q4_K, Q5_K: dmin times 6-bit min codes a sub-block).
+template <int64_t kType>
+constexpr bool kHasMins = kType == kQ4_K || kType == kQ5_K;
+
 // Chunk q's four code vectors: [0] the first 32 bytes' low nibbles (lane r: row r's weights
 // 16 q + 0..3), [1] the last 32 bytes' (16 q + 4..7), [2], [3] their high nibbles (16 q + 8..11,
-// 16 q + 12..15); Q5_K's fifth bit added as 16, Q6_K's top 2 bits as bits 4-5.
+// 16 q + 12..15); Q5_K's fifth bit added as 16, Q6_K's top 2 bits as bits 4-5, IQ4_XS's nibbles
+// looked up as its signed values.
 template <int64_t kType>
 inline void chunk_codes(const uint8_t* o, int q, __m256i codes[4]) {
   const uint8_t* c = o + chunk_code_offset<kType>(q);
@@ -46,6 +52,11 @@ inline void chunk_codes(const uint8_t* o, int q, __m256i codes[4]) {
   codes[1] = _mm256_and_si256(b, m4);
   codes[2] = _mm256_and_si256(_mm256_srli_epi16(a, 4), m4);
   codes[3] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+  if constexpr (kType == kIQ4_XS) {
+    const __m256i values =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values)));
+    for (int k = 0; k < 4; ++k) codes[k] = _mm256_shuffle_epi8(values, codes[k]);
+  }
   if constexpr (kType == kQ5_K) {
     // bit i of the 8 bytes after the codes is code byte i's fifth bit for its low nibble, of the
     // next 8 for its high nibble: 32 bits at p spread to 16 in byte i where bit i is set
@@ -84,7 +95,7 @@ inline void chunk_codes(const uint8_t* o, int q, __m256i codes[4]) {
 
 // y[r * ldy + i] = dot(x row r, weight row i of the group at wg) for the kRows rows of x, x
 // quantized in groups of 256 (xq), and for Q4_K / Q5_K their k_min_pair sums (min_pairs, 4 nsb
-// a row; null for Q6_K); `first`: the tile that reads the group from memory, which prefetches
+// a row; null for the others); `first`: the tile that reads the group from memory, which prefetches
 // ahead.
 template <int64_t kType, int kRows>
 void group_tile(const Q8Rows& xq, const int32_t* min_pairs, int64_t nsb, const uint8_t* wg,
@@ -124,6 +135,26 @@ void group_tile(const Q8Rows& xq, const int32_t* min_pairs, int64_t nsb, const u
           sums[r] = _mm256_sub_epi32(
               sums[r],
               _mm256_slli_epi32(_mm256_madd_epi16(pairs, _mm256_set1_epi32(bsums)), 5));
+        }
+      }
+    } else if constexpr (kType == kIQ4_XS) {
+      for (int j = 0; j < 8; ++j) {  // chunks 2 j, 2 j + 1: sub-block j
+        const __m256i scale = row_scales<true>(o + 16 + 8 * j);
+#pragma GCC unroll 2
+        for (int q = 2 * j; q < 2 * j + 2; ++q) {
+          chunk_codes<kType>(o, q, codes);
+          __m256i magnitudes[4];
+          for (int k = 0; k < 4; ++k) magnitudes[k] = _mm256_abs_epi8(codes[k]);
+          for (int r = 0; r < kRows; ++r) {
+            const int8_t* x = xq.q + r * xq.q_stride + 256 * s + 16 * q;
+            // signed values: |value| times x with the value's sign, whose pair sums alone
+            // fill int16 (|value| <= 127), so each meets the scales at once
+            for (int k = 0; k < 4; ++k) {
+              const __m256i p = _mm256_maddubs_epi16(
+                  magnitudes[k], _mm256_sign_epi8(avx2_x_quad(x + 4 * k), codes[k]));
+              sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(p, scale));
+            }
+          }
         }
       }
     } else {
@@ -180,7 +211,7 @@ void groups_typed(const Q8Rows& x, const int32_t* min_pairs, int64_t M, int64_t 
                   const PrefetchWindow& prefetch) {
   const int64_t nsb = K / 256, group_bytes = nsb * kGroupBytes<kType>;
   avx2_x8_tiles(M, g0, g1, [&](int64_t g, int64_t r0, auto rows, bool first) {
-    const int32_t* pairs = kType == kQ6_K ? nullptr : min_pairs + r0 * 4 * nsb;
+    const int32_t* pairs = kHasMins<kType> ? min_pairs + r0 * 4 * nsb : nullptr;
     group_tile<kType, decltype(rows)::value>(x.row(r0), pairs, nsb, w + g * group_bytes,
                                              y + r0 * ldy + 8 * g, ldy, first, prefetch);
   });
@@ -194,14 +225,14 @@ void linear_grouped_typed(const float* x, const int64_t* starts, int64_t groups,
   const int64_t M = starts[groups];
   const Q8Rows xq = quantize_rows<256>(x, M, K, quantized);
   // once a call, not once a weight group: x's sums over each two sub-blocks
-  if constexpr (kType != kQ6_K) {
+  if constexpr (kHasMins<kType>) {
     min_pairs.resize(M * K / 64);
     for (int64_t r = 0; r < M; ++r)
       for (int64_t p = 0; p < K / 64; ++p)
         min_pairs[r * K / 64 + p] = k_min_pair(xq.row(r).bsums + 4 * p);
   }
   // the calling thread's buffer (a thread_local named in the loop's body is each thread's own)
-  const int32_t* all_pairs = kType == kQ6_K ? nullptr : min_pairs.data();
+  const int32_t* all_pairs = kHasMins<kType> ? min_pairs.data() : nullptr;
   for_x8_row_groups(starts, groups, K, weights, N, K / 256 * kGroupBytes<kType>,
                     [&](int64_t p, int64_t g0, int64_t g1, const PrefetchWindow& window) {
                       const int64_t r0 = starts[p];
@@ -226,10 +257,12 @@ void unpack_group_typed(const uint8_t* group, int64_t K, uint8_t* codes, int64_t
     }
     for (int r = 0; r < 8; ++r) {
       const float d = half_to_float(load_u16(o + 2 * r));
-      if constexpr (kType == kQ6_K) {
-        for (int q = 0; q < 16; ++q)
+      if constexpr (kType == kQ6_K || kType == kIQ4_XS) {  // a scale a unit of 16
+        for (int q = 0; q < 16; ++q) {
+          const int j = kType == kQ6_K ? q : q / 2;  // IQ4_XS: a sub-block's twice
           scales[r * unit_stride + 16 * s + q] =
-              d * static_cast<float>(static_cast<int8_t>(o[16 + 8 * q + r]));
+              d * static_cast<float>(static_cast<int8_t>(o[16 + 8 * j + r]));
+        }
       } else {
         min_scales[r * unit_stride + s] = -half_to_float(load_u16(o + 16 + 2 * r));
         for (int j = 0; j < 8; ++j) {
@@ -241,12 +274,13 @@ void unpack_group_typed(const uint8_t* group, int64_t K, uint8_t* codes, int64_t
   }
 }
 
-// body(std::integral_constant<int64_t, T>) for source type T (Q4_K, Q5_K or Q6_K)
+// body(std::integral_constant<int64_t, T>) for source type T (Q4_K, Q5_K, Q6_K or IQ4_XS)
 template <class Body>
 void dispatch_source(int64_t source_type, Body body) {
   if (source_type == kQ4_K) body(std::integral_constant<int64_t, kQ4_K>{});
   else if (source_type == kQ5_K) body(std::integral_constant<int64_t, kQ5_K>{});
-  else body(std::integral_constant<int64_t, kQ6_K>{});
+  else if (source_type == kQ6_K) body(std::integral_constant<int64_t, kQ6_K>{});
+  else body(std::integral_constant<int64_t, kIQ4_XS>{});
 }
 
 }  // namespace

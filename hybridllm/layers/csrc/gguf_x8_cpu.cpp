@@ -1,8 +1,9 @@
-// Q4_K / Q5_K / Q6_K rows repacked in groups of 8 (gguf_x8.h): the repacking ops, registered as
-// hybridllm::repack_x8 / unpack_x8, and the int8 kernels for few rows of x that gguf_linear
-// and fused_moe run on such weights. One vpdpbusd multiplies 4 codes of each of the
-// 8 rows, twice over (lanes 0-7 and 8-15 take consecutive quads of weights), with x's values
-// broadcast to match, so a super-block's sub-block scales are one vector multiply for 8 rows.
+// Q4_K / Q5_K / Q6_K / IQ4_XS rows repacked in groups of 8 (gguf_x8.h): the repacking ops,
+// registered as hybridllm::repack_x8 / unpack_x8 (for every x8 type), and the AVX-512 int8
+// kernels for few rows of x that gguf_linear and fused_moe run on K-quants. One vpdpbusd
+// multiplies 4 codes of each of the 8 rows, twice over (lanes 0-7 and 8-15 take consecutive
+// quads of weights), with x's values broadcast to match, so a super-block's sub-block scales are
+// one vector multiply for 8 rows.
 // Streaming a 1 GB Q4_K matrix from DRAM at one row of x (2 threads, the 2-core AMD EPYC of
 // docs/benchmarks.md) this read 39-44 GB/s against 36-37 for the row-at-a-time Q4_K kernel, and
 // 129 against 62 GB/s from cache.
@@ -180,6 +181,66 @@ void unpack_q6_group(const uint8_t* group, int64_t nsb, uint8_t* rows) {
   }
 }
 
+// IQ4_XS's code of weight v (0-31) of sub-block j: nibble v / 16 of byte 8 + 16 j + v % 16.
+inline int iq4_code(const uint8_t* q, int j, int v) {
+  return q[8 + 16 * j + v % 16] >> (4 * (v / 16)) & 15;
+}
+inline void or_iq4_code(uint8_t* q, int j, int v, int code) {
+  q[8 + 16 * j + v % 16] |= static_cast<uint8_t>(code << (4 * (v / 16)));
+}
+
+// IQ4_XS's 6-bit scale of sub-block j, from its fields at q + 2 (scales_h) and q + 4 (scales_l).
+inline int iq4_scale(const uint8_t* q, int j) {
+  return ((q[4 + j / 2] >> (4 * (j % 2))) & 15) | ((q[2 + j / 4] >> (2 * (j % 4))) & 3) << 4;
+}
+inline void or_iq4_scale(uint8_t* q, int j, int ls) {
+  q[4 + j / 2] |= static_cast<uint8_t>((ls & 15) << (4 * (j % 2)));
+  q[2 + j / 4] |= static_cast<uint8_t>((ls >> 4) << (2 * (j % 4)));
+}
+
+// Group chunk 2 j + c's byte i = 4 (8 h + r) + b: row r's codes of weights v = chunk_weight(c, h,
+// b) and v + 8 of sub-block j.
+template <class Byte>
+void iq4_code_bytes(int r, Byte byte) {
+  for (int j = 0; j < 8; ++j)
+    for (int c = 0; c < 2; ++c)
+      for (int h = 0; h < 2; ++h)
+        for (int b = 0; b < 4; ++b)
+          byte(j, chunk_weight(c, h, b),
+               chunk_code_offset<kIQ4_XS>(2 * j + c) + 4 * (8 * h + r) + b);
+}
+
+void repack_iq4_group(const uint8_t* rows, int64_t nsb, uint8_t* out) {
+  for (int64_t s = 0; s < nsb; ++s) {
+    uint8_t* o = out + s * kGroupBytes<kIQ4_XS>;
+    for (int r = 0; r < 8; ++r) {
+      const uint8_t* q = rows + (r * nsb + s) * kSourceBytes<kIQ4_XS>;
+      std::memcpy(o + 2 * r, q, 2);
+      for (int j = 0; j < 8; ++j)
+        o[16 + 8 * j + r] = static_cast<uint8_t>(static_cast<int8_t>(iq4_scale(q, j) - 32));
+      iq4_code_bytes(r, [&](int j, int v, int64_t i) {
+        o[i] = static_cast<uint8_t>(iq4_code(q, j, v) | iq4_code(q, j, v + 8) << 4);
+      });
+    }
+  }
+}
+
+void unpack_iq4_group(const uint8_t* group, int64_t nsb, uint8_t* rows) {
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* o = group + s * kGroupBytes<kIQ4_XS>;
+    for (int r = 0; r < 8; ++r) {
+      uint8_t* q = rows + (r * nsb + s) * kSourceBytes<kIQ4_XS>;
+      std::memset(q, 0, kSourceBytes<kIQ4_XS>);  // every field is or-ed in
+      std::memcpy(q, o + 2 * r, 2);
+      for (int j = 0; j < 8; ++j) or_iq4_scale(q, j, static_cast<int8_t>(o[16 + 8 * j + r]) + 32);
+      iq4_code_bytes(r, [&](int j, int v, int64_t i) {
+        or_iq4_code(q, j, v, o[i] & 15);
+        or_iq4_code(q, j, v + 8, o[i] >> 4);
+      });
+    }
+  }
+}
+
 // Checks `blocks` ([..., rows, bytes] uint8, dense, rows % 8 == 0, `bytes` a whole number of
 // `super_bytes` super-blocks) and returns (groups, super-blocks a row).
 std::pair<int64_t, int64_t> group_shape(const at::Tensor& blocks, int64_t super_bytes,
@@ -196,8 +257,8 @@ std::pair<int64_t, int64_t> group_shape(const at::Tensor& blocks, int64_t super_
   return {rows / kX8GroupRows, bytes / super_bytes};
 }
 
-// `blocks` of ggml_type `type` (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, Q4_0, Q4_1, Q8_0, IQ4_NL) into
-// x8 groups (repack) or back (unpack).
+// `blocks` of ggml_type `type` (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS, Q4_0, Q4_1, Q8_0,
+// IQ4_NL) into x8 groups (repack) or back (unpack).
 at::Tensor convert(const at::Tensor& blocks, int64_t type, bool repack) {
   const char* op = repack ? "repack_x8" : "unpack_x8";
   return dispatch_gguf_type<kX8Kernels>(
@@ -217,7 +278,10 @@ at::Tensor convert(const at::Tensor& blocks, int64_t type, bool repack) {
             if constexpr (is_block_x8_source(kType)) {
               if (repack) block_x8_convert(kType, src + rows, nsb, dst + x8, true);
               else block_x8_convert(kType, src + x8, nsb, dst + rows, false);
-            } else if constexpr (is_code_block_type(kType)) {
+            } else if constexpr (kType == kIQ4_XS) {
+              if (repack) repack_iq4_group(src + rows, nsb, dst + x8);
+              else unpack_iq4_group(src + x8, nsb, dst + rows);
+            } else if constexpr (is_code_x8_source(kType)) {
               if (repack) code_x8_convert(kType, src + rows, nsb, dst + x8, true);
               else code_x8_convert(kType, src + x8, nsb, dst + rows, false);
             } else if constexpr (kType == kQ6_K) {
@@ -234,7 +298,7 @@ at::Tensor convert(const at::Tensor& blocks, int64_t type, bool repack) {
       [&]() -> at::Tensor {
         TORCH_CHECK(false, op,
                     ": ggml_type must be Q4_K (12), Q5_K (13), Q6_K (14), Q2_K (10), Q3_K (11), "
-                    "Q4_0 (2), Q4_1 (3), Q8_0 (8) or IQ4_NL (20), got ",
+                    "IQ4_XS (23), Q4_0 (2), Q4_1 (3), Q8_0 (8) or IQ4_NL (20), got ",
                     type);
         return {};
       });
@@ -497,9 +561,11 @@ bool x8_linear_grouped(int64_t type, const float* x, const int64_t* starts, int6
       type,
       [&](auto source) {
         constexpr int64_t kType = decltype(source)::value;
-        if constexpr (is_block_x8_source(kType))
+        if constexpr (!x8_source_built(kType))
+          return false;
+        else if constexpr (is_block_x8_source(kType))
           block_x8_linear_grouped(kType, x, starts, groups, K, weights, N, y);
-        else if constexpr (is_code_block_type(kType))
+        else if constexpr (is_code_x8_source(kType))
           code_x8_linear_grouped(kType, x, starts, groups, K, weights, N, y);
         else
           x8_grouped_typed<kType>(x, starts, groups, K, weights, N, y);
@@ -509,7 +575,7 @@ bool x8_linear_grouped(int64_t type, const float* x, const int64_t* starts, int6
 #elif defined(HYBRIDLLM_X8_AVX2)
   const int64_t source = x8_source_type(type);
   if (!x8_source_built(source)) return false;
-  if (is_code_block_type(source))
+  if (is_code_x8_source(source))
     code_x8_linear_grouped(source, x, starts, groups, K, weights, N, y);
   else
     avx2_x8_linear_grouped(source, x, starts, groups, K, weights, N, y);
@@ -528,10 +594,12 @@ void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* cod
       type,
       [&](auto source) {
         constexpr int64_t kType = decltype(source)::value;
-        if constexpr (is_block_x8_source(kType))
+        if constexpr (!x8_source_built(kType))
+          return false;
+        else if constexpr (is_block_x8_source(kType))
           block_x8_unpack_group(kType, group, K, codes, code_stride, scales, min_scales,
                                 unit_stride);
-        else if constexpr (is_code_block_type(kType))
+        else if constexpr (is_code_x8_source(kType))
           code_x8_unpack_group(kType, group, K, codes, code_stride, scales, min_codes, min_scales,
                                unit_stride);
         else
@@ -544,7 +612,7 @@ void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* cod
 #elif defined(HYBRIDLLM_X8_AVX2)
   const int64_t source = x8_source_type(type);
   if (x8_source_built(source)) {
-    if (is_code_block_type(source))
+    if (is_code_x8_source(source))
       code_x8_unpack_group(source, group, K, codes, code_stride, scales, min_codes, min_scales,
                            unit_stride);
     else

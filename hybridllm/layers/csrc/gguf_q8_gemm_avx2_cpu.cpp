@@ -48,6 +48,9 @@ struct GemmType {
   static constexpr bool kFloatMins = has_block_min(kType);  // Q4_1, Q5_1
   static constexpr bool kSigned = kType == kQ8_0 || is_table_nibble_type(kType) ||
                                   (kCodeBlocks && code_block_offset<kType>() < 0);
+  // Signed codes that are never -128 (every signed type's but Q8_0's int8s): x's signs can go on
+  // them (vpsignb of -128 stays -128), |x| <= 127 unsigned
+  static constexpr bool kSignsOnCodes = kSigned && kType != kQ8_0;
   static constexpr int32_t kOffset = kType == kQ4_0   ? 8
                                      : kType == kQ5_0 ? 16
                                      : kType == kQ6_K ? 32
@@ -301,12 +304,16 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
           // each vpmaddubsw, two loads a multiply with the weights' broadcast
           __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq + k * kTile));
           asm("" : "+x"(xv));
+          // signed codes above -128: |x| (once for the kCols rows) times the codes with x's
+          // signs, one operation a row fewer than |code| times x with the codes' signs
+          const __m256i x_magnitudes = T::kSignsOnCodes ? _mm256_abs_epi8(xv) : xv;
           for (int c = 0; c < kCols; ++c) {
             int32_t four;
             std::memcpy(&four, codes[c] + k, 4);
             const __m256i wv = _mm256_set1_epi32(four);
             const __m256i p =
-                T::kSigned
+                T::kSignsOnCodes ? _mm256_maddubs_epi16(x_magnitudes, _mm256_sign_epi8(wv, xv))
+                : T::kSigned
                     ? _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv))
                     : _mm256_maddubs_epi16(wv, xv);
             pairs[c] = s == 0 ? p : _mm256_add_epi16(pairs[c], p);

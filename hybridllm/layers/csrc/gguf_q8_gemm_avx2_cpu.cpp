@@ -271,8 +271,10 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
   __m256 total[kCols];
   for (int c = 0; c < kCols; ++c) total[c] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m256 part[kCols];  // this group's sums in units of x's scale
-    for (int c = 0; c < kCols; ++c) part[c] = _mm256_setzero_ps();
+    // x's scales go into each unit's float factor, not onto a group's sum kept apart: with 4
+    // more accumulators the loop's state overflowed the 16 registers, and GCC kept the int16
+    // sums on the stack (a Q4_K panel ran at half the multiplies' rate)
+    const __m256 dx = _mm256_load_ps(xd + g * kTile);
     if constexpr (T::kKMins) {  // (-)dmin * sum over min units of m * sum(q), two at a time
       __m256i min_sum[kCols];
       for (int c = 0; c < kCols; ++c) min_sum[c] = _mm256_setzero_si256();
@@ -286,7 +288,8 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
         }
       }
       for (int c = 0; c < kCols; ++c)
-        part[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(min_sum[c]), _mm256_set1_ps(mins[c][g]));
+        total[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(min_sum[c]),
+                                   _mm256_mul_ps(_mm256_set1_ps(mins[c][g]), dx), total[c]);
     }
     for (int64_t u = g * kUnitsPerGroup; u < (g + 1) * kUnitsPerGroup; ++u) {
       __m256i sum[kCols];
@@ -317,21 +320,22 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
                     ? _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv))
                     : _mm256_maddubs_epi16(wv, xv);
             pairs[c] = s == 0 ? p : _mm256_add_epi16(pairs[c], p);
+            // added as it comes: GCC otherwise computed all kSteps x kCols products first and
+            // kept them on the stack
+            asm("" : "+x"(pairs[c]));
           }
         }
         for (int c = 0; c < kCols; ++c)
           sum[c] = _mm256_add_epi32(sum[c], _mm256_madd_epi16(pairs[c], ones));
       }
       for (int c = 0; c < kCols; ++c) {
-        part[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[c]), _mm256_set1_ps(scales[c][u]),
-                                  part[c]);
+        total[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[c]),
+                                   _mm256_mul_ps(_mm256_set1_ps(scales[c][u]), dx), total[c]);
         if constexpr (T::kFloatMins)
-          part[c] = _mm256_fmadd_ps(_mm256_load_ps(xf + u * kTile), _mm256_set1_ps(mins[c][u]),
-                                    part[c]);
+          total[c] = _mm256_fmadd_ps(_mm256_load_ps(xf + u * kTile),
+                                     _mm256_mul_ps(_mm256_set1_ps(mins[c][u]), dx), total[c]);
       }
     }
-    const __m256 dx = _mm256_load_ps(xd + g * kTile);
-    for (int c = 0; c < kCols; ++c) total[c] = _mm256_fmadd_ps(part[c], dx, total[c]);
   }
   for (int c = 0; c < kCols; ++c) _mm256_store_ps(out + c * kTile, total[c]);
 }

@@ -266,9 +266,17 @@ void avx2_x8_unpack_group(int64_t source_type, const uint8_t* group, int64_t K, 
 // 49,152 x 576). Q4_K, Q5_K and Q6_K in x8 groups, tiles of 4 rows, from DRAM: 0.53-0.72 of its
 // time at 8 rows, 0.76-0.99 at 12, 1.10-1.26 at 16 (the 1B Q4_K_M file's gate, Q4_K 8192 x 2048,
 // and down, Q6_K 2048 x 8192; Qwen3-Next's 512 experts' gate and down, Q4_K, as one matrix).
+// AVX2 builds (tiles of 2 rows) on the Zen 3 of docs/benchmarks.md, 8192 x 2048, 2 threads: the
+// Q2_K and Q3_K kernels took 0.17 ms a row of x at 13 rows, the GEMM 0.18-0.23 at 14-16 and
+// 0.16 at 32; IQ4_XS's 0.18 at 8-12 rows and 0.23-0.25 at 16-32, the GEMM (whose signed codes
+// cost a vpmaddwd every 4 products) 0.24-0.30 at 13-32 and 0.21-0.22 from 64: 24 rows for the
+// three.
 inline int64_t int8_gemm_min_rows(int64_t type) {
   if (!is_x8_type(type)) return kQ8GemmMinRows;
   const int64_t source = x8_source_type(type);
+#if defined(HYBRIDLLM_X8_AVX2)
+  if (is_code_x8_source(source) || source == kIQ4_XS) return 24;
+#endif
   if (is_code_x8_source(source)) return 14;
   return is_block_x8_source(source) ? 16 : 13;
 }

@@ -272,8 +272,8 @@ void micro_kernel(const PackedX& x, int64_t t, const Panel& w, int64_t c0, int64
   for (int c = 0; c < kCols; ++c) total[c] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     // x's scales go into each unit's float factor, not onto a group's sum kept apart: with 4
-    // more accumulators the loop's state overflowed the 16 registers, and GCC kept the int16
-    // sums on the stack (a Q4_K panel ran at half the multiplies' rate)
+    // more accumulators the loop's state overflowed the 16 registers and GCC kept sums on the
+    // stack (with the asm below, one thread's 256 x 2048 by 2048 x 2048 Q4_K product 1.17x)
     const __m256 dx = _mm256_load_ps(xd + g * kTile);
     if constexpr (T::kKMins) {  // (-)dmin * sum over min units of m * sum(q), two at a time
       __m256i min_sum[kCols];

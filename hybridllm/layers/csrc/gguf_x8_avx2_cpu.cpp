@@ -1,17 +1,17 @@
 // Q4_K, Q5_K, Q6_K and IQ4_XS weights in x8 groups (gguf_x8.h) at few rows of x, and their
-// unpacking for the int8 GEMM, on AVX2 builds without AVX-512. A 64-byte chunk of a group's codes is two
-// 32-byte vectors whose 32-bit lanes are the group's 8 rows (lanes 0-7 and 8-15 of the AVX-512
-// layout), so vpmaddubsw multiplies 4 codes of each row by 4 values of x broadcast to every
-// lane; the products add up in int16 as far as the codes' size allows (a Q4_K sub-block's, a
-// Q5_K chunk's, half a Q6_K chunk's) and meet the 8 rows' scales in one vpmaddwd, and a
-// super-block's float arithmetic is done for 8 rows at once. The row kernels (gguf_q8_dot.h) do
-// that arithmetic, and a horizontal sum, a row at a time: on the AVX2-only Zen 3 of
-// docs/benchmarks.md (machine C), an 8192 x 2048 matrix at one row of x from DRAM, 2 threads,
-// read 49 against their 35 G multiply-adds a second for Q4_K, 33 against 28 for Q6_K; from L2 a
-// core computed a row's super-block in 16 against 29 cycles (Q4_K), 29 against 35 (Q6_K).
-// IQ4_XS's signed values (up to 127) allow no int16 sums beyond a pair: each of its vectors meets
-// the scales in its own vpmaddwd; still 24 against the code-block kernel's 38-44 cycles from L3,
-// and 40.7 against 29.6 G multiply-adds a second from DRAM (8192 x 2048, 2 threads).
+// unpacking for the int8 GEMM, on AVX2 builds without AVX-512. A 64-byte chunk of a group's
+// codes is two 32-byte vectors whose 32-bit lanes are the group's 8 rows (lanes 0-7 and 8-15 of
+// the AVX-512 layout), so vpmaddubsw multiplies 4 codes of each row by 4 values of x broadcast
+// to every lane; the products add up in int16 as far as the codes' size allows (a Q4_K
+// sub-block's, a Q5_K chunk's, half a Q6_K chunk's) and meet the 8 rows' scales in one
+// vpmaddwd, and a super-block's float arithmetic is done for 8 rows at once. The row kernels
+// (gguf_q8_dot.h) do that arithmetic, and a horizontal sum, a row at a time: on the AVX2-only
+// Zen 3 of docs/benchmarks.md (machine C), an 8192 x 2048 matrix at one row of x from DRAM, 2
+// threads, read 49 against their 35 G multiply-adds a second for Q4_K, 33 against 28 for Q6_K;
+// from L2 a core computed a row's super-block in 16 against 29 cycles (Q4_K), 29 against 35
+// (Q6_K). IQ4_XS's signed values (up to 127) allow no int16 sums beyond a pair: each of its
+// vectors meets the scales in its own vpmaddwd; still 24 against the code-block kernel's 38-44
+// cycles from L3, and 40.7 against 29.6 G multiply-adds a second from DRAM.
 #include "gguf_x8.h"
 
 #if defined(HYBRIDLLM_X8_AVX2)
@@ -98,8 +98,8 @@ inline void chunk_codes(const uint8_t* o, int q, __m256i codes[4]) {
 
 // y[r * ldy + i] = dot(x row r, weight row i of the group at wg) for the kRows rows of x, x
 // quantized in groups of 256 (xq), and for Q4_K / Q5_K their k_min_pair sums (min_pairs, 4 nsb
-// a row; null for the others); `first`: the tile that reads the group from memory, which prefetches
-// ahead.
+// a row; null for the others); `first`: the tile that reads the group from memory, which
+// prefetches ahead.
 template <int64_t kType, int kRows>
 void group_tile(const Q8Rows& xq, const int32_t* min_pairs, int64_t nsb, const uint8_t* wg,
                 float* y, int64_t ldy, bool first, const PrefetchWindow& prefetch) {

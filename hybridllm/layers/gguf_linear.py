@@ -82,8 +82,8 @@ X8_SOURCE_TYPES = {x8: source for source, x8 in X8_TYPES.items()}
 
 def x8_source_types() -> list[int]:
     """The ggml types this build computes in x8 groups: every type of X8_TYPES but IQ4_XS where
-    the CPU has AVX512-VNNI, the 256-weight types (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS) on AVX2
-    alone, none else. Call only where the native kernels are loaded."""
+    the CPU has AVX512-VNNI, all of them on AVX2 alone, none else. Call only where the native
+    kernels are loaded."""
     return torch.ops.hybridllm.x8_source_types()
 
 

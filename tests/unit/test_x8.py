@@ -31,12 +31,11 @@ from tests.unit.test_gguf_linear_kernel import random_blocks as random_k_blocks
 def _kernels():
     require_cpu_kernels()
     if not x8_source_types():
-        pytest.skip("this build has no x8 kernels (AVX512-VNNI, or AVX2 for the K-quants)")
+        pytest.skip("this build has no x8 kernels (AVX512-VNNI or AVX2)")
 
 
 def require_x8_kernels(fmt):
-    """Skips a test of `fmt`'s x8 kernels where this build has none (AVX2: the 256-weight types
-    only; AVX512-VNNI: all but IQ4_XS)."""
+    """Skips a test of `fmt`'s x8 kernels where this build has none (AVX512-VNNI: IQ4_XS)."""
     if int(fmt) not in x8_source_types():
         pytest.skip(f"this build computes no {fmt.name} in x8 groups")
 

@@ -84,8 +84,9 @@
 #include "gguf_q8_linear.h"
 #include "gguf_q8_simd.h"
 
-// AVX2 builds without AVX-512 have x8 kernels for the 256-weight types only: Q4_K, Q5_K, Q6_K,
-// IQ4_XS (gguf_x8_avx2_cpu.cpp), Q2_K and Q3_K (gguf_x8_code_avx2_cpu.cpp).
+// AVX2 builds without AVX-512 have x8 kernels of their own: Q4_K, Q5_K, Q6_K, IQ4_XS
+// (gguf_x8_avx2_cpu.cpp), Q2_K and Q3_K (gguf_x8_code_avx2_cpu.cpp), Q4_0, Q4_1, Q8_0 and IQ4_NL
+// (gguf_x8_block_cpu.cpp).
 #if defined(HYBRIDLLM_Q8_AVX2) && !defined(HYBRIDLLM_Q8_AVX512)
 #define HYBRIDLLM_X8_AVX2 1
 #endif
@@ -157,13 +158,12 @@ inline int32_t k_min_pair(const int16_t* b) {
 
 // Whether this build computes weights of x8 source type `type` in x8 groups, and so repacks
 // them at load: with AVX512-VNNI every x8 source type but IQ4_XS (its kernels are AVX2's), on
-// AVX2 alone the 256-weight types, none else.
+// AVX2 alone every x8 source type, none else.
 constexpr bool x8_source_built(int64_t type) {
 #if defined(HYBRIDLLM_Q8_AVX512)
   return x8_type_of(type) >= 0 && type != kIQ4_XS;
 #elif defined(HYBRIDLLM_X8_AVX2)
-  return type == kQ4_K || type == kQ5_K || type == kQ6_K || type == kIQ4_XS || type == kQ2_K ||
-         type == kQ3_K;
+  return x8_type_of(type) >= 0;
 #else
   (void)type;
   return false;
@@ -393,7 +393,7 @@ inline __m512i scaled_field(__m512i v, __m512i scale) {
 // source rows (src, rows nb blocks apart) into one group (repack), or back.
 void block_x8_convert(int64_t source_type, const uint8_t* src, int64_t nb, uint8_t* dst,
                       bool repack);
-#if defined(HYBRIDLLM_Q8_AVX512)
+#if defined(HYBRIDLLM_Q8_AVX512) || defined(HYBRIDLLM_X8_AVX2)
 void block_x8_linear_grouped(int64_t source_type, const float* x, const int64_t* starts,
                              int64_t groups, int64_t K, const uint8_t* const* weights, int64_t N,
                              float* y);

@@ -1,9 +1,9 @@
 // Q4_0, Q4_1, Q8_0 and IQ4_NL rows repacked in groups of 8 (gguf_x8.h's Q4_0X8 ... IQ4_NLX8): the
 // layouts' repacking, and their int8 kernels for few rows of x. As in the K-quants' x8 kernels,
-// one vpdpbusd multiplies 4 codes of each of the 8 rows, so a block's scale is one vector
-// multiply for 8 rows, and a tile of rows of x meets each block's codes once they are loaded:
-// the row kernels (gguf_q8_dot.h) convert and scale every block once a row of x, which made a
-// speculative verify step's 5 rows cost 2.6x one row on SmolLM2's Q8_0 LM head.
+// one vpdpbusd (AVX2: vpmaddubsw) multiplies 4 codes of each of the 8 rows, so a block's scale
+// is one vector multiply for 8 rows, and a tile of rows of x meets each block's codes once they
+// are loaded: the row kernels (gguf_q8_dot.h) convert and scale every block once a row of x,
+// which made a speculative verify step's 5 rows cost 2.6x one row on SmolLM2's Q8_0 LM head.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -96,13 +96,7 @@ void unpack_group(const uint8_t* group, int64_t nb, uint8_t* rows) {
   }
 }
 
-#if defined(HYBRIDLLM_Q8_AVX512)
-// What a code stands for beside its scale: Q8_0's are code + 128, IQ4_NL's looked up as table
-// value + 128, Q4_0's code + 8 (Q4_1's have a min instead). The offset times x's block sum
-// starts each block's integer sums (lanes 0-7).
-template <int64_t kType>
-constexpr int kCodeOffset = kType == kQ8_0 || kType == kIQ4_NL ? 128 : kType == kQ4_0 ? 8 : 0;
-
+#if defined(HYBRIDLLM_Q8_AVX512) || defined(HYBRIDLLM_X8_AVX2)
 // Rows of x as the kernels read them: quantize_rows<32>'s, plus each block's sum of q as an
 // int32 (sums[r * nb + b]); Q8Rows' s (d times that sum, a float) is what Q4_1's mins take.
 struct BlockRows {
@@ -127,6 +121,14 @@ BlockRows prepare_rows(const float* x, int64_t M, int64_t K) {
     }
   return {q8, sums.data(), nb};
 }
+#endif
+
+#if defined(HYBRIDLLM_Q8_AVX512)
+// What a code stands for beside its scale: Q8_0's are code + 128, IQ4_NL's looked up as table
+// value + 128, Q4_0's code + 8 (Q4_1's have a min instead). The offset times x's block sum
+// starts each block's integer sums (lanes 0-7).
+template <int64_t kType>
+constexpr int kCodeOffset = kType == kQ8_0 || kType == kIQ4_NL ? 128 : kType == kQ4_0 ? 8 : 0;
 
 // Chunk c's `half` code vector of the group block at o, as unsigned bytes (IQ4_NL: its table's
 // values + 128).
@@ -245,6 +247,126 @@ void grouped_typed(const float* x, const int64_t* starts, int64_t groups, int64_
                                           y + r0 * N, N, g0, g1, window);
                     });
 }
+#elif defined(HYBRIDLLM_X8_AVX2)
+// Chunk c's four code vectors (vector k, lane r: row r's codes of the chunk's weights 4 k ..
+// 4 k + 3): Q4_0's and Q4_1's nibbles, IQ4_NL's table values and Q8_0's codes signed.
+template <int64_t kType>
+inline void block_chunk_codes(const uint8_t* o, int c, __m256i v[4]) {
+  const auto load = [&](int64_t at) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + kGroupCodes<kType> + at));
+  };
+  if constexpr (kType == kQ8_0) {  // halves 0, 1 of 64 bytes; stored as code + 128
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int k = 0; k < 4; ++k) v[k] = _mm256_xor_si256(load(128 * c + 32 * k), flip);
+  } else {  // one 64-byte run: half 0 in the low nibbles, half 1 in the high ones
+    const __m256i a = load(64 * c), b = load(64 * c + 32), m4 = _mm256_set1_epi8(15);
+    v[0] = _mm256_and_si256(a, m4);
+    v[1] = _mm256_and_si256(b, m4);
+    v[2] = _mm256_and_si256(_mm256_srli_epi16(a, 4), m4);
+    v[3] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+    if constexpr (kType == kIQ4_NL) {
+      const __m256i values = _mm256_broadcastsi128_si256(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4NlValues)));
+      for (int k = 0; k < 4; ++k) v[k] = _mm256_shuffle_epi8(values, v[k]);
+    }
+  }
+}
+
+// y[r * ldy + i] = dot(x row r, weight row i of the group at wg) for the kRows rows of x, as the
+// AVX-512 tile does it with 8 rows in the 32-bit lanes of 256-bit vectors: the 4-bit codes'
+// products of a block (<= 8 * 2 * 15 * 127) add up in int16, the signed ones' (|code| times x
+// with the code's sign) meet vpmaddwd one vector at a time.
+template <int64_t kType, int kRows>
+void avx2_block_tile(const BlockRows& x, const uint8_t* wg, float* y, int64_t ldy, bool first,
+                     const PrefetchWindow& prefetch) {
+  constexpr int64_t kBytes = kGroupBytes<kType>;
+  constexpr bool kSigned = kType == kQ8_0 || kType == kIQ4_NL;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < x.nb; ++b) {
+    const uint8_t* o = wg + b * kBytes;
+    if (first) prefetch_ahead(prefetch, o, 1, 0, kBytes);
+    __m256i sums[kRows];
+    for (int r = 0; r < kRows; ++r)
+      sums[r] = kType == kQ4_0 ? _mm256_set1_epi32(-8 * x.sums[r * x.nb + b])
+                               : _mm256_setzero_si256();
+    __m256i t16[kRows];
+    for (int c = 0; c < 2; ++c) {
+      __m256i v[4], products[4];
+      block_chunk_codes<kType>(o, c, v);
+      if constexpr (kSigned) {
+        __m256i magnitudes[4];
+        for (int k = 0; k < 4; ++k) magnitudes[k] = _mm256_abs_epi8(v[k]);
+        for (int r = 0; r < kRows; ++r) {
+          const int8_t* xs = x.q8.row(r).q + 32 * b + 16 * c;
+          for (int k = 0; k < 4; ++k) {
+            const __m256i p = _mm256_maddubs_epi16(
+                magnitudes[k], _mm256_sign_epi8(avx2_x_quad(xs + 4 * k), v[k]));
+            sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(p, ones));
+          }
+        }
+      } else {
+        for (int r = 0; r < kRows; ++r) {
+          avx2_chunk_products(v, x.q8.row(r).q + 32 * b + 16 * c, products);
+          const __m256i t = _mm256_add_epi16(_mm256_add_epi16(products[0], products[1]),
+                                             _mm256_add_epi16(products[2], products[3]));
+          t16[r] = c == 0 ? t : _mm256_add_epi16(t16[r], t);
+        }
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
+    for (int r = 0; r < kRows; ++r) {
+      const Q8Rows xr = x.q8.row(r);
+      if constexpr (!kSigned) sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(t16[r], ones));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]),
+                               _mm256_mul_ps(d, _mm256_set1_ps(xr.d[b])), acc[r]);
+      if constexpr (kType == kQ4_1)  // m times x's sum (d times its integer sum)
+        acc[r] = _mm256_fmadd_ps(
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16))),
+            _mm256_set1_ps(xr.s[b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
+}
+
+// The group's 8 rows for the AVX2 int8 GEMM, as its unpack_row gives a source row: codes in
+// weight order (Q4_0's and Q4_1's nibbles, IQ4_NL's table values and Q8_0's codes signed), d
+// (and Q4_1's m) a block.
+template <int64_t kType>
+void unpack_for_gemm(const uint8_t* group, int64_t K, uint8_t* codes, int64_t code_stride,
+                     float* scales, float* mins, int64_t unit_stride) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* o = group + b * kGroupBytes<kType>;
+    for (int c = 0; c < 2; ++c) {
+      __m256i v[4];
+      block_chunk_codes<kType>(o, c, v);
+      avx2_store_chunk_rows(v, codes + 32 * b + 16 * c, code_stride);
+    }
+    for (int r = 0; r < 8; ++r) {
+      scales[r * unit_stride + b] = half_to_float(load_u16(o + 2 * r));
+      if constexpr (kType == kQ4_1)
+        mins[r * unit_stride + b] = half_to_float(load_u16(o + 16 + 2 * r));
+    }
+  }
+}
+
+template <int64_t kType>
+void grouped_typed(const float* x, const int64_t* starts, int64_t groups, int64_t K,
+                   const uint8_t* const* weights, int64_t N, float* y) {
+  const BlockRows xr = prepare_rows(x, starts[groups], K);
+  const int64_t group_bytes = K / 32 * kGroupBytes<kType>;
+  for_x8_row_groups(starts, groups, K, weights, N, group_bytes,
+                    [&](int64_t p, int64_t g0, int64_t g1, const PrefetchWindow& window) {
+                      const int64_t r0 = starts[p];
+                      avx2_x8_tiles(starts[p + 1] - r0, g0, g1,
+                                    [&](int64_t g, int64_t t, auto rows, bool first) {
+                                      avx2_block_tile<kType, decltype(rows)::value>(
+                                          xr.from(r0 + t), weights[p] + g * group_bytes,
+                                          y + (r0 + t) * N + 8 * g, N, first, window);
+                                    });
+                    });
+}
 #endif
 
 template <class Body>
@@ -272,7 +394,7 @@ void block_x8_convert(int64_t source_type, const uint8_t* src, int64_t nb, uint8
   });
 }
 
-#if defined(HYBRIDLLM_Q8_AVX512)
+#if defined(HYBRIDLLM_Q8_AVX512) || defined(HYBRIDLLM_X8_AVX2)
 void block_x8_linear_grouped(int64_t source_type, const float* x, const int64_t* starts,
                              int64_t groups, int64_t K, const uint8_t* const* weights, int64_t N,
                              float* y) {

@@ -577,6 +577,8 @@ bool x8_linear_grouped(int64_t type, const float* x, const int64_t* starts, int6
   if (!x8_source_built(source)) return false;
   if (is_code_x8_source(source))
     code_x8_linear_grouped(source, x, starts, groups, K, weights, N, y);
+  else if (is_block_x8_source(source))
+    block_x8_linear_grouped(source, x, starts, groups, K, weights, N, y);
   else
     avx2_x8_linear_grouped(source, x, starts, groups, K, weights, N, y);
   return true;
@@ -615,6 +617,8 @@ void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* cod
     if (is_code_x8_source(source))
       code_x8_unpack_group(source, group, K, codes, code_stride, scales, min_codes, min_scales,
                            unit_stride);
+    else if (is_block_x8_source(source))
+      block_x8_unpack_group(source, group, K, codes, code_stride, scales, min_scales, unit_stride);
     else
       avx2_x8_unpack_group(source, group, K, codes, code_stride, scales, min_codes, min_scales,
                            unit_stride);

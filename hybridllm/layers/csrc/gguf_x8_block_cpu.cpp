@@ -121,6 +121,16 @@ BlockRows prepare_rows(const float* x, int64_t M, int64_t K) {
     }
   return {q8, sums.data(), nb};
 }
+
+// A group block's d (and Q4_1's m) of rows 0-7 as the int8 GEMM takes them, row r's at
+// scales[r * unit_stride] (mins[...]).
+template <int64_t kType>
+void block_scales_for_gemm(const uint8_t* o, float* scales, float* mins, int64_t unit_stride) {
+  for (int r = 0; r < 8; ++r) {
+    scales[r * unit_stride] = half_to_float(load_u16(o + 2 * r));
+    if constexpr (kType == kQ4_1) mins[r * unit_stride] = half_to_float(load_u16(o + 16 + 2 * r));
+  }
+}
 #endif
 
 #if defined(HYBRIDLLM_Q8_AVX512)
@@ -228,11 +238,7 @@ void unpack_for_gemm(const uint8_t* group, int64_t K, uint8_t* codes, int64_t co
     for (int c = 0; c < 2; ++c)
       store_chunk_rows(block_codes<kType>(o, c, 0), block_codes<kType>(o, c, 1),
                        codes + 32 * b + 16 * c, code_stride);
-    for (int r = 0; r < 8; ++r) {
-      scales[r * unit_stride + b] = half_to_float(load_u16(o + 2 * r));
-      if constexpr (kType == kQ4_1)
-        mins[r * unit_stride + b] = half_to_float(load_u16(o + 16 + 2 * r));
-    }
+    block_scales_for_gemm<kType>(o, scales + b, mins + b, unit_stride);
   }
 }
 
@@ -343,11 +349,7 @@ void unpack_for_gemm(const uint8_t* group, int64_t K, uint8_t* codes, int64_t co
       block_chunk_codes<kType>(o, c, v);
       avx2_store_chunk_rows(v, codes + 32 * b + 16 * c, code_stride);
     }
-    for (int r = 0; r < 8; ++r) {
-      scales[r * unit_stride + b] = half_to_float(load_u16(o + 2 * r));
-      if constexpr (kType == kQ4_1)
-        mins[r * unit_stride + b] = half_to_float(load_u16(o + 16 + 2 * r));
-    }
+    block_scales_for_gemm<kType>(o, scales + b, mins + b, unit_stride);
   }
 }
 

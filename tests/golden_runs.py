@@ -11,10 +11,10 @@ apart; both runs 0.1-0.24 from the fp32-activation case's, as before) picked ano
 Each case builds its model the same way every time (fixed seeds).
 
 Those values come from AVX512-VNNI builds. A build without it (AVX2: Zen 2 and 3, Intel before
-Ice Lake) has no x8 groups and computes the int8 activations of the embedded model's weights
-with other rounding, so its greedy tokens part from them (logprobs 0.04-0.3 apart, Session 37 on a
-Zen 3); Session 37 saved every case on such a CPU into tests/data/golden_outputs_avx2.json, which
-such builds compare with (`golden_path`).
+Ice Lake) computes the int8 activations of the embedded model's weights with other kernels and
+rounding, so its greedy tokens part from them (logprobs 0.04-0.3 apart, Session 37 on a Zen 3);
+Session 37 saved every case on such a CPU into tests/data/golden_outputs_avx2.json, which such
+builds compare with (`golden_path`; its later saves: tests/integration/test_golden_outputs.py).
 """
 
 from __future__ import annotations

@@ -32,6 +32,8 @@ struct CodeBlock {
 // Optionally kCodeOffset: an offset that makes every code of the type nonnegative and at most 128
 // (the int8 kernels then multiply code + offset as unsigned bytes and take offset * scale times
 // x's sums off, instead of applying the codes' signs to x; gguf_q8_dot.h's code_offset).
+// Optionally kMaxCode: a bound on |code| below 128 (the grid types' values), so that the int8
+// GEMM adds more than one of vpmaddubsw's pair sums in int16 (gguf_q8_dot.h's code_bound).
 template <int64_t kType>
 struct CodeBlockDecoder;
 

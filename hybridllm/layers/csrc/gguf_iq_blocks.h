@@ -723,6 +723,7 @@ inline void decode_iq1_m(const uint8_t* super, CodeBlock* out) {
 template <>
 struct CodeBlockDecoder<kIQ2_XXS> {
   static constexpr bool kHasMins = false;
+  static constexpr int kMaxCode = 43;  // |code|
 #if HYBRIDLLM_IQ_AVX2_GRID
   static constexpr const uint64_t* kGrid = kIQ2XXSGrid;
   static uint32_t grid_index(const uint8_t* super, int g) {
@@ -758,6 +759,7 @@ struct CodeBlockDecoder<kIQ2_XXS> {
 template <>
 struct CodeBlockDecoder<kIQ2_XS> {
   static constexpr bool kHasMins = false;
+  static constexpr int kMaxCode = 43;  // |code|
 #if HYBRIDLLM_IQ_AVX2_GRID
   static constexpr const uint64_t* kGrid = kIQ2XSGrid;
   static uint32_t grid_index(const uint8_t* super, int g) {
@@ -794,6 +796,7 @@ struct CodeBlockDecoder<kIQ2_XS> {
 template <>
 struct CodeBlockDecoder<kIQ2_S> {
   static constexpr bool kHasMins = false;
+  static constexpr int kMaxCode = 43;  // |code|
 #if HYBRIDLLM_IQ_AVX2_GRID
   static constexpr const uint64_t* kGrid = kIQ2SGrid;
   static uint32_t grid_index(const uint8_t* super, int g) {
@@ -829,6 +832,7 @@ struct CodeBlockDecoder<kIQ2_S> {
 template <>
 struct CodeBlockDecoder<kIQ3_XXS> {
   static constexpr bool kHasMins = false;
+  static constexpr int kMaxCode = 62;  // |code|
   static void decode(const uint8_t* super, CodeBlock* out) {
     out->d = half_to_float(iq::load16(super)) * 0.25f;
     iq::clear_mins(out);
@@ -850,6 +854,7 @@ struct CodeBlockDecoder<kIQ3_XXS> {
 template <>
 struct CodeBlockDecoder<kIQ3_S> {
   static constexpr bool kHasMins = false;
+  static constexpr int kMaxCode = 15;  // |code|
   static void decode(const uint8_t* super, CodeBlock* out) {
     out->d = half_to_float(iq::load16(super));
     iq::clear_mins(out);
@@ -874,6 +879,7 @@ struct CodeBlockDecoder<kIQ3_S> {
 template <>
 struct CodeBlockDecoder<kIQ1_S> {
   static constexpr bool kHasMins = false;
+  static constexpr int kMaxCode = 9;  // |code|
   static void decode(const uint8_t* super, CodeBlock* out) {
     out->d = half_to_float(iq::load16(super)) * 0.125f;
     iq::clear_mins(out);
@@ -899,6 +905,7 @@ struct CodeBlockDecoder<kIQ1_S> {
 template <>
 struct CodeBlockDecoder<kIQ1_M> {
   static constexpr bool kHasMins = false;
+  static constexpr int kMaxCode = 9;  // |code|
   static void decode(const uint8_t* super, CodeBlock* out) {
     uint16_t sc[4];  // the scale words; their top nibbles are d's
     for (int j = 0; j < 4; ++j) sc[j] = iq::load16(super + 48 + 2 * j);

@@ -162,6 +162,21 @@ template <class D>
 struct code_offset<D, std::void_t<decltype(D::kCodeOffset)>>
     : std::integral_constant<int, D::kCodeOffset> {};
 
+// A CodeBlockDecoder's bound on |code|: its kMaxCode, else 128.
+template <class D, class = void>
+struct code_bound : std::integral_constant<int, 128> {};
+template <class D>
+struct code_bound<D, std::void_t<decltype(D::kMaxCode)>>
+    : std::integral_constant<int, D::kMaxCode> {};
+// A code-block type's code_bound, else 128.
+template <int64_t kType>
+constexpr int code_block_max_code() {
+  if constexpr (is_code_block_type(kType))
+    return code_bound<CodeBlockDecoder<kType>>::value;
+  else
+    return 128;
+}
+
 // Whether a type computed as code blocks has mins; false for the others.
 template <int64_t kType>
 constexpr bool code_block_mins() {

@@ -35,8 +35,8 @@ constexpr int64_t kPanelCodeBytes = 128 << 10;
 // w's sign, as the few-rows AVX2 kernels do. Code blocks: a float scale d * scale a unit of 16,
 // codes + kCodeOffset where the type has one, and Q2_K's integer mins times dmin as the
 // K-quants' are. vpmaddubsw's pair sums are at most 2 * kMaxCode * 127, so kSteps of them add
-// up in int16 before they are widened (Q2_K's codes are 2 bits, Q3_K's 3 with its offset; the
-// other code blocks promise no bound below 128).
+// up in int16 before they are widened (Q2_K's codes are 2 bits, Q3_K's 3 with its offset, the
+// grid types' |code| at most 9-62: code_block_max_code).
 template <int64_t kType>
 struct GemmType {
   static constexpr bool kCodeBlocks = is_code_block_type(kType);
@@ -58,14 +58,20 @@ struct GemmType {
                                                       : 0;
   static constexpr int kMaxCode = kType == kQ2_K                                     ? 3
                                   : kType == kQ3_K                                    ? 7
-                                  : kSigned || kCodeBlocks                              ? 128
+                                  : kCodeBlocks ? code_block_max_code<kType>()
+                                  : kSigned                                           ? 128
                                   : kType == kQ6_K                                    ? 63
                                   : kType == kQ5_0 || kType == kQ5_1 || kType == kQ5_K ? 31
                                                                                        : 15;
   // K-quants: a 6-bit min a sub-block of 32 weights; code blocks: a min a unit of 16
   static constexpr int64_t kMinUnit = kCodeBlocks ? 16 : 32;
-  static constexpr int kSteps = std::min<int>(kUnit / 4, 32767 / (2 * kMaxCode * 127));
-  static_assert(kSteps >= 1 && (kUnit / 4) % kSteps == 0);
+  // the most steps (of 4 weights) that fit, a divisor of a unit's: IQ2's 43 fit 3, take 2
+  static constexpr int kSteps = [] {
+    int steps = std::min<int>(kUnit / 4, 32767 / (2 * kMaxCode * 127));
+    while ((kUnit / 4) % steps != 0) --steps;
+    return steps;
+  }();
+  static_assert(kSteps >= 1);
 };
 
 // x's rows in tiles of 8: tile t's int8 values [K / 4][8][4] (4 consecutive values of a row a

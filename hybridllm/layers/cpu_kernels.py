@@ -46,6 +46,7 @@ SOURCES = [
         "gguf_x8_block_cpu.cpp",
         "gguf_x8_avx2_cpu.cpp",
         "gguf_x8_code_avx2_cpu.cpp",
+        "gguf_x8_grid_cpu.cpp",
         "rms_norm_cpu.cpp",
         "activation_cpu.cpp",
         "argmax_cpu.cpp",

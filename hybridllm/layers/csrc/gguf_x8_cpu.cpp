@@ -257,8 +257,8 @@ std::pair<int64_t, int64_t> group_shape(const at::Tensor& blocks, int64_t super_
   return {rows / kX8GroupRows, bytes / super_bytes};
 }
 
-// `blocks` of ggml_type `type` (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS, Q4_0, Q4_1, Q8_0,
-// IQ4_NL) into x8 groups (repack) or back (unpack).
+// `blocks` of ggml_type `type` (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS, IQ2_XXS, Q4_0, Q4_1,
+// Q8_0, IQ4_NL) into x8 groups (repack) or back (unpack).
 at::Tensor convert(const at::Tensor& blocks, int64_t type, bool repack) {
   const char* op = repack ? "repack_x8" : "unpack_x8";
   return dispatch_gguf_type<kX8Kernels>(
@@ -281,6 +281,9 @@ at::Tensor convert(const at::Tensor& blocks, int64_t type, bool repack) {
             } else if constexpr (kType == kIQ4_XS) {
               if (repack) repack_iq4_group(src + rows, nsb, dst + x8);
               else unpack_iq4_group(src + x8, nsb, dst + rows);
+            } else if constexpr (is_grid_x8_source(kType)) {
+              if (repack) grid_x8_convert(kType, src + rows, nsb, dst + x8, true);
+              else grid_x8_convert(kType, src + x8, nsb, dst + rows, false);
             } else if constexpr (is_code_x8_source(kType)) {
               if (repack) code_x8_convert(kType, src + rows, nsb, dst + x8, true);
               else code_x8_convert(kType, src + x8, nsb, dst + rows, false);
@@ -298,7 +301,7 @@ at::Tensor convert(const at::Tensor& blocks, int64_t type, bool repack) {
       [&]() -> at::Tensor {
         TORCH_CHECK(false, op,
                     ": ggml_type must be Q4_K (12), Q5_K (13), Q6_K (14), Q2_K (10), Q3_K (11), "
-                    "IQ4_XS (23), Q4_0 (2), Q4_1 (3), Q8_0 (8) or IQ4_NL (20), got ",
+                    "IQ4_XS (23), IQ2_XXS (16), Q4_0 (2), Q4_1 (3), Q8_0 (8) or IQ4_NL (20), got ",
                     type);
         return {};
       });
@@ -577,6 +580,8 @@ bool x8_linear_grouped(int64_t type, const float* x, const int64_t* starts, int6
   if (!x8_source_built(source)) return false;
   if (is_code_x8_source(source))
     code_x8_linear_grouped(source, x, starts, groups, K, weights, N, y);
+  else if (is_grid_x8_source(source))
+    grid_x8_linear_grouped(source, x, starts, groups, K, weights, N, y);
   else if (is_block_x8_source(source))
     block_x8_linear_grouped(source, x, starts, groups, K, weights, N, y);
   else
@@ -617,6 +622,8 @@ void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* cod
     if (is_code_x8_source(source))
       code_x8_unpack_group(source, group, K, codes, code_stride, scales, min_codes, min_scales,
                            unit_stride);
+    else if (is_grid_x8_source(source))
+      grid_x8_unpack_group(source, group, K, codes, code_stride, scales, unit_stride);
     else if (is_block_x8_source(source))
       block_x8_unpack_group(source, group, K, codes, code_stride, scales, min_scales, unit_stride);
     else

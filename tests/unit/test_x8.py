@@ -1,4 +1,4 @@
-"""Block weights repacked in groups of 8 rows (ggml_types 112-122, csrc/gguf_x8.h): the
+"""Block weights repacked in groups of 8 rows (ggml_types 112-123, csrc/gguf_x8.h): the
 repacking round trip, gguf_linear and fused_moe on them against the source type's own int8 path
 and the dequantized weights, Linear's and the expert stacks' repacking, and the errors."""
 
@@ -35,21 +35,22 @@ def _kernels():
 
 
 def require_x8_kernels(fmt):
-    """Skips a test of `fmt`'s x8 kernels where this build has none (AVX512-VNNI: IQ4_XS and
-    IQ2_XXS)."""
+    """Skips a test of `fmt`'s x8 kernels where this build has none (AVX512-VNNI: IQ4_XS,
+    IQ2_XXS and IQ3_XXS)."""
     if int(fmt) not in x8_source_types():
         pytest.skip(f"this build computes no {fmt.name} in x8 groups")
 
 
 X8_FORMATS = pytest.mark.parametrize(
     "fmt",
-    [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.IQ4_XS, Q.IQ2_XXS, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.IQ4_NL],
+    [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_XXS]
+    + [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.IQ4_NL],
     ids=lambda f: f.name,
 )
 # a row's x8 bytes per 256 weights
 ROW_BYTES = {
     **{Q.Q4_K: 148, Q.Q5_K: 180, Q.Q6_K: 210, Q.Q2_K: 84, Q.Q3_K: 110, Q.IQ4_XS: 138},
-    Q.IQ2_XXS: 70,
+    **{Q.IQ2_XXS: 70, Q.IQ3_XXS: 102},
     **{Q.Q4_0: 144, Q.Q4_1: 160, Q.Q8_0: 272, Q.IQ4_NL: 144},
 }
 
@@ -57,7 +58,7 @@ ROW_BYTES = {
 def random_blocks(fmt, n, k, seed=0):
     """Random valid blocks [n, bytes] of `fmt` (every code, scale and min pattern) and their fp32
     weights [n, k]."""
-    if fmt in (Q.Q2_K, Q.Q3_K, Q.IQ4_XS, Q.IQ2_XXS):  # fp16 fields elsewhere than the K-quants'
+    if fmt in (Q.Q2_K, Q.Q3_K, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_XXS):  # fp16 fields elsewhere
         blocks = random_code_blocks(fmt, n, k, torch.Generator().manual_seed(seed))
         return blocks, torch.from_numpy(dequantize(blocks.numpy(), fmt).reshape(n, k))
     return random_k_blocks(fmt, n, k, seed)
@@ -95,7 +96,7 @@ def test_gguf_linear_equals_the_source_type(fmt, n, k):
     blocks, weight = random_blocks(fmt, n, k, seed=n)
     x8, x8_type = repack_x8(blocks, int(fmt))
     # the x8 kernels below 13 rows (K-quants), 14 (Q2_K, Q3_K; both in tiles of 4 rows and a
-    # part; AVX2: 24 for these two and IQ4_XS, 6 for IQ2_XXS, tiles of 2) or 16 (Q4_0, Q4_1,
+    # part; AVX2: 24 for these two and IQ4_XS, 6 for IQ2_XXS and IQ3_XXS, tiles of 2) or 16 (Q4_0, Q4_1,
     # Q8_0, IQ4_NL: tiles of 5), from there the int8 GEMM unpacking x8 groups (70: three tiles)
     for m in [1, 2, 5, 6, 7, 8, 12, 13, 14, 15, 16, 17, 23, 24, 70]:
         x = torch.randn(m, k)

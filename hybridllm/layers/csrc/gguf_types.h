@@ -53,9 +53,9 @@ constexpr unsigned kCodeBlocks = 8;
 //         of 4 or 8 looked up in a grid, with signs; computed as code blocks (their formats:
 //         gguf_iq_blocks.h).
 //   Q4_KX8, Q5_KX8, Q6_KX8, Q2_KX8, Q3_KX8, Q4_0X8, Q4_1X8, Q8_0X8, IQ4_NLX8, IQ4_XSX8,
-//         IQ2_XXSX8  not ggml types: Q4_K / Q5_K / Q6_K / Q2_K / Q3_K / Q4_0 / Q4_1 / Q8_0 /
-//         IQ4_NL / IQ4_XS / IQ2_XXS rows repacked in groups of 8 for the int8 kernels
-//         (gguf_x8.h); a weight's row count is a multiple of 8.
+//         IQ2_XXSX8, IQ3_XXSX8  not ggml types: Q4_K / Q5_K / Q6_K / Q2_K / Q3_K / Q4_0 / Q4_1 /
+//         Q8_0 / IQ4_NL / IQ4_XS / IQ2_XXS / IQ3_XXS rows repacked in groups of 8 for the int8
+//         kernels (gguf_x8.h); a weight's row count is a multiple of 8.
 #define HYBRIDLLM_GGUF_TYPES(X)                                               \
   X(F32, 0, 32, 128, kFp32Kernels, F32)                                       \
   X(F16, 1, 32, 64, kFp32Kernels, F16)                                        \
@@ -90,9 +90,10 @@ constexpr unsigned kCodeBlocks = 8;
   X(Q8_0X8, 119, 32, 34, kX8Kernels, Q8_0)                                    \
   X(IQ4_NLX8, 120, 32, 18, kX8Kernels, IQ4_NL)                                \
   X(IQ4_XSX8, 121, 256, 138, kX8Kernels, IQ4_XS)                              \
-  X(IQ2_XXSX8, 122, 256, 70, kX8Kernels, IQ2_XXS)
+  X(IQ2_XXSX8, 122, 256, 70, kX8Kernels, IQ2_XXS)                             \
+  X(IQ3_XXSX8, 123, 256, 102, kX8Kernels, IQ3_XXS)
 
-// kF32, kQ4_0, ..., kIQ2_XXSX8: the type ids.
+// kF32, kQ4_0, ..., kIQ3_XXSX8: the type ids.
 #define HYBRIDLLM_GGUF_TYPE_ID(name, id, weights, bytes, kernels, as) \
   constexpr int64_t k##name = id;
 HYBRIDLLM_GGUF_TYPES(HYBRIDLLM_GGUF_TYPE_ID)

@@ -1,8 +1,9 @@
-// Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS, IQ2_XXS, Q4_0, Q4_1, Q8_0 and IQ4_NL weights repacked
-// for the int8 kernels in groups of 8 rows (ggml_types kQ4_KX8 ... kIQ2_XXSX8, not ggml types): the
-// integer products then run with the 8 rows in the vector lanes, so a (super-)block's scale and
-// min arithmetic is done once for 8 rows instead of once a row, and no horizontal sums are
-// needed. Q4_K / Q5_K take the type's bytes plus 4 a row per 256 weights (the 6-bit scales and
+// Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS, IQ2_XXS, IQ3_XXS, Q4_0, Q4_1, Q8_0 and IQ4_NL weights
+// repacked for the int8 kernels in groups of 8 rows (ggml_types kQ4_KX8 ... kIQ3_XXSX8, not ggml
+// types): the integer products then run with the 8 rows in the vector lanes, so a (super-)block's
+// scale and min arithmetic is done once for 8 rows instead of once a row, and no horizontal sums
+// are needed (the grid types, whose lookups are a row's, keep a row's fields together and sum
+// 8 rows' vectors into one). Q4_K / Q5_K take the type's bytes plus 4 a row per 256 weights (the 6-bit scales and
 // mins stored as bytes), IQ4_XS plus 2 (its 6-bit scales as bytes); the others their own bytes.
 //
 // Group g (rows 8g .. 8g + 7), super-block s (weights 256 s ..) takes the B bytes below at
@@ -55,13 +56,15 @@
 //                builds keep code byte i's 4 in the nibble i / 32 of byte i % 32, field f at its
 //                bit f, to shift into place
 //   Weight = d * (scale - 32) * (q - 4 where the high bit is clear), as in Q3_K.
-// IQ2_XXS (560 bytes; AVX2 builds only; gguf_x8_grid_cpu.cpp) keeps each row's fields apart:
+// IQ2_XXS and IQ3_XXS (560 / 816 bytes; AVX2 builds only; gguf_x8_grid_cpu.cpp) keep each
+// row's fields apart, E = 32 (IQ2_XXS: an entry of 8 weights) or 64 (IQ3_XXS: 4) grid indices:
 //   [0, 16)      d of rows 0-7, fp16
 //   [16, 48)     row r's 4-bit scales s at 16 + 4 r, nibble j (low first) of 32 weights j
-//   [48, 304)    row r's 32 grid indices (a byte a group of 8 weights) at 48 + 32 r
-//   [304, 560)   row r's signs at 304 + 32 r: bit z of byte i set where weight 32 z + i is
-//                negative (IQ2_XXS's 7-bit sign indices with their parity, as bit planes)
-//   Weight = d / 8 * (2 s + 1) * grid value * sign, as in IQ2_XXS.
+//   [48, 48+8E)  row r's E grid indices (bytes) at 48 + E r
+//   then 256     row r's signs at 48 + 8 E + 32 r: bit z of byte i set where weight 32 z + i is
+//                negative (the 7-bit sign indices with their parity, as bit planes)
+//   Weight = d / 8 (IQ3_XXS: d / 4) * (2 s + 1) * grid value * sign, as in the source types
+//   (IQ2_XXS: 70 bytes a row's super-block against 66; IQ3_XXS: 102 against 98).
 // The layouts are in memory only (repacked at load by the build that computes them).
 // Q4_0, Q4_1, Q8_0 and IQ4_NL (gguf_x8_block_cpu.cpp) go a 32-weight block at a time, chunks 0
 // and 1 (weights 0-15, 16-31) as the K-quants' chunks:
@@ -93,7 +96,7 @@
 
 // AVX2 builds without AVX-512 have x8 kernels of their own: Q4_K, Q5_K, Q6_K, IQ4_XS
 // (gguf_x8_avx2_cpu.cpp), Q2_K and Q3_K (gguf_x8_code_avx2_cpu.cpp), Q4_0, Q4_1, Q8_0 and IQ4_NL
-// (gguf_x8_block_cpu.cpp), IQ2_XXS (gguf_x8_grid_cpu.cpp).
+// (gguf_x8_block_cpu.cpp), IQ2_XXS and IQ3_XXS (gguf_x8_grid_cpu.cpp).
 #if defined(HYBRIDLLM_Q8_AVX2) && !defined(HYBRIDLLM_Q8_AVX512)
 #define HYBRIDLLM_X8_AVX2 1
 #endif
@@ -151,7 +154,7 @@ constexpr bool is_block_x8_source(int64_t type) {
 // The types whose x8 form keeps 2-bit code fields in chunk pairs (gguf_x8_code_cpu.cpp).
 constexpr bool is_code_x8_source(int64_t type) { return type == kQ2_K || type == kQ3_K; }
 // The grid types with an x8 form (gguf_x8_grid_cpu.cpp).
-constexpr bool is_grid_x8_source(int64_t type) { return type == kIQ2_XXS; }
+constexpr bool is_grid_x8_source(int64_t type) { return type == kIQ2_XXS || type == kIQ3_XXS; }
 
 // The x8 types and their source types: gguf_types.h (x8_type_of, x8_source_type, is_x8_type;
 // dispatch_gguf_type<kX8Kernels> gives a body the source type).
@@ -166,11 +169,11 @@ inline int32_t k_min_pair(const int16_t* b) {
 }
 
 // Whether this build computes weights of x8 source type `type` in x8 groups, and so repacks
-// them at load: with AVX512-VNNI every x8 source type but IQ4_XS and IQ2_XXS (their kernels are
-// AVX2's), on AVX2 alone every x8 source type, none else.
+// them at load: with AVX512-VNNI every x8 source type but IQ4_XS, IQ2_XXS and IQ3_XXS (their
+// kernels are AVX2's), on AVX2 alone every x8 source type, none else.
 constexpr bool x8_source_built(int64_t type) {
 #if defined(HYBRIDLLM_Q8_AVX512)
-  return x8_type_of(type) >= 0 && type != kIQ4_XS && type != kIQ2_XXS;
+  return x8_type_of(type) >= 0 && type != kIQ4_XS && !is_grid_x8_source(type);
 #elif defined(HYBRIDLLM_X8_AVX2)
   return x8_type_of(type) >= 0;
 #else
@@ -196,8 +199,8 @@ bool x8_linear_grouped(int64_t type, const float* x, const int64_t* starts, int6
 // [8][K / 256], on AVX2 builds the codes (Q3_K's plus 4) and scales d * scale [8][K / 16], and
 // Q2_K's 4-bit min codes [8][K / 16] and -dmin [8][K / 256]; IQ4_XS: its signed values as
 // codes and scales d * scale [8][K / 16] (a sub-block's twice); Q4_0 / Q4_1 / Q8_0 / IQ4_NL:
-// scales d [8][K / 32], Q4_1's m in min_scales; IQ2_XXS: its signed grid values as codes and
-// scales d / 8 * (2 s + 1) [8][K / 16] (rows `unit_stride` apart).
+// scales d [8][K / 32], Q4_1's m in min_scales; IQ2_XXS / IQ3_XXS: their signed grid values as
+// codes and scales d / 8 (d / 4) * (2 s + 1) [8][K / 16] (rows `unit_stride` apart).
 void x8_unpack_group(int64_t type, const uint8_t* group, int64_t K, uint8_t* codes,
                      int64_t code_stride, float* scales, int16_t* min_codes, float* min_scales,
                      int64_t unit_stride);
@@ -280,15 +283,16 @@ void avx2_x8_unpack_group(int64_t source_type, const uint8_t* group, int64_t K, 
 // Q2_K and Q3_K kernels took 0.17 ms a row of x at 13 rows, the GEMM 0.18-0.23 at 14-16 and
 // 0.16 at 32; IQ4_XS's 0.18 at 8-12 rows and 0.23-0.25 at 16-32, the GEMM (whose signed codes
 // cost a vpmaddwd every 4 products) 0.24-0.30 at 13-32 and 0.21-0.22 from 64: 24 rows for the
-// three. IQ2_XXS's kernels, whose grid lookups are made for each weight row and whose every row
-// of x costs about as much again, took 1.64 / 2.28 / 2.37 / 3.20 ms at 4-7 rows, the GEMM 2.44 at
-// 8 (whose tile of 8 rows of x costs the same from 1 row): 6 rows.
+// three. The grid types' kernels, whose lookups are made for each weight row and whose every row
+// of x costs about as much again, took 1.64 / 2.28 / 2.37 / 3.20 ms at 4-7 rows (IQ2_XXS; IQ3_XXS
+// 2.61 / 2.37 / 2.64 / 4.37), the GEMM 2.44 (2.39) at 8, whose tile of 8 rows of x costs the same
+// from 1 row: 6 rows.
 inline int64_t int8_gemm_min_rows(int64_t type) {
   if (!is_x8_type(type)) return kQ8GemmMinRows;
   const int64_t source = x8_source_type(type);
 #if defined(HYBRIDLLM_X8_AVX2)
   if (is_code_x8_source(source) || source == kIQ4_XS) return 24;
-  if (source == kIQ2_XXS) return 6;
+  if (is_grid_x8_source(source)) return 6;
 #endif
   if (is_code_x8_source(source)) return 14;
   return is_block_x8_source(source) ? 16 : 13;
@@ -423,8 +427,17 @@ void dispatch_code_x8(int64_t source_type, Body body) {
     body(std::integral_constant<int64_t, kQ3_K>{});
 }
 
-// IQ2_XXS's groups (gguf_x8_grid_cpu.cpp): `nsb` super-blocks of 8 source rows (src, rows nsb
-// super-blocks apart) into one group (repack), or back.
+// body(std::integral_constant<int64_t, T>) for source type T: kIQ2_XXS, else kIQ3_XXS.
+template <class Body>
+void dispatch_grid_x8(int64_t source_type, Body body) {
+  if (source_type == kIQ2_XXS)
+    body(std::integral_constant<int64_t, kIQ2_XXS>{});
+  else
+    body(std::integral_constant<int64_t, kIQ3_XXS>{});
+}
+
+// IQ2_XXS's and IQ3_XXS's groups (gguf_x8_grid_cpu.cpp): `nsb` super-blocks of 8 source rows
+// (src, rows nsb super-blocks apart) into one group (repack), or back.
 void grid_x8_convert(int64_t source_type, const uint8_t* src, int64_t nsb, uint8_t* dst,
                      bool repack);
 #if defined(HYBRIDLLM_X8_AVX2)

@@ -257,8 +257,8 @@ std::pair<int64_t, int64_t> group_shape(const at::Tensor& blocks, int64_t super_
   return {rows / kX8GroupRows, bytes / super_bytes};
 }
 
-// `blocks` of ggml_type `type` (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS, IQ2_XXS, Q4_0, Q4_1,
-// Q8_0, IQ4_NL) into x8 groups (repack) or back (unpack).
+// `blocks` of ggml_type `type` (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS, IQ2_XXS, IQ3_XXS, Q4_0,
+// Q4_1, Q8_0, IQ4_NL) into x8 groups (repack) or back (unpack).
 at::Tensor convert(const at::Tensor& blocks, int64_t type, bool repack) {
   const char* op = repack ? "repack_x8" : "unpack_x8";
   return dispatch_gguf_type<kX8Kernels>(
@@ -301,7 +301,8 @@ at::Tensor convert(const at::Tensor& blocks, int64_t type, bool repack) {
       [&]() -> at::Tensor {
         TORCH_CHECK(false, op,
                     ": ggml_type must be Q4_K (12), Q5_K (13), Q6_K (14), Q2_K (10), Q3_K (11), "
-                    "IQ4_XS (23), IQ2_XXS (16), Q4_0 (2), Q4_1 (3), Q8_0 (8) or IQ4_NL (20), got ",
+                    "IQ4_XS (23), IQ2_XXS (16), IQ3_XXS (18), Q4_0 (2), Q4_1 (3), Q8_0 (8) or "
+                    "IQ4_NL (20), got ",
                     type);
         return {};
       });

@@ -3,8 +3,9 @@
 // types): the integer products then run with the 8 rows in the vector lanes, so a (super-)block's
 // scale and min arithmetic is done once for 8 rows instead of once a row, and no horizontal sums
 // are needed (the grid types, whose lookups are a row's, keep a row's fields together and sum
-// 8 rows' vectors into one). Q4_K / Q5_K take the type's bytes plus 4 a row per 256 weights (the 6-bit scales and
-// mins stored as bytes), IQ4_XS plus 2 (its 6-bit scales as bytes); the others their own bytes.
+// 8 rows' vectors into one). Q4_K / Q5_K take the type's bytes plus 4 a row per 256 weights (the
+// 6-bit scales and mins stored as bytes), IQ4_XS plus 2 (its 6-bit scales as bytes), IQ2_XXS and
+// IQ3_XXS plus 4 (their signs' parity bits stored); the others their own bytes.
 //
 // Group g (rows 8g .. 8g + 7), super-block s (weights 256 s ..) takes the B bytes below at
 // (g * K / 256 + s) * B in the weight, which is [N, K / 256 * B / 8] uint8 like any rows (the

@@ -32,12 +32,9 @@ struct GridX8 {
   static constexpr int64_t kScales = 16, kIndex = 48, kSigns = kIndex + 8 * kIndices;
   // IQ2_XXS's d * (0.5 + s) / 4 = d / 8 * (2 s + 1); IQ3_XXS's d * (0.5 + s) / 2 = d / 4 * (...)
   static constexpr float kUnitD = kIq2 ? 0.125f : 0.25f;
-  // The source's grid index e (0 .. kIndices - 1) of super-block q, and its aux word of 32
-  // weights j: four 7-bit sign indices (groups of 8 weights), the 4-bit scale in bits 28-31.
-  static uint8_t index(const uint8_t* q, int e) {
-    return kIq2 ? q[2 + 8 * (e / 4) + e % 4] : q[2 + e];
-  }
-  static uint8_t* index(uint8_t* q, int e) { return kIq2 ? q + 2 + 8 * (e / 4) + e % 4 : q + 2 + e; }
+  // Where a source super-block holds grid index e (0 .. kIndices - 1), and the aux word of its
+  // 32 weights j: four 7-bit sign indices (groups of 8 weights), the 4-bit scale in bits 28-31.
+  static int64_t index_offset(int e) { return kIq2 ? 2 + 8 * (e / 4) + e % 4 : 2 + e; }
   static int64_t aux_offset(int j) { return kIq2 ? 2 + 8 * j + 4 : 66 + 4 * j; }
 };
 static_assert(kGroupBytes<kIQ2_XXS> == 8 * 70 && GridX8<kIQ2_XXS>::kSigns + 8 * 32 == 8 * 70);
@@ -52,7 +49,8 @@ void repack_group(const uint8_t* rows, int64_t nsb, uint8_t* out) {
     for (int r = 0; r < 8; ++r) {
       const uint8_t* q = rows + (r * nsb + s) * kSourceBytes<kType>;
       std::memcpy(o + 2 * r, q, 2);  // d
-      for (int e = 0; e < L::kIndices; ++e) o[L::kIndex + L::kIndices * r + e] = L::index(q, e);
+      for (int e = 0; e < L::kIndices; ++e)
+        o[L::kIndex + L::kIndices * r + e] = q[L::index_offset(e)];
       for (int j = 0; j < 8; ++j) {
         uint32_t aux;
         std::memcpy(&aux, q + L::aux_offset(j), sizeof(aux));
@@ -75,7 +73,8 @@ void unpack_group(const uint8_t* group, int64_t nsb, uint8_t* rows) {
     for (int r = 0; r < 8; ++r) {
       uint8_t* q = rows + (r * nsb + s) * kSourceBytes<kType>;
       std::memcpy(q, o + 2 * r, 2);
-      for (int e = 0; e < L::kIndices; ++e) *L::index(q, e) = o[L::kIndex + L::kIndices * r + e];
+      for (int e = 0; e < L::kIndices; ++e)
+        q[L::index_offset(e)] = o[L::kIndex + L::kIndices * r + e];
       for (int j = 0; j < 8; ++j) {
         uint32_t aux = static_cast<uint32_t>((o[L::kScales + 4 * r + j / 2] >> (4 * (j % 2))) & 15)
                        << 28;
@@ -209,10 +208,11 @@ void linear_grouped_typed(const float* x, const int64_t* starts, int64_t groups,
       [&](int64_t p, int64_t g0, int64_t g1, const PrefetchWindow& window) {
         const int64_t r0 = starts[p];
         const Q8Rows xp = xq.row(r0);
-        avx2_x8_tiles(starts[p + 1] - r0, g0, g1, [&](int64_t g, int64_t t0, auto rows, bool first) {
+        const auto tile = [&](int64_t g, int64_t t0, auto rows, bool first) {
           group_tile<kType, decltype(rows)::value>(xp.row(t0), nsb, weights[p] + g * group_bytes,
                                                    y + (r0 + t0) * N + 8 * g, N, first, window);
-        });
+        };
+        avx2_x8_tiles(starts[p + 1] - r0, g0, g1, tile);
       });
 }
 

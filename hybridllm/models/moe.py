@@ -338,6 +338,20 @@ class MoeForCausalLM(LlamaForCausalLM):
                 if repack:
                     module.w13.repack_for_cpu()
                     module.w2.repack_for_cpu()
+            # GGUF files keep routers F32 (llama.cpp's ffn_gate_inp): computed by the native op
+            # too, the decode stack runs the whole expert block (models/native_decode.py), where
+            # on F.linear each layer's block ran in Python. A Qwen3-30B-A3B-shaped Q2_K file
+            # (6 layers, AVX2 Zen 3): batch 1 57 -> TODO tok/s.
+            for block in self.modules():
+                router, routed = getattr(block, "gate", None), getattr(block, "experts", None)
+                if (
+                    isinstance(router, Linear)
+                    and router.bias is None
+                    and any(routed is m for m in host)
+                    and routed.w13.qweight is not None
+                ):
+                    router.finish_loading()
+                    router.use_f32_kernel()
         super().process_weights_after_loading(kernels)
 
 

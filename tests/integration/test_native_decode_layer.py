@@ -197,6 +197,24 @@ def test_gguf_moe_stack_with_x8_experts_equals_per_op(fmt, tmp_path):
     assert stacked == own_f32_gemm_preferred() == all(used)
 
 
+def test_gguf_moe_with_an_f32_router_runs_in_the_stack(tmp_path):
+    # as llama.cpp writes MoE files: every linear of blocks but the router (ffn_gate_inp, F32);
+    # the native op computes the router too, so the stack runs every layer on any CPU (on
+    # F.linear the expert blocks ran in Python where the native fp32 GEMM is not preferred)
+    from tests.moe_helpers import build_tiny_moe_model, write_moe_gguf
+
+    model = build_tiny_moe_model(
+        "qwen3_moe", hidden_size=256, moe_intermediate_size=256, intermediate_size=256
+    )
+    kinds = dict.fromkeys(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), Q.Q4_K)
+    kinds.update(dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output"), Q.Q8_0))
+    path = str(write_moe_gguf(tmp_path / "q3.gguf", model, kinds))
+    native, used, stacked = run(path, True, gguf_activations="int8")
+    per_op, _, unstacked = run(path, False, gguf_activations="int8")
+    assert all(used) and stacked and not unstacked
+    assert native == per_op
+
+
 def test_decode_stack_checks_its_inputs():
     import torch
 

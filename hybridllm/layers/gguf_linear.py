@@ -59,11 +59,12 @@ def default_activations() -> int:
 
 
 # Not GGML types: Q4_K / Q5_K / Q6_K / Q2_K / Q3_K / IQ4_XS / IQ2_XXS / IQ3_XXS / Q4_0 / Q4_1 /
-# Q8_0 / IQ4_NL rows repacked in groups of 8 for the int8 kernels (csrc/gguf_x8.h), which read them faster
-# from DRAM at one row of x than the types' own layouts (Q4_K 15-20%, a 1B's Q6_K down projections
-# ~12%, Q4_0 / Q8_0 16384 x 8192 0.66-0.87x / 0.82x the time, IQ4_XS on AVX2 0.73x) and compute
-# few rows of x (a speculative verify step's) in 0.35-0.64x the time. IQ2_XXS's and IQ3_XXS's
-# layouts keep their signs as bit planes (70 and 102 bytes a row's super-block against 66, 98).
+# Q8_0 / IQ4_NL rows repacked in groups of 8 for the int8 kernels (csrc/gguf_x8.h), which read
+# them faster from DRAM at one row of x than the types' own layouts (Q4_K 15-20%, a 1B's Q6_K down
+# projections ~12%, Q4_0 / Q8_0 16384 x 8192 0.66-0.87x / 0.82x the time, IQ4_XS on AVX2 0.73x,
+# IQ2_XXS 0.59x) and compute few rows of x (a speculative verify step's) in 0.35-0.64x the time.
+# IQ2_XXS's and IQ3_XXS's layouts keep their signs as bit planes (70 and 102 bytes a row's
+# super-block against 66 and 98).
 GGML_Q4_K_X8, GGML_Q5_K_X8, GGML_Q6_K_X8, GGML_Q2_K_X8, GGML_Q3_K_X8 = 112, 113, 114, 115, 116
 GGML_Q4_0_X8, GGML_Q4_1_X8, GGML_Q8_0_X8, GGML_IQ4_NL_X8, GGML_IQ4_XS_X8 = 117, 118, 119, 120, 121
 GGML_IQ2_XXS_X8, GGML_IQ3_XXS_X8 = 122, 123
@@ -86,8 +87,8 @@ X8_SOURCE_TYPES = {x8: source for source, x8 in X8_TYPES.items()}
 
 def x8_source_types() -> list[int]:
     """The ggml types this build computes in x8 groups: every type of X8_TYPES but IQ4_XS,
-    IQ2_XXS and IQ3_XXS where the CPU has AVX512-VNNI, all of them on AVX2 alone, none else. Call only where the native
-    kernels are loaded."""
+    IQ2_XXS and IQ3_XXS where the CPU has AVX512-VNNI, all of them on AVX2 alone, none else.
+    Call only where the native kernels are loaded."""
     return torch.ops.hybridllm.x8_source_types()
 
 

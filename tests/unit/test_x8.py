@@ -96,8 +96,9 @@ def test_gguf_linear_equals_the_source_type(fmt, n, k):
     blocks, weight = random_blocks(fmt, n, k, seed=n)
     x8, x8_type = repack_x8(blocks, int(fmt))
     # the x8 kernels below 13 rows (K-quants), 14 (Q2_K, Q3_K; both in tiles of 4 rows and a
-    # part; AVX2: 24 for these two and IQ4_XS, 6 for IQ2_XXS and IQ3_XXS, tiles of 2) or 16 (Q4_0, Q4_1,
-    # Q8_0, IQ4_NL: tiles of 5), from there the int8 GEMM unpacking x8 groups (70: three tiles)
+    # part; AVX2: 24 for these two and IQ4_XS, 6 for IQ2_XXS and IQ3_XXS, tiles of 2) or 16
+    # (Q4_0, Q4_1, Q8_0, IQ4_NL: tiles of 5), from there the int8 GEMM unpacking x8 groups (70:
+    # three tiles)
     for m in [1, 2, 5, 6, 7, 8, 12, 13, 14, 15, 16, 17, 23, 24, 70]:
         x = torch.randn(m, k)
         ref = check_int8(op, x, blocks, weight, fmt, INT8_ACTIVATIONS)

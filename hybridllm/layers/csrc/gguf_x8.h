@@ -89,10 +89,12 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "gguf_blocks.h"
 #include "gguf_prefetch.h"
 #include "gguf_q8_linear.h"
+#include "gguf_q8_quantize.h"
 #include "gguf_q8_simd.h"
 
 // AVX2 builds without AVX-512 have x8 kernels of their own: Q4_K, Q5_K, Q6_K, IQ4_XS
@@ -352,6 +354,29 @@ void for_x8_row_groups(const int64_t* starts, int64_t groups, int64_t K,
     }
   });
 }
+
+#if defined(HYBRIDLLM_X8_AVX2)
+// x8_linear_grouped on AVX2 for the kernels that take x as quantize_rows<256> gives it (Q2_K,
+// Q3_K, IQ2_XXS, IQ3_XXS): x quantized once a call, then each thread's groups in tiles of rows of
+// x: tile(rows, x from the tile's first row, the group's bytes, y at that row and the group's
+// first column, first, window), with avx2_x8_tiles' rows and first; y's rows N apart.
+template <class Tile>
+void avx2_x8_linear_rows256(const float* x, const int64_t* starts, int64_t groups, int64_t K,
+                            const uint8_t* const* weights, int64_t N, float* y,
+                            int64_t group_bytes, Tile tile) {
+  thread_local std::vector<uint8_t> quantized;  // kept from call to call
+  const Q8Rows xq = quantize_rows<256>(x, starts[groups], K, quantized);
+  for_x8_row_groups(starts, groups, K, weights, N, group_bytes,
+                    [&](int64_t p, int64_t g0, int64_t g1, const PrefetchWindow& window) {
+                      const int64_t r0 = starts[p];
+                      const auto at = [&](int64_t g, int64_t t, auto rows, bool first) {
+                        tile(rows, xq.row(r0 + t), weights[p] + g * group_bytes,
+                             y + (r0 + t) * N + 8 * g, first, window);
+                      };
+                      avx2_x8_tiles(starts[p + 1] - r0, g0, g1, at);
+                    });
+}
+#endif
 
 #if defined(HYBRIDLLM_Q8_AVX512)
 // x's values that the code vector of a 16-weight chunk's `half` (0: its low nibbles or first

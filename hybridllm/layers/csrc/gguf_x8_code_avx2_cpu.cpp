@@ -13,7 +13,6 @@
 
 #include <cstring>
 #include <type_traits>
-#include <vector>
 
 #include "gguf_blocks.h"
 #include "gguf_q8_quantize.h"
@@ -146,26 +145,15 @@ void group_tile(const Q8Rows& xq, int64_t nsb, const uint8_t* wg, float* y, int6
 }
 
 template <int64_t kType>
-void groups_typed(const Q8Rows& x, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t ldy,
-                  int64_t g0, int64_t g1, const PrefetchWindow& prefetch) {
-  const int64_t nsb = K / 256, group_bytes = nsb * kGroupBytes<kType>;
-  avx2_x8_tiles(M, g0, g1, [&](int64_t g, int64_t r0, auto rows, bool first) {
-    group_tile<kType, decltype(rows)::value>(x.row(r0), nsb, w + g * group_bytes,
-                                             y + r0 * ldy + 8 * g, ldy, first, prefetch);
-  });
-}
-
-template <int64_t kType>
 void linear_grouped_typed(const float* x, const int64_t* starts, int64_t groups, int64_t K,
                           const uint8_t* const* weights, int64_t N, float* y) {
-  thread_local std::vector<uint8_t> quantized;  // kept from call to call
-  const Q8Rows xq = quantize_rows<256>(x, starts[groups], K, quantized);
-  for_x8_row_groups(starts, groups, K, weights, N, K / 256 * kGroupBytes<kType>,
-                    [&](int64_t p, int64_t g0, int64_t g1, const PrefetchWindow& window) {
-                      const int64_t r0 = starts[p];
-                      groups_typed<kType>(xq.row(r0), starts[p + 1] - r0, K, weights[p],
-                                          y + r0 * N, N, g0, g1, window);
-                    });
+  const int64_t nsb = K / 256;
+  avx2_x8_linear_rows256(x, starts, groups, K, weights, N, y, nsb * kGroupBytes<kType>,
+                         [&](auto rows, const Q8Rows& xt, const uint8_t* wg, float* yt,
+                             bool first, const PrefetchWindow& window) {
+                           group_tile<kType, decltype(rows)::value>(xt, nsb, wg, yt, N, first,
+                                                                    window);
+                         });
 }
 
 // An 8 x 8 matrix of 16-bit words transposed: out[r]'s word p is in[p]'s word r.

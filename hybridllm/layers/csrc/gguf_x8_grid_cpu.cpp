@@ -11,7 +11,6 @@
 // super-block against 66, and 38 cycles against 69 (a standalone harness, one core, bit-exact
 // sums).
 #include <cstring>
-#include <vector>
 
 #include "gguf_blocks.h"
 #include "gguf_iq_blocks.h"
@@ -200,20 +199,13 @@ void group_tile(const Q8Rows& xq, int64_t nsb, const uint8_t* wg, float* y, int6
 template <int64_t kType>
 void linear_grouped_typed(const float* x, const int64_t* starts, int64_t groups, int64_t K,
                           const uint8_t* const* weights, int64_t N, float* y) {
-  thread_local std::vector<uint8_t> quantized;  // kept from call to call
-  const Q8Rows xq = quantize_rows<256>(x, starts[groups], K, quantized);
-  const int64_t nsb = K / 256, group_bytes = nsb * kGroupBytes<kType>;
-  for_x8_row_groups(
-      starts, groups, K, weights, N, group_bytes,
-      [&](int64_t p, int64_t g0, int64_t g1, const PrefetchWindow& window) {
-        const int64_t r0 = starts[p];
-        const Q8Rows xp = xq.row(r0);
-        const auto tile = [&](int64_t g, int64_t t0, auto rows, bool first) {
-          group_tile<kType, decltype(rows)::value>(xp.row(t0), nsb, weights[p] + g * group_bytes,
-                                                   y + (r0 + t0) * N + 8 * g, N, first, window);
-        };
-        avx2_x8_tiles(starts[p + 1] - r0, g0, g1, tile);
-      });
+  const int64_t nsb = K / 256;
+  avx2_x8_linear_rows256(x, starts, groups, K, weights, N, y, nsb * kGroupBytes<kType>,
+                         [&](auto rows, const Q8Rows& xt, const uint8_t* wg, float* yt,
+                             bool first, const PrefetchWindow& window) {
+                           group_tile<kType, decltype(rows)::value>(xt, nsb, wg, yt, N, first,
+                                                                    window);
+                         });
 }
 
 // The group's 8 rows as the AVX2 int8 GEMM unpacks the source type's rows
